@@ -1,0 +1,8 @@
+"""ndp: context-parallel attention for multi-GPU LLM training.
+
+Layers (each knows only the ones below): ndp.train / ndp.hf -> ndp.parallel -> ndp.cp -> ndp.ops ->
+ndp_kernels / the compiled ops ``torch.ops.ndp.*`` (ndp._C).
+"""
+from . import ops
+
+__version__ = "0.1.0"

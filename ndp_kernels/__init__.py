@@ -1,0 +1,47 @@
+"""ndp_kernels: Triton flash attention with LSE, fused merge of partial states, and their references.
+
+Public API (DESIGN.md)::
+
+    flash_attn_fwd(q, k, v, ...) -> (out, lse)         flash_attn_bwd(dout, q, k, v, out, lse, ...)
+    flash_attn_func(q, k, v, ...) -> out (autograd)     merge_attn_states_(out_acc, lse_acc, blk, blk_lse)
+
+Triton is imported on first use of a kernel, so `ndp_kernels.reference` and the segment tables work
+(and import fast) on machines without triton.
+"""
+import importlib
+import os
+
+from . import reference
+from ._segments import NO_LIMIT, Segments, acc_dtype
+
+_LAZY = {
+    "flash_attn_fwd": "flash", "flash_attn_bwd": "flash", "flash_attn_func": "flash",
+    "attn_fwd_segments": "flash", "attn_bwd_segments": "flash",
+    "merge_attn_states_": "merge",
+}
+
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_func", "merge_attn_states_", "reference",
+           "Segments", "NO_LIMIT", "acc_dtype", "interpreter_active", "triton_available"]
+
+
+def interpreter_active() -> bool:
+    """True when Triton kernels run on CPU tensors under its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_available() -> tuple[bool, str]:
+    """(available, reason): whether triton imports here, and why not if it does not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising something else
+        return False, f"triton does not import: {e}"
+    return True, ""
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod = importlib.import_module(f".{_LAZY[name]}", __name__)
+        value = getattr(mod, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ndp_kernels' has no attribute {name!r}")

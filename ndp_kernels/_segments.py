@@ -1,0 +1,304 @@
+"""Segment tables: the one masking model shared by every attention implementation in ndp.
+
+Every local attention call is a batch of *segments*. ``q`` is 4-D ``[B, Sq, H, D]`` and ``k``, ``v`` are
+``[B, Sk, Hkv, D]`` (packed input ``[T, H, D]`` is viewed as ``[1, T, H, D]`` and its lse ``[H, T]`` as
+``[1, H, T]``). A segment is a row of an int32 table ``[nseg, 6]``::
+
+    q_start, q_len, k_start, k_len, band_lo, band_hi
+
+applied to every batch element: query row ``q_start + i`` may see key row ``k_start + j`` iff
+``band_lo <= j - i <= band_hi``. ``+-NO_LIMIT`` means unlimited. Query ranges of different segments are
+disjoint; key ranges may overlap. A query row in no segment, or one that sees no key, gets ``out = 0``,
+``lse = -inf`` and zero gradients.
+
+The public arguments (causal, window_size, cu_seqlens) map onto segments with bottom-right alignment
+(flash-attn >= 2.1): with ``d = k_len - q_len``, causal gives ``band_hi = d``; a window ``(left, right)``
+gives ``band_lo = d - left`` and ``band_hi = d + right`` (``-1`` leaves that side unlimited). The context
+parallel layer builds its own tables from global token positions (zigzag, striped, packed documents).
+"""
+from __future__ import annotations
+
+import torch
+
+NO_LIMIT = 1 << 30
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype for inputs of `dtype`: float32, except float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def band(q_len: int, k_len: int, causal: bool, window_size=(-1, -1)) -> tuple[int, int]:
+    """(band_lo, band_hi) of a bottom-right aligned segment of q_len queries and k_len keys."""
+    left, right = window_size
+    if causal:
+        right = 0
+    d = k_len - q_len
+    lo = d - left if left >= 0 else -NO_LIMIT
+    hi = d + right if right >= 0 else NO_LIMIT
+    return lo, hi
+
+
+class Segments:
+    """An int32 segment table ``[nseg, 6]`` on the CPU plus the longest query and key ranges.
+
+    Args:
+        table: int32 ``[nseg, 6]`` CPU tensor (q_start, q_len, k_start, k_len, band_lo, band_hi).
+        max_q_len / max_k_len: longest q_len / k_len (computed when omitted).
+    """
+
+    __slots__ = ("table", "max_q_len", "max_k_len", "_on")
+
+    def __init__(self, table: torch.Tensor, max_q_len: int | None = None, max_k_len: int | None = None):
+        table = table.to("cpu", torch.int32).reshape(-1, 6).contiguous()
+        self.table = table
+        self.max_q_len = int(table[:, 1].max()) if max_q_len is None and len(table) else int(max_q_len or 0)
+        self.max_k_len = int(table[:, 3].max()) if max_k_len is None and len(table) else int(max_k_len or 0)
+        self._on = {}
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+    def __repr__(self) -> str:
+        return f"Segments({self.table.tolist()})"
+
+    def on(self, device) -> torch.Tensor:
+        """The table on `device` (cached, so a ring step does not copy it again)."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._on:
+            self._on[key] = self.table if device.type == "cpu" else self.table.to(device)
+        return self._on[key]
+
+    @staticmethod
+    def from_rows(rows, max_q_len=None, max_k_len=None) -> "Segments":
+        """Table from an iterable of (q_start, q_len, k_start, k_len, band_lo, band_hi)."""
+        rows = [tuple(int(x) for x in r) for r in rows]
+        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 6)
+        return Segments(table, max_q_len, max_k_len)
+
+    @staticmethod
+    def dense(seqlen_q: int, seqlen_k: int, *, causal: bool, window_size=(-1, -1)) -> "Segments":
+        """One bottom-right aligned segment covering the whole sequences."""
+        return Segments.from_rows([(0, seqlen_q, 0, seqlen_k, *band(seqlen_q, seqlen_k, causal, window_size))])
+
+    @staticmethod
+    def from_cu_seqlens(cu_q, cu_k, *, causal: bool, window_size=(-1, -1)) -> "Segments":
+        """One bottom-right aligned segment per packed document."""
+        cq = [int(x) for x in (cu_q.tolist() if torch.is_tensor(cu_q) else cu_q)]
+        ck = [int(x) for x in (cu_k.tolist() if torch.is_tensor(cu_k) else cu_k)]
+        rows = []
+        for i in range(len(cq) - 1):
+            lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+            if lq > 0:
+                rows.append((cq[i], lq, ck[i], lk, *band(lq, lk, causal, window_size)))
+        return Segments.from_rows(rows)
+
+    def mask(self, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+        """Dense bool ``[seqlen_q, seqlen_k]`` visibility mask (reference and tests only)."""
+        m = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+        for qs, ql, ks, kl, lo, hi in self.table.tolist():
+            if ql <= 0 or kl <= 0:
+                continue
+            d = torch.arange(kl, device=device)[None, :] - torch.arange(ql, device=device)[:, None]
+            m[qs:qs + ql, ks:ks + kl] |= (d >= lo) & (d <= hi)
+        return m
+
+
+def _check_tensor(name, x):
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_qkv(q, k, v, *, packed: bool):
+    """Validate q/k/v layout, dtype, device and strides. Raises ValueError/TypeError."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    want = 3 if packed else 4
+    layout = "[total_tokens, heads, head_dim] (packed, with cu_seqlens)" if packed else \
+        "[batch, seq, heads, head_dim]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != want:
+            hint = " Packed input needs cu_seqlens_q and cu_seqlens_k." if x.dim() == 3 and not packed else ""
+            raise ValueError(f"{name} must be {want}-D {layout}; got shape {tuple(x.shape)}.{hint}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64; got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}. "
+                        f"Cast them with .to({q.dtype}).")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size; got q={q.shape[0]}, k={k.shape[0]}")
+    hq, hk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must have the same head_dim; got q={d}, k={k.shape[-1]}")
+    if hk == 0 or hq % hk:
+        raise ValueError(f"heads must be divisible by kv_heads (GQA/MQA); got heads={hq}, kv_heads={hk}. "
+                         f"Use a kv_heads that divides {hq}.")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; got head_dim={d}. "
+                         f"Pad the head dimension or split heads.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 in the last dim (head_dim), got stride "
+                             f"{x.stride(-1)}; call .contiguous() on it.")
+
+
+def _check_cu(name, cu, total, device):
+    _check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32; got {cu.dtype}. Use {name}.to(torch.int32).")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D [num_seqs + 1] with at least 2 entries; got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {name}[0]={vals[0]}")
+    bad = [i for i in range(len(vals) - 1) if vals[i + 1] < vals[i]]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"{name} must be non-decreasing; got {name}[{i}]={vals[i]} > {name}[{i + 1}]={vals[i + 1]}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of tokens ({total}); got {vals[-1]}. "
+                         f"cu_seqlens is the cumulative sum of document lengths with a leading 0.")
+    return vals
+
+
+def check_window(window_size):
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints; got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited); got {window_size!r}")
+    return left, right
+
+
+def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Validate public attention arguments and turn them into 4-D views plus a segment table.
+
+    Returns:
+        (q4, k4, v4, segments, softmax_scale, packed)
+
+    Raises:
+        TypeError / ValueError naming the broken constraint, the values and the fix.
+    """
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("packed input needs both cu_seqlens_q and cu_seqlens_k (pass the same tensor twice "
+                         "for self-attention)")
+    check_qkv(q, k, v, packed=packed)
+    window_size = check_window(window_size)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    softmax_scale = float(softmax_scale)
+    if packed:
+        cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if len(cq) != len(ck):
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents; got "
+                             f"{len(cq) - 1} and {len(ck) - 1}")
+        segs = Segments.from_cu_seqlens(cq, ck, causal=causal, window_size=window_size)
+        for name, given, actual in (("max_seqlen_q", max_seqlen_q, segs.max_q_len),
+                                    ("max_seqlen_k", max_seqlen_k, segs.max_k_len)):
+            if given is not None and int(given) < actual:
+                raise ValueError(f"{name}={given} is smaller than the longest document ({actual}); "
+                                 f"pass max of the document lengths or None")
+        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segs, softmax_scale, True
+    segs = Segments.dense(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
+    return q, k, v, segs, softmax_scale, False
+
+
+def check_like(name, x, shape, dtype, device):
+    """Check an output/accumulator/gradient argument has the expected shape, dtype and device."""
+    _check_tensor(name, x)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}; got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on {device}; got {x.device}")
+
+
+def lse_shape(q, packed: bool):
+    """Public lse shape: [batch, heads, seq], or [heads, total_tokens] when packed."""
+    return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _acc_view(name, acc, shape, dtype, device, packed):
+    if acc is None:
+        return None
+    check_like(name, acc, shape, dtype, device)
+    return acc.unsqueeze(0) if packed else acc
+
+
+def run_fwd(impl, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, out_acc=None, lse_acc=None, **kwargs):
+    """Public-signature forward on top of a segment-level `impl(q4, k4, v4, segs, softmax_scale=,
+    out_acc=, lse_acc=, **kwargs) -> (out, lse)`: validation, packed views and accumulator checks."""
+    q4, k4, v4, segs, scale, packed = prepare(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k)
+    if (out_acc is None) != (lse_acc is None):
+        raise ValueError("out_acc and lse_acc go together: pass both accumulators or neither")
+    adt = acc_dtype(q.dtype)
+    oa = _acc_view("out_acc", out_acc, q.shape, adt, q.device, packed)
+    la = _acc_view("lse_acc", lse_acc, lse_shape(q, packed), adt, q.device, packed)
+    out, lse = impl(q4, k4, v4, segs, softmax_scale=scale, out_acc=oa, lse_acc=la, **kwargs)
+    if out_acc is not None:
+        return out_acc, lse_acc
+    return (out[0], lse[0]) if packed else (out, lse)
+
+
+def run_bwd(impl, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+            cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dq_acc=None,
+            dk_acc=None, dv_acc=None, **kwargs):
+    """Public-signature backward on top of a segment-level `impl(dout4, q4, k4, v4, out4, lse3, segs,
+    softmax_scale=, dq_acc=, dk_acc=, dv_acc=, **kwargs) -> (dq, dk, dv)`."""
+    q4, k4, v4, segs, scale, packed = prepare(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k)
+    check_like("dout", dout, q.shape, q.dtype, q.device)
+    check_like("out", out, q.shape, q.dtype, q.device)
+    check_like("lse", lse, lse_shape(q, packed), acc_dtype(q.dtype), q.device)
+    accs = [dq_acc, dk_acc, dv_acc]
+    if any(a is not None for a in accs) and any(a is None for a in accs):
+        raise ValueError("dq_acc, dk_acc and dv_acc go together: pass all three accumulators or none")
+    adt = acc_dtype(q.dtype)
+    dqa = _acc_view("dq_acc", dq_acc, q.shape, adt, q.device, packed)
+    dka = _acc_view("dk_acc", dk_acc, k.shape, adt, q.device, packed)
+    dva = _acc_view("dv_acc", dv_acc, v.shape, adt, q.device, packed)
+    view = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
+    dq, dk, dv = impl(view(dout), q4, k4, v4, view(out), view(lse), segs, softmax_scale=scale,
+                      dq_acc=dqa, dk_acc=dka, dv_acc=dva, **kwargs)
+    if dq_acc is not None:
+        return dq_acc, dk_acc, dv_acc
+    return (dq[0], dk[0], dv[0]) if packed else (dq, dk, dv)
+
+
+def check_merge_args(out_acc, lse_acc, block_out, block_lse):
+    """Validate merge_attn_states_ arguments (fp32/fp64 accumulators, matching shapes)."""
+    for name, x in (("out_acc", out_acc), ("lse_acc", lse_acc), ("block_out", block_out),
+                    ("block_lse", block_lse)):
+        _check_tensor(name, x)
+    if out_acc.dtype not in (torch.float32, torch.float64) or lse_acc.dtype != out_acc.dtype:
+        raise TypeError(f"out_acc and lse_acc must be float32 accumulators; got {out_acc.dtype}, {lse_acc.dtype}")
+    if block_out.shape != out_acc.shape:
+        raise ValueError(f"block_out must have out_acc's shape {tuple(out_acc.shape)}; got {tuple(block_out.shape)}")
+    if block_lse.shape != lse_acc.shape:
+        raise ValueError(f"block_lse must have lse_acc's shape {tuple(lse_acc.shape)}; got {tuple(block_lse.shape)}")
+    packed = out_acc.dim() == 3
+    if out_acc.dim() not in (3, 4) or tuple(lse_acc.shape) != lse_shape(out_acc, packed):
+        raise ValueError(f"out_acc must be [batch, seq, heads, dim] with lse [batch, heads, seq] (or packed "
+                         f"[tokens, heads, dim] with lse [heads, tokens]); got {tuple(out_acc.shape)} and "
+                         f"{tuple(lse_acc.shape)}")

@@ -1,0 +1,12 @@
+import os
+import sys
+
+# Triton kernels run on CPU tensors only under the interpreter; the flag is read when kernels are
+# decorated, so it must be set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)

@@ -1,0 +1,23 @@
+"""Multi-process helpers: real gloo process groups on CPU (STYLE.md)."""
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, fn, world_size, tmp_path, args):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, tmp_path, *args):
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
+    mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True)

@@ -1,0 +1,125 @@
+"""ndp.ops: the reference checked against torch SDPA, autograd, fused accumulators, backend selection."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ndp
+import ndp_kernels
+from ndp_kernels import Segments
+from ndp_kernels.reference import flash_attn_bwd_ref, flash_attn_fwd_ref
+from tolerances import assert_close
+
+
+def _sdpa(q, k, v, causal, window=(-1, -1)):
+    """Independent reference: torch SDPA with an explicit bottom-right mask (GQA expanded)."""
+    sq, sk, g = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+    m = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        m &= d <= 0
+    if window[0] >= 0:
+        m &= d >= -window[0]
+    if window[1] >= 0:
+        m &= d <= window[1]
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m).transpose(1, 2)
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (7, 3)), (True, (16, -1))])
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(97, 97, 4, 1, 64), (17, 40, 4, 2, 80), (33, 33, 2, 2, 16)])
+def test_reference_matches_sdpa_fwd_bwd(causal, window, sq, sk, h, hk, d):
+    q, k, v = _qkv(2, sq, sk, h, hk, d)
+    want = _sdpa(q, k, v, causal, window)
+    got = ndp.ops.attention(q, k, v, causal=causal, window_size=window, backend="torch")
+    assert_close(got, want, torch.float64)
+    dout = torch.randn_like(want)
+    gw = torch.autograd.grad(want, (q, k, v), dout)
+    gg = torch.autograd.grad(got, (q, k, v), dout)
+    for a, b in zip(gg, gw):
+        assert_close(a, b, torch.float64, "grad")
+
+
+def test_packed_equals_per_document():
+    lens = [1, 17, 64, 30]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = (x[0] for x in _qkv(1, sum(lens), sum(lens), 4, 2, 32))
+    out, lse = ndp.ops.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, backend="torch",
+                                 return_lse=True)
+    for i in range(len(lens)):
+        a, b = cu[i].item(), cu[i + 1].item()
+        o1, l1 = flash_attn_fwd_ref(q[None, a:b], k[None, a:b], v[None, a:b], causal=True)
+        assert_close(out[a:b], o1[0], torch.float64)
+        assert_close(lse[:, a:b], l1[0], torch.float64)
+
+
+def test_rows_without_keys_give_zero_and_minus_inf():
+    # causal with seq_q > seq_k (bottom-right): the first seq_q - seq_k queries see nothing.
+    q, k, v = _qkv(1, 10, 4, 2, 2, 16)
+    out, lse = ndp.ops.attention(q, k, v, causal=True, backend="torch", return_lse=True)
+    assert torch.all(out[:, :6] == 0) and torch.all(lse[:, :, :6] == float("-inf"))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[:, :6] == 0)
+
+
+def test_fused_accumulator_over_key_blocks_equals_whole():
+    q, k, v = (x.detach().float() for x in _qkv(2, 50, 50, 4, 2, 32))
+    whole, lse = flash_attn_fwd_ref(q, k, v)
+    out_acc = torch.zeros(q.shape)
+    lse_acc = torch.full((2, 4, 50), float("-inf"))
+    for a, b in ((0, 13), (13, 40), (40, 50)):
+        segs = Segments.from_rows([(0, 50, 0, b - a, -ndp_kernels.NO_LIMIT, ndp_kernels.NO_LIMIT)])
+        ndp.ops.attention_fwd(q, k[:, a:b], v[:, a:b], segs, softmax_scale=32 ** -0.5, out_acc=out_acc,
+                              lse_acc=lse_acc, backend="torch")
+    assert_close(out_acc, whole.float(), torch.float32)
+    assert_close(lse_acc, lse, torch.float32)
+    dout = torch.randn_like(q)
+    want = flash_attn_bwd_ref(dout, q, k, v, whole, lse)
+    accs = [torch.zeros(x.shape) for x in (q, k, v)]
+    for a, b in ((0, 13), (13, 50)):
+        segs = Segments.from_rows([(0, 50, 0, b - a, -ndp_kernels.NO_LIMIT, ndp_kernels.NO_LIMIT)])
+        dq, dk, dv = (torch.zeros(x.shape) for x in (q, k[:, a:b], v[:, a:b]))
+        ndp.ops.attention_bwd(dout, q, k[:, a:b], v[:, a:b], whole, lse, segs, softmax_scale=32 ** -0.5,
+                              dq_acc=dq, dk_acc=dk, dv_acc=dv, backend="torch")
+        accs[0] += dq
+        accs[1][:, a:b] += dk
+        accs[2][:, a:b] += dv
+    for a, w in zip(accs, want):
+        assert_close(a, w, torch.float32, "grad")
+
+
+def test_backend_selection_and_errors():
+    assert ndp.ops.resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ndp.ops.resolve_backend("cudnn", "cpu")
+    with pytest.raises(RuntimeError, match="flash-attn needs a CUDA device"):
+        ndp.ops.resolve_backend("flash_attn", "cpu")
+    q, k, v = _qkv(1, 8, 8, 4, 2, 16)
+    with pytest.raises(ValueError, match="heads must be divisible by kv_heads"):
+        ndp.ops.attention(q, k[:, :, :1].expand(-1, -1, 3, -1).contiguous(), v[:, :, :1].expand(-1, -1, 3, -1)
+                          .contiguous(), backend="torch")
+    with pytest.raises(TypeError, match="must be int32"):
+        ndp.ops.attention(q[0], k[0], v[0], cu_seqlens_q=torch.tensor([0, 8]), cu_seqlens_k=torch.tensor([0, 8]))
+
+
+def test_triton_backend_under_interpreter_matches_torch():
+    pytest.importorskip("triton")
+    if not ndp_kernels.interpreter_active():
+        pytest.skip("triton backend on CPU runs only under TRITON_INTERPRET=1")
+    q, k, v = (x.detach().float().requires_grad_() for x in _qkv(1, 37, 37, 4, 2, 32))
+    outs, grads = [], []
+    for be in ("torch", "triton"):
+        out = ndp.ops.attention(q, k, v, causal=True, backend=be)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert_close(outs[1], outs[0], torch.float32)
+    for a, b in zip(grads[1], grads[0]):
+        assert_close(a, b, torch.float32, "grad")

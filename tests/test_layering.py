@@ -1,0 +1,71 @@
+"""STYLE.md's layer table, enforced: imports only point down, and lower layers read no env vars."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# package dir -> module prefixes it must not import
+FORBIDDEN = {
+    "ndp_kernels": ("torch.distributed", "ndp", "transformers"),
+    "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train"),
+    "ndp/cp": ("transformers", "ndp.parallel", "ndp.hf", "ndp.train"),
+    "ndp/parallel": ("transformers", "ndp.hf", "ndp.train"),
+    "ndp/hf": ("ndp.train",),
+}
+NO_ENV = ("ndp/ops", "ndp/cp", "ndp/parallel")
+
+
+def _modules(rel):
+    return sorted((ROOT / rel).rglob("*.py"))
+
+
+def _imports(path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield mod
+            for a in node.names:
+                yield f"{mod}.{a.name}"
+
+
+def _hits(mod, prefixes):
+    return [p for p in prefixes if mod == p or mod.startswith(p + ".")]
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_imports_point_down(layer):
+    bad = []
+    for path in _modules(layer):
+        for mod in _imports(path):
+            if _hits(mod, FORBIDDEN[layer]):
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "layering violations (STYLE.md):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("layer", NO_ENV)
+def test_lower_layers_read_no_env_vars(layer):
+    bad = []
+    for path in _modules(layer):
+        src = path.read_text()
+        for needle in ("os.environ", "os.getenv"):
+            if needle in src:
+                bad.append(f"{path.relative_to(ROOT)} uses {needle}")
+    assert not bad, "only ndp.train parses config/env (STYLE.md):\n" + "\n".join(bad)
+
+
+def test_kernels_know_nothing_of_ndp():
+    # ndp_kernels may be imported without ndp (it ships the kernels and their references).
+    for path in _modules("ndp_kernels"):
+        for mod in _imports(path):
+            assert not _hits(mod, ("ndp",)), f"{path} imports {mod}"

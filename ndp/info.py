@@ -1,0 +1,117 @@
+"""Environment report: ``python -m ndp.info`` (``--json`` for machine-readable output).
+
+Prints the versions of python, torch, triton, transformers and flash-attn, which attention backends
+(torch, triton, flash_attn) can run here, and which compiled ops (``torch.ops.ndp.*``, CPU and CUDA kernels)
+are registered, each with the reason when something is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+
+import torch
+
+from . import _ops
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict:
+    """Gathers the report as a dict (see ``main`` for the printed form).
+
+    Returns:
+        dict with keys ``versions``, ``cuda``, ``backends``, ``compiled_ops``; every unavailable item carries a
+        ``why``.
+    """
+    cuda_ok = torch.cuda.is_available()
+    cuda = {
+        "torch_cuda": torch.version.cuda,
+        "available": cuda_ok,
+        "device": torch.cuda.get_device_name(0) if cuda_ok else None,
+        "why": "" if cuda_ok else ("torch is a CPU-only build" if not torch.version.cuda else "no CUDA device visible"),
+    }
+    versions = {
+        "python": platform.python_version(),
+        "ndp": _version("ndp"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "flash-attn": _version("flash-attn") or _version("flash_attn"),
+    }
+
+    device = "cuda" if cuda_ok else "cpu"
+    try:
+        from .ops import available_backends
+
+        backends = {name: {"available": ok, "why": why} for name, (ok, why) in available_backends(device).items()}
+    except Exception as exc:  # report, do not crash: this is the tool people run when something is broken
+        backends = {"error": {"available": False, "why": f"ndp.ops failed to import: {type(exc).__name__}: {exc}"}}
+
+    ops = {}
+    cuda_why = ""
+    if _ops.load_error is not None:
+        cuda_why = _ops.load_error
+        for op in _ops.OP_NAMES:
+            ops[op] = {"CPU": False, "CUDA": False, "why": _ops.load_error}
+    else:
+        if not _ops.WITH_CUDA:
+            cuda_why = (f"not built: the CUDA kernels are compiled only when torch is a CUDA build and nvcc is "
+                        f"found at build time (this torch: {torch.__version__}, CUDA {torch.version.cuda}); "
+                        f"rebuild against a CUDA torch with CUDA_HOME set")
+        elif not cuda_ok:
+            cuda_why = "registered, but there is no CUDA device here to run them"
+        for op in _ops.OP_NAMES:
+            cpu, cu = _ops.has_kernel(op, "CPU"), _ops.has_kernel(op, "CUDA")
+            why = ""
+            if op == "shard_index":
+                why = "factory op: one device-independent kernel, returns a CPU tensor"
+            elif _ops.WITH_CUDA and not cu:
+                why = "no CUDA kernel registered"
+            ops[op] = {"CPU": cpu, "CUDA": cu, "why": why}
+    compiled = {"loaded": _ops.load_error is None, "why": _ops.load_error or "", "with_cuda": _ops.WITH_CUDA,
+                "cuda_why": cuda_why, "ops": ops}
+    return {"versions": versions, "cuda": cuda, "backends": backends, "compiled_ops": compiled}
+
+
+def format_report(info: dict) -> str:
+    """Renders ``collect()`` as human-readable text."""
+    lines = ["ndp environment", "", "versions:"]
+    for name, ver in info["versions"].items():
+        lines.append(f"  {name:<13} {ver or 'not installed'}")
+    c = info["cuda"]
+    lines += ["", f"cuda: torch built with CUDA {c['torch_cuda']}; device: "
+                  f"{c['device'] if c['available'] else 'none (' + c['why'] + ')'}", "", "attention backends:"]
+    for name, b in info["backends"].items():
+        lines.append(f"  {name:<11} {'yes' if b['available'] else 'no '}  {b['why']}".rstrip())
+    co = info["compiled_ops"]
+    lines += ["", "compiled ops (torch.ops.ndp.*): " + ("loaded" if co["loaded"] else "NOT loaded: " + co["why"])]
+    if co["loaded"]:
+        lines.append(f"  CUDA kernels: {'built' if co['with_cuda'] else 'no'}"
+                     f"{'; ' + co['cuda_why'] if co['cuda_why'] else ''}")
+        lines.append(f"  {'op':<20} {'CPU':<4} {'CUDA':<5}")
+        for op, o in co["ops"].items():
+            lines.append(f"  {op:<20} {'yes' if o['CPU'] else 'no':<4} {'yes' if o['CUDA'] else 'no':<5} "
+                         f"{o['why']}".rstrip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m ndp.info``; returns the process exit code (always 0: it only reports)."""
+    parser = argparse.ArgumentParser(prog="python -m ndp.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

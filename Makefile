@@ -9,7 +9,7 @@ DEPS     := triton==3.9.0 numpy ninja setuptools wheel pytest pytest-timeout tra
 PYTEST   := OMP_NUM_THREADS=1 $(VPY) -m pytest
 EXT_SRC  := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/kernels/*) setup.py
 
-.PHONY: venv build test test-fast test-kernels test-dist aot-report demo bench wheel clean
+.PHONY: venv build test test-fast test-kernels test-dist aot-report cuda-variant demo bench wheel clean
 
 venv: $(VENV)/.deps
 $(VENV)/.deps:
@@ -48,6 +48,11 @@ demo: build
 bench: build
 	$(VPY) bench/bench_kernels.py --out bench/results/
 	$(VPY) bench/bench_cp.py --out bench/results/
+
+# CUDA variant of ndp._C (CPU + CUDA ops) built against the CUDA torch build in its own venv; needs nvcc,
+# no GPU. Installs the wheel there and checks that the CUDA kernels are registered.
+cuda-variant:
+	NDP_CUDA_VENV=$(CURDIR)/.venv-cuda NDP_WHEEL_DIR=$(CURDIR)/dist/cuda csrc/build_cuda_variant.sh
 
 wheel: build
 	$(VPY) -m pip wheel --no-build-isolation --no-deps -w dist .

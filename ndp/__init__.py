@@ -4,6 +4,35 @@ Layers (each knows only the ones below): ndp.train / ndp.hf -> ndp.parallel -> n
 ndp_kernels / the compiled ops ``torch.ops.ndp.*`` (ndp._C).
 """
 from . import _ops  # noqa: F401  (registers torch.ops.ndp.* and their fake kernels when ndp._C is built)
-from . import ops
+from . import cp, ops
+from .cp import (CommStats, allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
+                 split_cp_group, ulysses_attention, usp_attention)
+from .parallel import ParallelismConfig
 
 __version__ = "0.1.0"
+
+__all__ = ["ops", "cp", "shard_sequence", "gather_sequence", "shard_packed", "ring_attention",
+           "allgather_attention", "ulysses_attention", "usp_attention", "split_cp_group", "CommStats",
+           "ParallelismConfig", "parallelize"]
+
+
+def parallelize(model, config, mesh, **kwargs):
+    """Apply TP, CP, activation checkpointing and FSDP2 to `model` on `mesh` (DESIGN.md contract).
+
+    A Hugging Face causal LM gets the plan of ``ndp.hf`` (its own TP plan, attention switched to
+    ``ndp_<cp_impl>``); any other ``nn.Module`` goes to ``ndp.parallel.parallelize`` with its plan.
+    ``ndp.hf`` is imported only here, on use, so the lower layers never depend on transformers.
+
+    Args:
+        model: the model to parallelize in place.  config: ``ParallelismConfig``.
+        mesh: the DeviceMesh from ``config.build_device_mesh(...)``.
+    Returns:
+        the parallelized model.
+    Raises:
+        ValueError: config and mesh disagree, or the model cannot be split as configured.
+    """
+    if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
+        from .hf import parallelize as impl
+    else:
+        from .parallel import parallelize as impl
+    return impl(model, config, mesh, **kwargs)

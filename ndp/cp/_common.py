@@ -1,0 +1,143 @@
+"""Pieces shared by the CP implementations: call preparation (validation + cached plans), P2P helpers."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ndp_kernels._segments import Segments, acc_dtype
+
+from ._validate import check_across_ranks, check_common, check_layout, resolve_group
+from .schedule import Mask, Placement, Step
+from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
+from .stats import nbytes, record_comm, record_flops
+
+__all__ = ["Call", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring", "acc_dtype"]
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """A validated CP attention call: group, geometry, mask, and where the tokens live."""
+    group: object
+    world: int
+    rank: int
+    layout: str
+    mask: Mask
+    scale: float
+    backend: str
+    packed: bool
+    placement: Placement
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
+                 extra=None, pre_check=None) -> Call:
+    """Validates a public CP call on this rank, then checks that all ranks agree (cached).
+
+    Raises:
+        ValueError / TypeError naming the constraint, values and fix; RuntimeError for a bad environment.
+    """
+    _require_ops()
+    from ndp.ops import resolve_backend
+
+    window, scale, packed = check_common(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                         window_size=window_size, cu_seqlens=cu_seqlens)
+    layout = check_layout(layout)
+    pg, world, rank = resolve_group(group)
+    resolve_backend(backend, q.device)
+    if pre_check is not None:
+        pre_check(world)
+    placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens)
+    mask = Mask(causal, tuple(window))
+    fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra)
+    check_across_ranks(pg, world, fields, q, f"{impl}")
+    return Call(pg, world, rank, layout, mask, scale, backend, packed, placement, batch, q.shape[-2],
+                k.shape[-2], q.shape[-1])
+
+
+def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra):
+    """What every rank of a group must agree on (compared by check_across_ranks)."""
+    packed = cu_desc is not None
+    return dict(impl=impl, layout=None if packed else layout, causal=causal, window=tuple(window),
+                scale=scale, dtype=str(q.dtype), device=q.device.type,
+                q_shape=tuple(q.shape[-2:]) if packed else tuple(q.shape),
+                kv_shape=tuple(k.shape[-2:]) if packed else tuple(k.shape), packed=cu_desc, backend=backend,
+                extra=extra)
+
+
+def placement_for(impl, q, world, rank, layout, cu_seqlens):
+    """(Placement, cu_seqlens signature or None, batch) of a CP call over `world` ranks (this one `rank`)."""
+    packed = cu_seqlens is not None
+    if packed:
+        if isinstance(cu_seqlens, PackedShard):
+            ps = cu_seqlens
+            if ps.world_size != world or ps.rank != rank:
+                raise ValueError(f"{impl}: cu_seqlens is a shard_packed result for world_size={ps.world_size}, "
+                                 f"rank={ps.rank}, but the group has world_size={world} and this is rank {rank}. "
+                                 f"Call shard_packed with the same group.")
+        else:
+            ps = packed_shard(cu_seqlens, world, rank)
+        placement = ps.placement
+        if q.shape[0] != ps.counts[rank]:
+            raise ValueError(f"{impl}: packed q has {q.shape[0]} tokens but shard_packed gives this rank (rank "
+                             f"{rank} of {world}) {ps.counts[rank]} of the {placement.total} tokens in cu_seqlens. "
+                             f"Take x[shard.index] with shard = ndp.shard_packed(cu_seqlens, group=<the CP group>) and "
+                             f"pass that shard (or the same global cu_seqlens) as cu_seqlens.")
+        cu_desc = ps.signature
+        batch = 1
+    else:
+        seqlen = q.shape[1] * world
+        _check_divisible(seqlen, world, layout)
+        placement = Placement.dense(seqlen, world, layout)
+        cu_desc = None
+        batch = q.shape[0]
+    return placement, cu_desc, batch
+
+
+@functools.lru_cache(maxsize=4096)
+def _segs_of_pass(rows: tuple) -> Segments:
+    return Segments.from_rows(rows)
+
+
+def to_segments(step: Step) -> tuple:
+    """The step's passes as Segments tables (cached)."""
+    return tuple(_segs_of_pass(p) for p in step.passes)
+
+
+def run_fwd_step(q4, k4, v4, step: Step, out_acc, lse_acc, *, scale, backend):
+    """Merges the attention of one step's blocks into the fp32 accumulators."""
+    from ndp.ops import attention_fwd
+
+    for segs in to_segments(step):
+        attention_fwd(q4, k4, v4, segs, softmax_scale=scale, out_acc=out_acc, lse_acc=lse_acc, backend=backend)
+    b, _, h, d = q4.shape
+    record_flops(4 * b * h * d * step.pairs)
+
+
+def run_bwd_step(dout4, q4, k4, v4, out4, lse, step: Step, dq_acc, dk_acc, dv_acc, *, scale, backend):
+    """Adds one step's gradients into the accumulators."""
+    from ndp.ops import attention_bwd
+
+    for segs in to_segments(step):
+        attention_bwd(dout4, q4, k4, v4, out4, lse, segs, softmax_scale=scale, dq_acc=dq_acc, dk_acc=dk_acc,
+                      dv_acc=dv_acc, backend=backend)
+    b, _, h, d = q4.shape
+    record_flops(int(2.5 * 4 * b * h * d * step.pairs), backward=True)
+
+
+def p2p_ring(send, recv, group, rank, world, tag):
+    """Posts send->rank+1 and recv<-rank-1 on `group` (one batch); returns the requests."""
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world, tag=tag),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world, tag=tag)]
+    reqs = dist.batch_isend_irecv(ops)
+    record_comm("p2p", nbytes(send), nbytes(recv))
+    return reqs
+
+
+def wait_all(reqs):
+    for r in reqs or ():
+        r.wait()

@@ -1,0 +1,181 @@
+"""Ring attention: K/V blocks travel around the CP group while each rank computes against the block it holds.
+
+Forward, step s on rank r: post the P2P transfer of the current K/V block to r+1 (and the receive of
+the next one from r-1), then compute the current block (from rank r-s) while it travels; results merge
+into fp32 accumulators by LSE (the backend's out_acc/lse_acc). Which blocks a step computes, and
+with which masks, is data: the RingSchedule of the layout (see schedule.py).
+
+Backward: K/V travel the same way; the fp32 dK/dV partial sums of block j start on rank j+1 and travel
+with it, so after N-1 hops each gradient arrives at its owner (rank j's own diagonal contribution
+stays home). Only kv_heads travel: GQA is never expanded before communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
+from .schedule import RingSchedule
+
+__all__ = ["ring_attention", "RingAttnFunction", "RingPlan", "_ring_fwd", "_ring_bwd"]
+
+_KV_TAG, _DKV_TAG = 17, 18
+
+
+@dataclass(frozen=True, eq=False)
+class RingPlan:
+    """Everything one rank needs to run a ring: group, its rank, the schedule and block sizes."""
+    group: object
+    world: int
+    rank: int
+    schedule: RingSchedule
+    scale: float
+    backend: str
+
+    def count(self, rank: int) -> int:
+        return self.schedule.placement.counts[rank]
+
+    def step(self, s: int):
+        """(key rank, Step) of ring step s on this rank."""
+        j = (self.rank - s) % self.world
+        return j, self.schedule.step(self.rank, j)
+
+
+_SCHEDULES = {}
+
+
+def ring_schedule(placement, mask) -> RingSchedule:
+    """RingSchedule per (placement, mask), cached (placements are cached per signature)."""
+    key = (id(placement), mask)
+    sch = _SCHEDULES.get(key)
+    if sch is None or sch.placement is not placement:
+        sch = RingSchedule(placement, mask)
+        if len(_SCHEDULES) > 256:
+            _SCHEDULES.clear()
+        _SCHEDULES[key] = sch
+    return sch
+
+
+def _kv_shape(kv: torch.Tensor, count: int):
+    shape = list(kv.shape)
+    shape[2] = count
+    return shape
+
+
+def _ring_fwd(q4, kv, plan: RingPlan):
+    """Ring forward. q4 ``[B, Sq, H, D]``, kv ``[2, B, Sk, Hkv, D]`` (K and V stacked, contiguous).
+
+    Returns (out_acc, lse_acc) in fp32 (fp64 for fp64 input): ``[B, Sq, H, D]``, ``[B, H, Sq]``.
+    """
+    b, sq, h, d = q4.shape
+    acc = acc_dtype(q4.dtype)
+    out_acc = torch.zeros((b, sq, h, d), dtype=acc, device=q4.device)
+    lse_acc = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q4.device)
+    cur = kv
+    for s in range(plan.world):
+        reqs, nxt = None, None
+        if s < plan.world - 1:
+            # Post the next block's transfer before this block's compute so the two overlap.
+            nxt = kv.new_empty(_kv_shape(kv, plan.count((plan.rank - s - 1) % plan.world)))
+            reqs = p2p_ring(cur, nxt, plan.group, plan.rank, plan.world, _KV_TAG)
+        _, step = plan.step(s)
+        if not step.empty:
+            run_fwd_step(q4, cur[0], cur[1], step, out_acc, lse_acc, scale=plan.scale, backend=plan.backend)
+        if reqs is not None:
+            wait_all(reqs)
+            cur = nxt
+    return out_acc, lse_acc
+
+
+def _ring_bwd(dout4, q4, kv, out4, lse, plan: RingPlan):
+    """Ring backward. Returns (dq_acc ``[B, Sq, H, D]``, dkv_acc ``[2, B, Sk, Hkv, D]``), fp32."""
+    acc = acc_dtype(q4.dtype)
+    dq = torch.zeros(q4.shape, dtype=acc, device=q4.device)
+    own = torch.zeros(kv.shape, dtype=acc, device=kv.device)   # this rank's diagonal contribution
+    cur = kv
+    dkv_reqs, dkv_in, sending = None, None, None
+    n = plan.world
+    for s in range(n):
+        reqs, nxt = None, None
+        if s < n - 1:
+            nxt = kv.new_empty(_kv_shape(kv, plan.count((plan.rank - s - 1) % n)))
+            reqs = p2p_ring(cur, nxt, plan.group, plan.rank, n, _KV_TAG)
+        _, step = plan.step(s)
+        blk = own if s == 0 else torch.zeros(cur.shape, dtype=acc, device=cur.device)
+        if not step.empty:
+            run_bwd_step(dout4, q4, cur[0], cur[1], out4, lse, step, dq, blk[0], blk[1], scale=plan.scale,
+                         backend=plan.backend)
+        if s >= 1:
+            if dkv_reqs is not None:
+                # The partial sum of this block from the ranks before us; waiting here (after our
+                # compute) lets the transfer overlap the block's backward.
+                wait_all(dkv_reqs)
+                blk += dkv_in
+            dkv_in = torch.empty(_kv_shape(own, plan.count((plan.rank - s - 1) % n)), dtype=acc, device=kv.device)
+            sending = blk  # keep the send buffer alive until the transfer completes
+            dkv_reqs = p2p_ring(sending, dkv_in, plan.group, plan.rank, n, _DKV_TAG)
+        if reqs is not None:
+            wait_all(reqs)
+            cur = nxt
+    if dkv_reqs is not None:
+        wait_all(dkv_reqs)
+        own += dkv_in  # after N-1 hops the partial sum of our own block is back
+    del sending
+    return dq, own
+
+
+class RingAttnFunction(torch.autograd.Function):
+    """Autograd of ring attention; the block math comes from ndp.ops (via schedule steps)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, packed):
+        q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
+        q4 = q4.contiguous()
+        kv = torch.stack([k4, v4])  # one buffer: K and V travel in one message
+        out_acc, lse = _ring_fwd(q4, kv, plan)
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q4, k4, v4, out, lse)
+        ctx.plan, ctx.packed = plan, packed
+        ctx.mark_non_differentiable(lse)
+        return (out[0], lse[0]) if packed else (out, lse)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q4, k4, v4, out, lse = ctx.saved_tensors
+        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
+        dq, dkv = _ring_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
+        dq, dk, dv = dq.to(q4.dtype), dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
+        if ctx.packed:
+            dq, dk, dv = dq[0], dk[0], dv[0]
+        return dq, dk, dv, None, None
+
+
+def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
+                   window_size=(-1, -1), cu_seqlens=None, return_lse=False):
+    """Exact attention over a sequence sharded on the CP group, by passing K/V around a ring (autograd).
+
+    Args:
+        q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence(x, dim=1,
+            group=group, layout=layout)``), or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
+        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
+        group: the CP ProcessGroup (None = default group) or a 1-D DeviceMesh.
+        causal: causal mask over global positions.  softmax_scale: default head_dim ** -0.5.
+        layout: "zigzag" | "contiguous" | "striped", the layout the inputs were sharded with.
+        backend: local attention backend ("auto" | "triton" | "flash_attn" | "torch").
+        window_size: (left, right) sliding window over global positions, -1 = unlimited.
+        cu_seqlens: packed documents: the global int32 cu_seqlens (or the ``shard_packed`` result) with
+            q, k, v taken as ``x[shard.index]``.
+        return_lse: also return the fp32 lse ``[batch, heads, seq/N]`` (packed ``[heads, local_tokens]``).
+    Returns:
+        out, q's shape and dtype (and lse when asked).
+    Raises:
+        ValueError / TypeError for bad input (raised on every rank, before any transfer; ranks called
+        with different arguments get a ValueError too); RuntimeError for a missing process group.
+    """
+    call = prepare_call("ring_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
+                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend)
+    plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
+                    call.backend)
+    out, lse = RingAttnFunction.apply(q, k, v, plan, call.packed)
+    return (out, lse) if return_lse else out

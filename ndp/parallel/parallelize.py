@@ -1,0 +1,262 @@
+"""Apply TP, CP, activation checkpointing, compile and FSDP2 to any ``nn.Module``, in that order.
+
+This layer knows no model library: what to split is described by a :class:`ModelPlan` (tensor-parallel
+styles by module-name pattern, the repeated blocks FSDP and AC wrap, the attention modules that receive
+the CP context and a callback that switches the model's attention to a CP-aware one). ``ndp.hf`` builds
+the plan of a Hugging Face model.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from .config import ParallelismConfig
+from .mesh import CPContext, cp_context, mesh_axis
+
+logger = logging.getLogger(__name__)
+
+CP_ATTR = "ndp_cp"  # attribute holding the CPContext on attention modules (and on the root module)
+
+
+def _tp_style(name: str) -> ParallelStyle:
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel(),
+    }
+    if name not in styles:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; supported: {sorted(styles)} or a "
+                         f"torch.distributed.tensor.parallel.ParallelStyle instance")
+    return styles[name]()
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How to parallelize one model (all names are ``named_modules`` fqns; ``*`` matches one level).
+
+    Args:
+        tp_plan: fqn pattern -> style name ("colwise", "rowwise", "colwise_rep", "rowwise_rep",
+            "sequence_parallel") or a ``ParallelStyle``.
+        blocks: fqn patterns of the repeated blocks (decoder layers): each gets its own FSDP unit and,
+            with activation checkpointing, a checkpoint wrapper.
+        attention: fqn patterns of attention modules; each gets the rank's CPContext as ``ndp_cp``.
+        enable_cp: ``fn(model, ctx)`` switching the model's attention to a CP-aware implementation
+            (called for every cp_size, so cp_size=1 runs the same attention code locally).
+    """
+
+    tp_plan: Mapping[str, str | ParallelStyle] = field(default_factory=dict)
+    blocks: Sequence[str] = ()
+    attention: Sequence[str] = ()
+    enable_cp: Callable[[nn.Module, CPContext], None] | None = None
+
+
+def _match(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    patterns = list(patterns)
+    out = []
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        for p in patterns:
+            pp = p.split(".")
+            if len(pp) == len(parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pp)):
+                out.append((name, mod))
+                break
+    return out
+
+
+def default_plan(model: nn.Module) -> ModelPlan:
+    """Plan for an arbitrary module: the children of its largest ``nn.ModuleList`` are the blocks."""
+    best, best_name = None, None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and (best is None or len(mod) > len(best)):
+            best, best_name = mod, name
+    blocks = (f"{best_name}.*",) if best is not None and best_name else ()
+    return ModelPlan(blocks=blocks)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
+    """Tensor parallel: shard the matched modules' weights over ``tp_mesh`` (torch ``parallelize_module``).
+
+    Args:
+        model: any module; tp_mesh: 1-D mesh (``mesh["tp"]``); tp_plan: fqn pattern -> style.
+    Returns:
+        the same module, parallelized in place.
+    Raises:
+        ValueError: empty plan with tp > 1, unknown style, or a pattern matching nothing.
+    """
+    if tp_mesh.size() == 1:
+        return model
+    if not tp_plan:
+        raise ValueError(f"tp_size={tp_mesh.size()} needs a tensor-parallel plan (fqn pattern -> style); got "
+                         f"an empty plan. Pass ModelPlan(tp_plan=...) or use ndp.hf for transformers models.")
+    plan = {}
+    for pattern, style in tp_plan.items():
+        if not _match(model, [pattern]):
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of "
+                             f"{type(model).__name__}")
+        plan[pattern] = _tp_style(style) if isinstance(style, str) else style
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def apply_cp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | None, plan: ModelPlan) -> CPContext:
+    """Context parallel: give every attention module the rank's CPContext and switch the attention.
+
+    Returns:
+        the CPContext (also stored as ``model.ndp_cp``).
+    Raises:
+        ValueError: cp_size > 1 and the plan has no ``enable_cp`` (the model's attention would ignore CP).
+    """
+    ctx = cp_context(config, mesh)
+    if config.cp_size > 1 and plan.enable_cp is None:
+        raise ValueError(f"cp_size={config.cp_size} needs a plan with enable_cp (how to switch the model's "
+                         f"attention to CP attention); got none for {type(model).__name__}. Use ndp.hf for "
+                         f"transformers models.")
+    for _, mod in _match(model, plan.attention):
+        setattr(mod, CP_ATTR, ctx)
+    setattr(model, CP_ATTR, ctx)
+    if plan.enable_cp is not None:
+        plan.enable_cp(model, ctx)
+    return ctx
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def apply_ac(model: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:
+    """Activation checkpointing: wrap each matched block (recompute its activations in backward).
+
+    Returns:
+        the wrapped blocks, in order.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    out = []
+    for name, mod in _match(model, blocks):
+        wrapped = checkpoint_wrapper(mod, preserve_rng_state=False)
+        _replace(model, name, wrapped)
+        out.append(wrapped)
+    return out
+
+
+def fsdp_mesh(config: ParallelismConfig, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` in front for HSDP."""
+    if config.dp_replicate_size > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh_axis(mesh, "dp_shard_cp")
+
+
+def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, blocks: Sequence[nn.Module], *,
+               mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 ``fully_shard`` per block, then the root, over ``dp_shard_cp`` (HSDP with ``dp_replicate``).
+
+    Args:
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None (parameters' own dtype).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    m = fsdp_mesh(config, mesh)
+    kw = dict(mesh=m, mp_policy=mp_policy or MixedPrecisionPolicy())
+    for i, blk in enumerate(blocks):
+        # The last block's parameters are needed again right at the start of backward: keep them.
+        fully_shard(blk, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    return model
+
+
+def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | None, *,
+                plan: ModelPlan | None = None, mp_policy=None, activation_checkpointing: bool = False,
+                compile: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+    """Apply TP, CP, activation checkpointing, compile and FSDP2 (in that order, as torchtitan does).
+
+    Args:
+        model: the module, fully materialized and identical on every rank (same seed).
+        config: the degrees; mesh: ``config.build_device_mesh(...)`` (None only when world size is 1).
+        plan: what to split (``default_plan(model)`` when None: FSDP/AC only).
+        mp_policy: FSDP2 MixedPrecisionPolicy (e.g. bf16 params, fp32 reduce) or None.
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block.
+    Returns:
+        the parallelized module (same object; FSDP2 changes its class in place).
+    Raises:
+        ValueError: a degree the plan cannot serve (e.g. tp_size > 1 without tp_plan).
+    """
+    if mesh is None and config.world_size > 1:
+        raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None")
+    plan = plan or default_plan(model)
+    if config.tp_size > 1:
+        apply_tp(model, mesh_axis(mesh, "tp"), plan.tp_plan)
+    apply_cp(model, config, mesh, plan)
+    blocks = [m for _, m in _match(model, plan.blocks)]
+    if activation_checkpointing:
+        blocks = apply_ac(model, plan.blocks)
+    if compile:
+        for blk in blocks:
+            blk.compile()
+    if config.fsdp_size > 1:
+        apply_fsdp(model, config, mesh, blocks, mp_policy=mp_policy,
+                   reshard_after_forward=reshard_after_forward)
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, foreach=None) -> torch.Tensor:
+    """Clip gradients by their global 2-norm, correct for any mix of FSDP and TP sharded DTensors.
+
+    Each gradient contributes the squared norm of its local shard; shards are summed over the mesh axes
+    the gradient is sharded on (never over replicated axes, which would count a tensor twice).
+
+    Args:
+        parameters: tensors (plain or DTensor) whose ``.grad`` is clipped in place.
+        max_norm: the largest allowed global norm (<= 0 or inf: only measure).
+    Returns:
+        the global norm before clipping (fp32 scalar, plain tensor, identical on every rank).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    buckets: dict[tuple, tuple] = {}  # (mesh ranks, shape, sharded axes) -> (mesh, sum of squares)
+    plain = None
+    for g in grads:
+        if isinstance(g, DTensor):
+            local = g.to_local()
+            sq = local.float().pow(2).sum() if local.numel() else torch.zeros((), device=local.device)
+            # Any shard-like placement (Shard, and FSDP-over-TP _StridedShard which is not a Shard subclass).
+            axes = tuple(i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial()))
+            # Key by mesh *value* (same on every rank), never by object identity: every rank must issue
+            # the same all-reduces in the same order.
+            key = (tuple(g.device_mesh.mesh.flatten().tolist()), tuple(g.device_mesh.mesh.shape), axes)
+            if key in buckets:
+                buckets[key] = (buckets[key][0], buckets[key][1] + sq)
+            else:
+                buckets[key] = (g.device_mesh, sq)
+        else:
+            sq = g.float().pow(2).sum()
+            plain = sq if plain is None else plain + sq
+    total = plain if plain is not None else None
+    for (_, _, axes), (m, sq) in buckets.items():
+        for ax in axes:
+            dist.all_reduce(sq, group=m.get_group(ax))
+        total = sq if total is None else total + sq.to(total.device)
+    norm = total.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return norm

@@ -1,0 +1,178 @@
+"""Sharded checkpoints (torch.distributed.checkpoint), atomic commit, bit-exact resume, HF export.
+
+Layout of ``save_dir``::
+
+    step_00000003/          a committed checkpoint (DCP files + one rank<r>.pt per rank: RNG, schedule)
+    .tmp_step_00000006/     a save in progress (ignored, removed by the next save)
+    latest                  text file naming the newest committed checkpoint
+
+A save writes everything into the temporary directory, waits for every rank, then rank 0 renames it
+and rewrites ``latest`` with an atomic ``os.replace``: a crash at any moment leaves ``latest`` naming a
+complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def latest_checkpoint(save_dir: str) -> str | None:
+    """Path of the newest committed checkpoint in ``save_dir`` (None when there is none)."""
+    marker = os.path.join(save_dir, LATEST)
+    if not os.path.exists(marker):
+        return None
+    with open(marker, encoding="utf-8") as f:
+        name = f.read().strip()
+    path = os.path.join(save_dir, name)
+    return path if os.path.isdir(path) else None
+
+
+def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, *, extra: dict | None = None,
+                    before_commit=None) -> str:
+    """Save a sharded checkpoint of ``step`` (collective: every rank calls it).
+
+    Args:
+        save_dir: directory of checkpoints; step: the number of completed steps.
+        model, optimizer, scheduler: the (parallelized) model, its optimizer and LR scheduler.
+        extra: small picklable per-rank state (e.g. metrics position).
+        before_commit: test hook called on every rank after the files are written, before the commit.
+    Returns:
+        the committed checkpoint directory.
+    """
+    name = f"step_{step:08d}"
+    final = os.path.join(save_dir, name)
+    tmp = os.path.join(save_dir, f".tmp_{name}")
+    if _rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        for entry in os.listdir(save_dir):  # leftovers of interrupted saves
+            if entry.startswith(".tmp_"):
+                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    rank_state = {
+        "step": step,
+        "scheduler": scheduler.state_dict(),
+        "torch_rng": torch.random.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "extra": extra or {},
+    }
+    path = os.path.join(tmp, f"rank{_rank()}.pt")
+    torch.save(rank_state, path + ".part")
+    os.replace(path + ".part", path)
+    _barrier()
+    if before_commit is not None:
+        before_commit()
+    if _rank() == 0:
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker = os.path.join(save_dir, LATEST)
+        with open(marker + ".part", "w", encoding="utf-8") as f:
+            f.write(name)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker + ".part", marker)
+        _fsync_dir(save_dir)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint` into model/optimizer/scheduler and RNG.
+
+    The DCP part reshards to any parallel layout; RNG state is per rank (rank 0's when the world size
+    changed).
+
+    Returns:
+        the rank state dict (``step``, ``extra``).
+    Raises:
+        FileNotFoundError: not a checkpoint directory.
+    """
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise FileNotFoundError(f"{path} is not a committed ndp checkpoint (no meta.json)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank_file = os.path.join(path, f"rank{_rank()}.pt")
+    if not os.path.exists(rank_file):
+        rank_file = os.path.join(path, "rank0.pt")
+    rs = torch.load(rank_file, weights_only=False)
+    scheduler.load_state_dict(rs["scheduler"])
+    torch.random.set_rng_state(rs["torch_rng"])
+    if rs.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rs["cuda_rng"])
+    return rs
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Consolidated (unsharded) CPU state dict with the model's own parameter names (collective)."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = {}
+    for k, v in sd.items():
+        k = k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        out[k] = v
+    return out
+
+
+def export_hf(model, out_dir: str) -> str | None:
+    """Write consolidated HF weights (``model.safetensors`` + ``config.json``) that ``from_pretrained`` loads.
+
+    Collective (every rank calls it); rank 0 writes. Returns out_dir on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    sd = full_state_dict(model)
+    if _rank() != 0:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = model.config
+    saved_impl = cfg._attn_implementation
+    try:
+        # The exported model must load where ndp is not installed: use transformers' own attention.
+        cfg._attn_implementation_internal = "sdpa"
+        cfg.save_pretrained(out_dir)
+    finally:
+        cfg._attn_implementation_internal = saved_impl
+    tensors = {k: v.contiguous() for k, v in sd.items()}
+    tmp = os.path.join(out_dir, "model.safetensors.part")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    return out_dir

@@ -1,0 +1,66 @@
+"""``ndp-train`` / ``python -m ndp.train``: parse flags/YAML/env, set up the process group, train.
+
+Launch multi-process runs with torchrun, e.g.::
+
+    torchrun --standalone --nproc-per-node 4 -m ndp.train --model tiny-llama --dp-shard 2 --cp 2
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .config import parse_config
+from .loop import resolve_device, train
+
+logger = logging.getLogger("ndp.train")
+
+
+def _init_process_group(device_type: str) -> bool:
+    """Join the torchrun job when launched by one (backend from the device). Returns True if it did."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=int(os.environ.get("NDP_PG_TIMEOUT", "600")))
+    dist.init_process_group(backend, timeout=timeout)
+    return True
+
+
+def main(argv=None) -> int:
+    """Console entry point. Returns the process exit code."""
+    logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    cfg = parse_config(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg.check(world)  # every config error surfaces here, before any process-group work
+    except ValueError as e:
+        print(f"ndp-train: error: {e}", file=sys.stderr)
+        return 2
+    device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    owned = _init_process_group(device.type)
+    try:
+        res = train(cfg.replace(device=device.type))
+        if (not dist.is_initialized() or dist.get_rank() == 0) and res.losses:
+            n = len(res.losses)
+            summary = {"steps": res.start_step + n, "final_loss": res.losses[-1],
+                       "mean_tokens_per_s": sum(res.tokens_per_s) / n, "wall_time_s": res.wall_time,
+                       "world_size": world, "parallel": cfg.parallel.__dict__}
+            print("ndp-train summary: " + json.dumps(summary), flush=True)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

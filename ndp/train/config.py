@@ -1,0 +1,187 @@
+"""Training configuration: a frozen dataclass, built from flags, a YAML file and the environment.
+
+Precedence: command-line flags > YAML (``--config FILE``) > environment (``NDP_*``) > defaults.
+The flag names are a contract (scripts outside the repo call them).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from ndp.parallel import CP_IMPLS, CP_LAYOUTS, ParallelismConfig
+
+DTYPES = ("fp32", "bf16")
+# Environment variables for the parallel degrees (as set by a launcher or a job script).
+ENV_PARALLEL = {
+    "NDP_DP_REPLICATE_SIZE": "dp_replicate_size", "NDP_DP_SHARD_SIZE": "dp_shard_size",
+    "NDP_CP_SIZE": "cp_size", "NDP_TP_SIZE": "tp_size", "NDP_CP_IMPL": "cp_impl",
+    "NDP_ULYSSES_SIZE": "ulysses_size", "NDP_CP_LAYOUT": "cp_layout",
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs (see ``ndp-train --help``).
+
+    Raises:
+        ValueError: a value out of range (checked in ``__post_init__``; checks that need the model or the
+            world size are in :meth:`check`).
+    """
+
+    model: str = "tiny-llama"
+    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    steps: int = 100
+    lr: float = 1e-3
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    dtype: str = "fp32"
+    data: str | None = None
+    pack_docs: bool = False
+    metrics: str | None = None
+    save_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    export_hf: str | None = None
+    activation_checkpointing: bool = False
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "grad_accum", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {name}={getattr(self, name)}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0; got {self.save_every}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}; got {self.dtype!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0; got {self.lr}")
+        if self.resume and not self.save_dir:
+            raise ValueError("--resume needs --save-dir (where the checkpoints are)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, self.steps // 10)
+
+    def check(self, world_size: int) -> None:
+        """Checks against the job and the model; run before any process-group work.
+
+        Raises:
+            ValueError: degrees vs world size, heads vs tp/ulysses, seq_len vs the CP layout, batch vs
+                dp * grad_accum (each message names the values).
+        """
+        from .presets import model_dims
+
+        p = self.parallel
+        p.check_world_size(world_size)
+        heads, kv = model_dims(self.model)
+        p.check_heads(heads, kv)
+        if not self.pack_docs:
+            p.check_seq_len(self.seq_len)
+        if self.batch_size % (p.dp_size * self.grad_accum):
+            raise ValueError(
+                f"--batch-size (global sequences) must be divisible by dp_replicate*dp_shard*grad_accum; got "
+                f"batch_size={self.batch_size}, dp_replicate={p.dp_replicate_size}, dp_shard={p.dp_shard_size}, "
+                f"grad_accum={self.grad_accum}. Use a multiple of {p.dp_size * self.grad_accum}.")
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ndp-train", description="ND-parallel (DP/FSDP2/TP/CP) causal-LM training.")
+    a = p.add_argument
+    a("--config", help="YAML file with any of the options below (flags win)")
+    a("--model", help="preset (tiny-llama, small-llama, tiny-qwen2, ...) or a local HF model directory")
+    a("--dp-replicate", type=int, help="replicas (DDP / HSDP replicate axis)")
+    a("--dp-shard", type=int, help="FSDP2 shards")
+    a("--cp", type=int, help="context-parallel degree")
+    a("--tp", type=int, help="tensor-parallel degree")
+    a("--cp-impl", choices=CP_IMPLS)
+    a("--ulysses", type=int, help="Ulysses degree inside the CP group (cp-impl usp)")
+    a("--cp-layout", choices=CP_LAYOUTS)
+    a("--seq-len", type=int)
+    a("--batch-size", type=int, help="global batch, in sequences")
+    a("--grad-accum", type=int)
+    a("--steps", type=int)
+    a("--lr", type=float)
+    a("--warmup", type=int, help="linear warm-up steps (default steps/10), then cosine decay")
+    a("--min-lr-ratio", type=float)
+    a("--weight-decay", type=float)
+    a("--grad-clip", type=float, help="max global grad norm (0: no clipping)")
+    a("--seed", type=int)
+    a("--dtype", choices=DTYPES)
+    a("--data", help="text file (documents separated by blank lines); default the shipped corpus")
+    a("--pack-docs", action="store_true", default=None, help="keep documents apart (per-document attention)")
+    a("--metrics", help="JSONL metrics file (one object per step)")
+    a("--save-dir")
+    a("--save-every", type=int)
+    a("--resume", action="store_true", default=None)
+    a("--export-hf", help="write consolidated HF weights (safetensors + config) here at the end")
+    a("--activation-checkpointing", action="store_true", default=None)
+    a("--device", choices=("auto", "cpu", "cuda"))
+    a("--no-progress", dest="progress", action="store_false", default=None)
+    return p
+
+
+_FLAG_TO_PARALLEL = {"dp_replicate": "dp_replicate_size", "dp_shard": "dp_shard_size", "cp": "cp_size",
+                     "tp": "tp_size", "cp_impl": "cp_impl", "ulysses": "ulysses_size", "cp_layout": "cp_layout"}
+
+
+def _norm_key(k: str) -> str:
+    return k.replace("-", "_")
+
+
+def parse_config(argv=None, env=None) -> TrainConfig:
+    """TrainConfig from flags, ``--config`` YAML and ``NDP_*`` environment variables.
+
+    Raises:
+        ValueError: unknown YAML keys, bad values (messages name the option).
+    """
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    values: dict = {}
+    parallel: dict = {}
+    for var, name in ENV_PARALLEL.items():
+        if env.get(var):
+            parallel[name] = env[var] if name in ("cp_impl", "cp_layout") else int(env[var])
+    if args.get("config"):
+        import yaml
+
+        with open(args["config"], encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{args['config']}: expected a mapping of options, got {type(doc).__name__}")
+        known = {f.name for f in dataclasses.fields(TrainConfig)} | set(_FLAG_TO_PARALLEL) | set(
+            _FLAG_TO_PARALLEL.values())
+        for k, v in doc.items():
+            k = _norm_key(k)
+            if k == "parallel" and isinstance(v, dict):
+                for pk, pv in v.items():
+                    pk = _norm_key(pk)
+                    parallel[_FLAG_TO_PARALLEL.get(pk, pk)] = pv
+                continue
+            if k not in known:
+                raise ValueError(f"{args['config']}: unknown option {k!r}")
+            if k in _FLAG_TO_PARALLEL or k in _FLAG_TO_PARALLEL.values():
+                parallel[_FLAG_TO_PARALLEL.get(k, k)] = v
+            else:
+                values[k] = v
+    for k, v in args.items():
+        if v is None or k == "config":
+            continue
+        if k in _FLAG_TO_PARALLEL:
+            parallel[_FLAG_TO_PARALLEL[k]] = v
+        else:
+            values[k] = v
+    return TrainConfig(parallel=ParallelismConfig(**parallel), **values)

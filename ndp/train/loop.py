@@ -1,0 +1,237 @@
+"""The training loop: model -> parallelize -> AdamW with warm-up + cosine -> steps, metrics, checkpoints.
+
+Loss of a step = (sum of token losses over every DP and CP rank and micro-batch) / (global number of
+tokens with a label). Every rank knows the global count without communication because every rank builds
+the same global batch. FSDP averages gradients over its ``fsdp_size`` ranks, so each rank back-propagates
+``local_sum * fsdp_size / global_count``; the averaged gradient is then the gradient of the global mean.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ndp.parallel import clip_grad_norm_, mesh_axis
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import IGNORE_INDEX, TokenDataset, load_documents, microbatches, model_inputs, tokenize_documents
+from .presets import build_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run returns on every rank (metrics are identical on every rank)."""
+
+    losses: list = field(default_factory=list)
+    grad_norms: list = field(default_factory=list)
+    tokens_per_s: list = field(default_factory=list)
+    step_times: list = field(default_factory=list)
+    start_step: int = 0
+    wall_time: float = 0.0
+    state_dict: dict | None = None  # consolidated weights when train(..., return_state=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at the last step."""
+    warm, total, floor = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+
+    def f(step):
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, total - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+def _peak_mem_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def _fsdp_modules(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _single_process_group():
+    # A one-rank gloo group (in-memory store, no ports) so that the one-process run uses the same code
+    # path (DeviceMesh, DCP) as a multi-rank run.
+    owned = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        owned = True
+    try:
+        yield
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, *, return_state: bool = False, before_commit=None) -> TrainResult:
+    """Run training on the current process group (or a private one-rank group when none exists).
+
+    Args:
+        cfg: the TrainConfig; return_state: gather the final consolidated weights into the result.
+        before_commit: checkpoint test hook (see ``save_checkpoint``).
+    Returns:
+        TrainResult with per-step global losses.
+    Raises:
+        ValueError: config inconsistent with the world size or the model (raised before collectives).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg.check(world)
+    with _single_process_group():
+        return _train(cfg, return_state=return_state, before_commit=before_commit)
+
+
+def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResult:
+    import ndp.hf
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    t_start = time.perf_counter()
+    rank = dist.get_rank()
+    device = resolve_device(cfg.device)
+    p = cfg.parallel
+    mesh = p.build_device_mesh(device.type)
+
+    model = build_model(cfg.model, seed=cfg.seed).to(device)
+    mp_policy = None
+    autocast = contextlib.nullcontext()
+    if cfg.dtype == "bf16":
+        if p.fsdp_size > 1:
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing)
+    ctx = model.ndp_cp
+    fsdp_mods = _fsdp_modules(model)
+
+    # foreach=False: one update order for every parallel layout (and DTensors of different meshes).
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=cfg.weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+    docs = load_documents(cfg.data)
+    tokens, starts = tokenize_documents(docs)
+    dataset = TokenDataset(tokens, starts, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+                           pack_docs=cfg.pack_docs)
+
+    start_step = 0
+    if cfg.resume:
+        path = ckpt.latest_checkpoint(cfg.save_dir)
+        if path is not None:
+            start_step = ckpt.load_checkpoint(path, model, opt, sched)["step"]
+            logger.info("resumed from %s at step %d", path, start_step)
+        elif rank == 0:
+            logger.warning("--resume: no checkpoint in %s, starting from scratch", cfg.save_dir)
+
+    dp_mesh = mesh_axis(mesh, "dp")
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    loss_mesh = mesh_axis(mesh, "dp_cp")
+    loss_group = loss_mesh.get_group() if loss_mesh.size() > 1 else None
+    grad_scale_world = p.fsdp_size if fsdp_mods else 1
+    vocab = model.config.vocab_size
+
+    metrics_f = None
+    if cfg.metrics and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
+        kept = []
+        if start_step and os.path.exists(cfg.metrics):
+            # A crash may have logged steps after the checkpoint we resume from: drop them.
+            with open(cfg.metrics, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+        metrics_f = open(cfg.metrics, "w", encoding="utf-8")
+        metrics_f.writelines(kept)
+        metrics_f.flush()
+    bar = None
+    if cfg.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}", dynamic_ncols=True)
+
+    result = TrainResult(start_step=start_step)
+    model.train()
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        batch = dataset.global_batch(step)
+        n_global = batch.num_tokens
+        mbs = microbatches(batch, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg.grad_accum)
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            for m in fsdp_mods:
+                m.set_requires_gradient_sync(last)
+            kwargs, labels = model_inputs(mb, ctx, device)
+            with autocast:
+                logits = model(**kwargs).logits
+            ls = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="sum")
+            (ls * (grad_scale_world / max(1, n_global))).backward()
+            loss_sum += ls.detach()
+        gnorm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if loss_group is not None:
+            dist.all_reduce(loss_sum, group=loss_group)
+        loss = loss_sum.item() / max(1, n_global)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        tps = batch.input_ids.numel() / dt
+        result.losses.append(loss)
+        result.grad_norms.append(float(gnorm))
+        result.tokens_per_s.append(tps)
+        result.step_times.append(dt)
+        rec = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
+               "tokens_per_s": tps, "step_time_s": dt, "tokens": n_global, "peak_mem_mb": _peak_mem_mb(device)}
+        if metrics_f is not None:
+            metrics_f.write(json.dumps(rec) + "\n")
+            metrics_f.flush()
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", step_s=f"{dt:.2f}",
+                            mem=f"{rec['peak_mem_mb']:.0f}MB")
+            bar.update(1)
+        done = step + 1
+        if cfg.save_dir and ((cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps):
+            ckpt.save_checkpoint(cfg.save_dir, done, model, opt, sched, before_commit=before_commit)
+    if bar is not None:
+        bar.close()
+    if metrics_f is not None:
+        metrics_f.close()
+    if cfg.export_hf:
+        ckpt.export_hf(model, cfg.export_hf)
+    if return_state:
+        result.state_dict = ckpt.full_state_dict(model)
+    result.wall_time = time.perf_counter() - t_start
+    if rank == 0 and result.losses:
+        n = len(result.losses)
+        logger.info("done: %d steps, final loss %.4f, mean %.0f tokens/s, %.1f s", n, result.losses[-1],
+                    sum(result.tokens_per_s) / n, result.wall_time)
+    return result

@@ -1,0 +1,79 @@
+"""Model presets: tiny and small Llama, Qwen2 and Mistral configs (byte-level vocab, random weights)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_COMMON = dict(vocab_size=256, max_position_embeddings=8192, tie_word_embeddings=False, attention_dropout=0.0,
+               rms_norm_eps=1e-5)
+_SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+_FAMILIES = ("llama", "qwen2", "mistral")
+PRESETS = tuple(f"{size}-{fam}" for fam in _FAMILIES for size in _SIZES)
+
+
+def preset_config(name: str):
+    """transformers config of a preset ("tiny-llama", "small-qwen2", "tiny-mistral", ...).
+
+    Raises:
+        ValueError: unknown preset.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {list(PRESETS)} or pass a local HF "
+                         f"model directory")
+    size, fam = name.split("-", 1)
+    kw = dict(_COMMON, **_SIZES[size])
+    if fam == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**kw)
+    if fam == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(use_sliding_window=False, **kw)
+    from transformers import MistralConfig
+
+    # A window shorter than the test sequences, so that sliding-window attention is really exercised.
+    return MistralConfig(sliding_window=32 if size == "tiny" else 256, **kw)
+
+
+def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32):
+    """Build a causal LM from a preset (random weights from ``seed``) or load a local HF directory.
+
+    Returns:
+        the model on CPU in ``dtype``, identical on every rank.
+    Raises:
+        ValueError: neither a preset nor a directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if os.path.isdir(name_or_dir):
+        cfg = AutoConfig.from_pretrained(name_or_dir)
+        cfg._attn_implementation = "sdpa"
+        return AutoModelForCausalLM.from_pretrained(name_or_dir, config=cfg, dtype=dtype)
+    cfg = preset_config(name_or_dir)
+    cfg._attn_implementation = "sdpa"
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def model_dims(name_or_dir: str) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads) without building the model."""
+    if os.path.isdir(name_or_dir):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(name_or_dir)
+    else:
+        cfg = preset_config(name_or_dir)
+    heads = cfg.num_attention_heads
+    return heads, getattr(cfg, "num_key_value_heads", None) or heads

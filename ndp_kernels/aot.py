@@ -1,0 +1,278 @@
+"""Ahead-of-time compilation of every Triton kernel for sm_80 and sm_90, with a static resource report.
+
+No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`` produces PTX and
+a cubin, and the ``cuobjdump`` inside the triton wheel reads the cubin's resource use. A kernel
+configuration passes when it has no register spills (``STACK == LOCAL == 0``), its shared memory
+(static + dynamic) fits the SM (227 KB on sm_90, 163 KB on sm_80), and on sm_90 the attention
+kernels' PTX uses ``wgmma`` (Hopper tensor-core instructions).
+
+    python -m ndp_kernels.aot --markdown          # report table; exit status 1 on a violation
+    python -m ndp_kernels.aot --head-dims 64,80,128,256 --json report.json
+
+Must run WITHOUT ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit`` functions).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+logger = logging.getLogger(__name__)
+
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+CAPABILITY = {"sm_80": 80, "sm_90": 90}
+DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
+DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_KERNELS = ("fwd", "fwd_acc", "bwd_preprocess", "bwd", "merge")
+
+
+@dataclasses.dataclass
+class Row:
+    """One compiled kernel and its resource use."""
+    kernel: str
+    arch: str
+    dtype: str
+    head_dim: int
+    config: str
+    reg: int = -1
+    stack: int = -1
+    local: int = -1
+    shared: int = -1
+    wgmma: str = "n/a"
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def violations(self) -> list[str]:
+        v = []
+        if self.error:
+            return [f"compile error: {self.error}"]
+        if self.stack or self.local:
+            v.append(f"spills (STACK={self.stack}, LOCAL={self.local})")
+        if self.shared > SMEM_LIMIT[self.arch]:
+            v.append(f"shared memory {self.shared} B > {SMEM_LIMIT[self.arch]} B")
+        if self.wgmma == "no":
+            v.append("sm_90 PTX has no wgmma")
+        return v
+
+
+def _cuobjdump() -> str:
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise RuntimeError(f"cuobjdump not found at {path}; the triton wheel should ship it "
+                           f"(reinstall triton)")
+    return path
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """REG/STACK/LOCAL/SHARED of the (single) kernel in ``cubin`` via ``cuobjdump --dump-resource-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    res = {}
+    for key in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"\b{key}:(\d+)", text)
+        if m is None:
+            raise RuntimeError(f"cannot read {key} from cuobjdump output:\n{text}")
+        res[key] = int(m.group(1))
+    return res
+
+
+def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
+    """(jit fn, signature, constexprs, attrs, KernelConfig) of one kernel variant.
+
+    Hints mirror what the JIT specializes at run time on contiguous tensors: pointers and the
+    strides of [B, S, H, D] tensors are multiples of 16, the lse/delta sequence stride is 1.
+    """
+    from . import flash, merge
+    import torch
+    from .configs import block_d, bwd_config, fwd_config, merge_config
+
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+    bd = block_d(head_dim)
+    ptr = f"*{dtype}"
+    # As the launchers: fp32 dots in IEEE precision (FMA, no tensor cores), 16-bit ones on tensor cores.
+    prec = "ieee" if dtype == "fp32" else "tf32"
+
+    def build(fn, args, constexprs, cfg):
+        sig, attrs = {}, {}
+        names = fn.arg_names
+        for name in names:
+            if name in constexprs:
+                sig[name] = "constexpr"
+        for name, ty in args:
+            hint = None
+            if ty.endswith(":16"):
+                ty, hint = ty[:-3], 16
+            sig[name] = ty
+            if hint:
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+        missing = [n for n in names if n not in sig]
+        assert not missing, f"signature of {fn.__name__} misses {missing}"
+        return fn, {n: sig[n] for n in names}, constexprs, attrs, cfg
+
+    def strides(prefix, dims):
+        return [(f"stride_{prefix}_{d}", "i32:16") for d in dims]
+
+    if kernel in ("fwd", "fwd_acc"):
+        cfg = fwd_config(arch, head_dim, dtype=torch_dtype)
+        acc = kernel == "fwd_acc"
+        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+                ("out_ptr", ("*fp32" if acc else ptr) + ":16"), ("lse_ptr", "*fp32:16"),
+                ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("num_segments", "i32"),
+                ("group_size", "i32")]
+        for p in ("q", "k", "v", "o"):
+            args += strides(p, ("b", "s", "h"))
+        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16")]
+        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=prec)
+        return build(flash._flash_fwd_kernel, args, consts, cfg)
+    if kernel == "bwd":
+        cfg = bwd_config(arch, head_dim, dtype=torch_dtype)
+        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+                ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
+                ("seg_ptr", "*i32:16"), ("dq_ptr", "*fp32:16"), ("dk_ptr", "*fp32:16"),
+                ("dv_ptr", "*fp32:16"), ("softmax_scale", "fp32"), ("qk_scale", "fp32"),
+                ("num_segments", "i32"), ("group_size", "i32")]
+        for p in ("q", "k", "v", "do"):
+            args += strides(p, ("b", "s", "h"))
+        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
+                 ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+        for p in ("dq", "dk", "dv"):
+            args += strides(p, ("b", "s", "h"))
+        # ATOMIC_KV=True is the context-parallel case (segments share keys) and the heavier variant.
+        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec)
+        return build(flash._flash_bwd_kernel, args, consts, cfg)
+    if kernel == "bwd_preprocess":
+        cfg = merge_config(arch, head_dim)
+        args = [("out_ptr", ptr + ":16"), ("dout_ptr", ptr + ":16"), ("delta_ptr", "*fp32:16"),
+                ("seqlen", "i32")]
+        args += strides("o", ("b", "s", "h")) + strides("do", ("b", "s", "h"))
+        args += [("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+        consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m)
+        return build(flash._flash_bwd_preprocess_kernel, args, consts, cfg)
+    if kernel == "merge":
+        cfg = merge_config(arch, head_dim)
+        args = [("out_acc_ptr", "*fp32:16"), ("lse_acc_ptr", "*fp32:16"), ("blk_ptr", ptr + ":16"),
+                ("blk_lse_ptr", "*fp32:16"), ("seqlen", "i32")]
+        args += strides("oa", ("b", "s", "h")) + [("stride_la_b", "i32:16"), ("stride_la_h", "i32:16")]
+        args += strides("ob", ("b", "s", "h")) + [("stride_lb_b", "i32:16"), ("stride_lb_h", "i32:16")]
+        consts = dict(stride_la_s=1, stride_lb_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m)
+        return build(merge._merge_attn_states_kernel, args, consts, cfg)
+    raise ValueError(f"unknown kernel {kernel!r}; choose from {DEFAULT_KERNELS}")
+
+
+def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
+    """Compile one kernel variant for ``arch`` and read its resource use."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    fn, sig, consts, attrs, cfg = _spec(kernel, dtype, head_dim, arch)
+    row = Row(kernel, arch, dtype, head_dim, str(cfg))
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", CAPABILITY[arch], 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        res = resource_usage(k.asm["cubin"])
+        row.reg, row.stack, row.local = res["REG"], res["STACK"], res["LOCAL"]
+        row.shared = res["SHARED"] + int(k.metadata.shared)
+        if arch == "sm_90" and kernel in ("fwd", "fwd_acc", "bwd") and dtype != "fp32":
+            row.wgmma = "yes" if "wgmma" in k.asm["ptx"] else "no"
+    except Exception as e:  # reported as a violation row; the report keeps going
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _compile_star(args) -> Row:
+    return compile_one(*args)
+
+
+def run(kernels=DEFAULT_KERNELS, archs=("sm_80", "sm_90"), dtypes=DEFAULT_DTYPES,
+        head_dims=DEFAULT_HEAD_DIMS, jobs: int = 1) -> list[Row]:
+    """Compile every (kernel, arch, dtype, head_dim) combination; returns the report rows in that order.
+
+    ``jobs > 1`` compiles in that many worker processes (compilation is CPU bound and single threaded).
+    """
+    from .configs import interpreting
+    if interpreting():
+        raise RuntimeError("ahead-of-time compilation needs the real Triton compiler; unset "
+                           "TRITON_INTERPRET (run `python -m ndp_kernels.aot` in a clean environment)")
+    todo = [(kernel, arch, dtype, hd) for kernel in kernels for arch in archs for dtype in dtypes
+            for hd in head_dims]
+    if jobs <= 1:
+        return [compile_one(*t) for t in todo]
+    import concurrent.futures
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no inherited state
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        return list(pool.map(_compile_star, todo))
+
+
+def markdown(rows: list[Row]) -> str:
+    """The static report as a markdown table."""
+    lines = ["| kernel | arch | dtype | head_dim | config | REG | STACK | LOCAL | SHARED (B) | wgmma | ok |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        ok = "yes" if not r.violations else "NO: " + "; ".join(r.violations)
+        lines.append(f"| {r.kernel} | {r.arch} | {r.dtype} | {r.head_dim} | {r.config} | {r.reg} | "
+                     f"{r.stack} | {r.local} | {r.shared} | {r.wgmma} | {ok} |")
+    return "\n".join(lines)
+
+
+def _csv_list(text, cast=str):
+    return tuple(cast(x) for x in text.split(",") if x)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", action="store_true", help="print the report as a markdown table")
+    p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--kernels", type=_csv_list, default=DEFAULT_KERNELS)
+    p.add_argument("--archs", type=_csv_list, default=("sm_80", "sm_90"))
+    p.add_argument("--dtypes", type=_csv_list, default=DEFAULT_DTYPES)
+    p.add_argument("--head-dims", type=lambda t: _csv_list(t, int), default=DEFAULT_HEAD_DIMS)
+    p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    args = p.parse_args(argv)
+    for a in args.archs:
+        if a not in CAPABILITY:
+            p.error(f"unknown arch {a!r}; choose from {sorted(CAPABILITY)}")
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"unknown dtype {d!r}; choose from {sorted(DTYPES)}")
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.perf_counter()
+    rows = run(args.kernels, args.archs, args.dtypes, args.head_dims, jobs=args.jobs)
+    if args.markdown:
+        print(markdown(rows))
+    else:
+        for r in rows:
+            print(f"{r.kernel:15s} {r.arch} {r.dtype} d={r.head_dim:<3d} {r.config:18s} REG={r.reg:<4d} "
+                  f"STACK={r.stack} LOCAL={r.local} SHARED={r.shared:<6d} wgmma={r.wgmma:3s} "
+                  f"{'ok' if not r.violations else 'VIOLATION: ' + '; '.join(r.violations)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) | {"violations": r.violations} for r in rows], f, indent=1)
+    bad = [r for r in rows if r.violations]
+    print(f"\n{len(rows)} kernels compiled in {time.perf_counter() - t0:.0f} s; "
+          f"{len(bad)} violation(s)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Launch configurations (block sizes, warps, pipeline stages) of the Triton attention kernels.
+
+One table per architecture family and head_dim bucket. The values are chosen so that the
+ahead-of-time compiles (``python -m ndp_kernels.aot``) have no register spills and fit the
+shared memory of the SM (227 KB on sm_90, 163 KB on sm_80) for fp16 and bf16; the static
+report in the README is produced from exactly these entries.
+
+``"interpreter"`` is used under ``TRITON_INTERPRET=1``: the interpreter pays a fixed Python
+cost per program and per block operation, so moderately large blocks keep tests fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+__all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
+           "bwd_config", "merge_config", "interpreting"]
+
+ARCHS = ("sm_80", "sm_90")
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch parameters of one kernel.
+
+    ``block_m`` tiles the query rows and ``block_n`` the key rows; both kernels read the
+    same two fields (the backward kernel owns a key block and walks query blocks).
+    """
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}/N{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The power-of-two bucket (64, 128 or 256) whose configuration serves ``head_dim``."""
+    if head_dim <= 64:
+        return 64
+    if head_dim <= 128:
+        return 128
+    return 256
+
+
+def block_d(head_dim: int) -> int:
+    """Padded head dim of the tiles: next power of two (>= 16); columns past head_dim are masked."""
+    return max(16, triton.next_power_of_2(int(head_dim)))
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def current_arch(device: torch.device) -> str:
+    """Configuration family for ``device``: "interpreter", "sm_80" or "sm_90"."""
+    if device.type != "cuda" or interpreting():
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    # Hopper and datacenter Blackwell (227 KB shared memory) take the sm_90 tiles; Ampere, Ada and
+    # consumer Blackwell take the sm_80 tiles (with fewer stages where shared memory is ~100 KB,
+    # see _shrink_for_small_smem).
+    return "sm_90" if major in (9, 10) else "sm_80"
+
+
+# (arch, head_dim bucket) -> config. Chosen from the AOT static report (README), fp16/bf16.
+_FWD = {
+    ("sm_90", 64): KernelConfig(128, 64, 8, 3),
+    ("sm_90", 128): KernelConfig(128, 64, 8, 3),
+    ("sm_90", 256): KernelConfig(64, 64, 8, 2),
+    ("sm_80", 64): KernelConfig(128, 64, 8, 3),
+    ("sm_80", 128): KernelConfig(128, 64, 8, 3),
+    ("sm_80", 256): KernelConfig(64, 64, 8, 2),
+    ("interpreter", 64): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 128): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 256): KernelConfig(32, 32, 4, 1),
+}
+# The backward kernel keeps k, v, dk, dv of its key block in registers: block_n x head_dim x 4
+# tiles. Larger tiles than these spill (measured with the AOT report); on sm_90 wgmma also needs
+# a 64-row operand, which is why head_dim 256 there uses block_m=64 with a thin key block.
+_BWD = {
+    ("sm_90", 64): KernelConfig(64, 128, 8, 2),
+    ("sm_90", 128): KernelConfig(32, 128, 8, 2),
+    ("sm_90", 256): KernelConfig(64, 16, 8, 1),
+    ("sm_80", 64): KernelConfig(32, 128, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 64, 8, 2),
+    ("sm_80", 256): KernelConfig(16, 32, 8, 1),
+    ("interpreter", 64): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 128): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 256): KernelConfig(32, 32, 4, 1),
+}
+# fp32 inputs: twice the bytes per tile and IEEE dots on FMA units (no tensor cores), so smaller
+# tiles; checked by `python -m ndp_kernels.aot --dtypes fp32` (not part of the CI set).
+_FWD32 = {
+    ("sm_90", 64): KernelConfig(64, 32, 8, 2),
+    ("sm_90", 128): KernelConfig(32, 32, 4, 2),
+    ("sm_90", 256): KernelConfig(32, 16, 8, 2),
+    ("sm_80", 64): KernelConfig(64, 32, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 32, 4, 2),
+    ("sm_80", 256): KernelConfig(32, 16, 8, 2),
+}
+_BWD32 = {
+    ("sm_90", 64): KernelConfig(32, 32, 8, 2),
+    ("sm_90", 128): KernelConfig(32, 32, 8, 2),
+    ("sm_90", 256): KernelConfig(16, 16, 8, 1),
+    ("sm_80", 64): KernelConfig(32, 64, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 32, 8, 2),
+    ("sm_80", 256): KernelConfig(16, 16, 8, 1),
+}
+
+# Row-wise kernels (merge, backward preprocess): ~8K elements per program keep two fp32 tiles in
+# registers without spills at every head_dim.
+_MERGE_ELEMENTS = 8192
+_MERGE_WARPS = 4
+
+
+def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> KernelConfig:
+    # sm_86/sm_89/sm_120 have ~100 KB of shared memory per block instead of 163 KB: one stage fewer
+    # keeps every sm_80 tile of the static report under 100 KB.
+    if device is None or device.type != "cuda" or interpreting():
+        return cfg
+    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    if optin is not None and optin < 160 * 1024:
+        return dataclasses.replace(cfg, num_stages=max(1, cfg.num_stages - 1))
+    return cfg
+
+
+def fwd_config(arch: str, head_dim: int, device: torch.device | None = None,
+               dtype: torch.dtype = torch.float16) -> KernelConfig:
+    """Forward-kernel configuration for ``arch`` ("sm_80", "sm_90" or "interpreter"), ``head_dim``, ``dtype``."""
+    table = _FWD32 if dtype == torch.float32 and arch != "interpreter" else _FWD
+    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
+def bwd_config(arch: str, head_dim: int, device: torch.device | None = None,
+               dtype: torch.dtype = torch.float16) -> KernelConfig:
+    """Backward-kernel configuration for ``arch``, ``head_dim`` and ``dtype``."""
+    table = _BWD32 if dtype == torch.float32 and arch != "interpreter" else _BWD
+    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
+def merge_config(arch: str, head_dim: int) -> KernelConfig:
+    """Configuration of the standalone merge and the backward preprocess kernels (rows per program).
+
+    The same on every arch: these kernels are memory bound and have no tiles to tune.
+    """
+    del arch
+    return KernelConfig(max(8, _MERGE_ELEMENTS // block_d(head_dim)), 1, _MERGE_WARPS, 1)

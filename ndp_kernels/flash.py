@@ -1,0 +1,569 @@
+"""Triton flash attention with LSE over a segment table (forward, backward, autograd wrapper).
+
+Masking model (SPEC, ``ndp_kernels._segments``): a segment row ``(q_start, q_len, k_start,
+k_len, band_lo, band_hi)`` lets query row ``q_start + i`` see key row ``k_start + j`` iff
+``band_lo <= j - i <= band_hi``. Dense, causal (bottom-right), sliding windows, packed
+documents and the context-parallel blocks are all tables of such rows; the kernels only
+ever read the table, and skip key (or query) blocks that lie outside a segment's band.
+
+Numerics: fp32 accumulation for every dtype (fp16/bf16 dots on tensor cores, fp32 inputs with
+IEEE-precision dots, no TF32), exp2-based online softmax; the returned lse is in natural log.
+A row that sees no key gives ``out = 0``, ``lse = -inf`` and zero gradients, never NaN.
+
+Launch configurations (tiles, warps, stages) come from ``ndp_kernels.configs`` per arch and
+head_dim; ``python -m ndp_kernels.aot`` compiles all of them for sm_80/sm_90 and checks them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _segments
+from .configs import block_d, bwd_config, current_arch, fwd_config, interpreting, merge_config
+
+__all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
+           "flash_attn_func", "FlashAttnFunction"]
+
+logger = logging.getLogger(__name__)
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _flash_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_ptr,
+    qk_scale,
+    num_segments, group_size,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_o_b, stride_o_s, stride_o_h,
+    stride_lse_b, stride_lse_h, stride_lse_s,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out = softmax(scale * q k^T + mask) v and lse = logsumexp(scale * q k^T + mask), per segment.
+
+    Program (pid_m, b * num_segments + seg, h) owns query rows [pid_m*BLOCK_M, +BLOCK_M) of
+    segment ``seg``. ``qk_scale = softmax_scale * log2(e)``: the running max ``m`` and sum ``l``
+    are kept in base 2, ``lse = (m + log2 l) * ln 2``. Only key blocks that intersect the
+    band of some row of the tile are visited. With ACCUMULATE the tile result is merged into
+    the fp32 accumulators (out_ptr, lse_ptr) in place:
+    ``new = logaddexp(lse_acc, lse); out_acc = out_acc*exp(lse_acc-new) + out*exp(lse-new)``,
+    and a row with both lse -inf is left unchanged.
+    """
+    pid_m = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    h = tl.program_id(2)
+    b = (pid_bs // num_segments).to(tl.int64)
+    seg = pid_bs % num_segments
+    q_start = tl.load(seg_ptr + seg * 6 + 0)
+    q_len = tl.load(seg_ptr + seg * 6 + 1)
+    k_start = tl.load(seg_ptr + seg * 6 + 2)
+    k_len = tl.load(seg_ptr + seg * 6 + 3)
+    band_lo = tl.load(seg_ptr + seg * 6 + 4)
+    band_hi = tl.load(seg_ptr + seg * 6 + 5)
+    hk = h // group_size
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+
+    # Base offsets in int64 (packed inputs can exceed 2**31 elements); in-tile offsets stay int32.
+    q_base = q_ptr + b * stride_q_b + q_start.to(tl.int64) * stride_q_s + h * stride_q_h
+    k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
+    v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+
+    q = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Key range [j_lo, j_hi) seen by at least one row of this tile.
+    m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    j_lo = tl.maximum(m0 + band_lo, 0)
+    n_begin = (j_lo // BLOCK_N) * BLOCK_N
+    j_hi = tl.minimum(m_last + band_hi + 1, k_len)
+    j_hi = tl.where(m0 < q_len, j_hi, n_begin)
+    # Key blocks [full_lo, full_hi) are visible to every row of the tile and skip the band mask;
+    # the blocks before and after them (band edges, ragged end) are masked element-wise.
+    full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, j_hi)
+    n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
+    full_hi = tl.where(n_max >= full_lo,
+                       full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(n_begin, j_hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if (start_n < full_lo) | (start_n >= full_hi):  # uniform per program: edge blocks only
+            diff = cols[None, :] - offs_m[:, None]
+            visible = (cols < k_len)[None, :] & (diff >= band_lo) & (diff <= band_hi)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base + cols[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_base = out_ptr + b * stride_o_b + q_start.to(tl.int64) * stride_o_s + h * stride_o_h
+    lse_ptrs = (lse_ptr + b * stride_lse_b + h * stride_lse_h
+                + (q_start + offs_m).to(tl.int64) * stride_lse_s)
+    if ACCUMULATE:
+        lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
+        mx = tl.maximum(lse_old, lse)
+        none = mx == float("-inf")
+        mx_safe = tl.where(none, 0.0, mx)
+        w_old = tl.exp(lse_old - mx_safe)
+        w_blk = tl.exp(lse - mx_safe)
+        tot = tl.where(none, 1.0, w_old + w_blk)
+        w_old = tl.where(none, 1.0, w_old / tot)
+        # Fold 1/l of the block output into its merge weight.
+        w_blk = tl.where(none, 0.0, w_blk / tot) / l_safe
+        tl.store(lse_ptrs, tl.where(none, float("-inf"), mx_safe + tl.log(tot)), mask=row_ok)
+        if BLOCK_D >= 64:
+            # Merge one half of the head dim at a time: holding the old accumulator tile next to
+            # the new one spills registers at head_dim 256.
+            halves = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_D // 2]), (0, 2, 1)))
+            offs_h = tl.arange(0, BLOCK_D // 2)
+            _merge_tile(o_base, halves[0], offs_m, offs_h, row_ok, w_old, w_blk, stride_o_s, HEAD_DIM)
+            _merge_tile(o_base, halves[1], offs_m, offs_h + BLOCK_D // 2, row_ok, w_old, w_blk,
+                        stride_o_s, HEAD_DIM)
+        else:
+            _merge_tile(o_base, acc, offs_m, offs_d, row_ok, w_old, w_blk, stride_o_s, HEAD_DIM)
+    else:
+        o_ptrs = o_base + offs_m[:, None] * stride_o_s + offs_d[None, :]
+        o = acc / l_safe[:, None]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_tile(o_base, acc, offs_m, offs_d, row_ok, w_old, w_blk, stride_o_s, HEAD_DIM: tl.constexpr):
+    """out_acc[rows, cols] = out_acc * w_old + acc * w_blk (per-row weights), fp32, in place."""
+    ptrs = o_base + offs_m[:, None] * stride_o_s + offs_d[None, :]
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    old = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, old * w_old[:, None] + acc * w_blk[:, None], mask=mask)
+
+
+@triton.jit
+def _flash_bwd_preprocess_kernel(
+    out_ptr, dout_ptr, delta_ptr, seqlen,
+    stride_o_b, stride_o_s, stride_o_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_delta_b, stride_delta_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32 (the softmax-backward row term)."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seqlen)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(out_ptr + b * stride_o_b + h * stride_o_h + offs_m[:, None].to(tl.int64) * stride_o_s
+                + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + b * stride_do_b + h * stride_do_h
+                 + offs_m[:, None].to(tl.int64) * stride_do_s + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + b * stride_delta_b + h * stride_delta_h + offs_m, tl.sum(o * do, 1),
+             mask=offs_m < seqlen)
+
+
+@triton.jit
+def _flash_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
+    dq_ptr, dk_ptr, dv_ptr,
+    softmax_scale, qk_scale,
+    num_segments, group_size,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_lse_b, stride_lse_h, stride_lse_s,
+    stride_delta_b, stride_delta_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Gradients of attention for one key block of one segment and one kv head.
+
+    With P = exp(scale * q k^T - lse) (masked entries 0), dP = dout v^T, dS = P * (dP - delta):
+    dv += P^T dout, dk += scale * dS^T q, dq += scale * dS k, all in fp32. The program
+    (pid_n, b * num_segments + seg, hk) walks every query head of kv head ``hk`` (GQA sums in
+    registers) and the query blocks inside the band of its key rows. dq is added with fp32
+    atomics (several key blocks touch a query row). dk/dv are added once at the end, with
+    atomics when segments share key rows (ATOMIC_KV), else with a plain read-add-write.
+    lse = -inf (row sees no key) gives P = 0, hence zero gradients.
+    """
+    pid_n = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    hk = tl.program_id(2)
+    b = (pid_bs // num_segments).to(tl.int64)
+    seg = pid_bs % num_segments
+    q_start = tl.load(seg_ptr + seg * 6 + 0)
+    q_len = tl.load(seg_ptr + seg * 6 + 1)
+    k_start = tl.load(seg_ptr + seg * 6 + 2)
+    k_len = tl.load(seg_ptr + seg * 6 + 3)
+    band_lo = tl.load(seg_ptr + seg * 6 + 4)
+    band_hi = tl.load(seg_ptr + seg * 6 + 5)
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < k_len
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+
+    k_row0 = k_start.to(tl.int64)
+    k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
+                + offs_n[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
+                + offs_n[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query range [i_lo, i_hi) that sees at least one key of this block.
+    n_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
+    i_lo = tl.maximum(n0 - band_hi, 0)
+    i_hi = tl.minimum(n_last - band_lo + 1, q_len)
+    i_hi = tl.where(n0 < k_len, i_hi, i_lo)
+    m_begin = (i_lo // BLOCK_M) * BLOCK_M
+    q_row0 = q_start.to(tl.int64)
+
+    for g in range(0, group_size):
+        h = hk * group_size + g
+        q_base = q_ptr + b * stride_q_b + q_row0 * stride_q_s + h * stride_q_h
+        do_base = dout_ptr + b * stride_do_b + q_row0 * stride_do_s + h * stride_do_h
+        dq_base = dq_ptr + b * stride_dq_b + q_row0 * stride_dq_s + h * stride_dq_h
+        lse_base = lse_ptr + b * stride_lse_b + h * stride_lse_h + q_row0 * stride_lse_s
+        delta_base = delta_ptr + b * stride_delta_b + h * stride_delta_h + q_row0
+        for start_m in range(m_begin, i_hi, BLOCK_M):
+            rows = start_m + offs_m0
+            row_ok = rows < q_len
+            q_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + rows[:, None] * stride_q_s + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + rows[:, None] * stride_do_s + offs_d[None, :], mask=q_mask,
+                         other=0.0)
+            lse = tl.load(lse_base + rows * stride_lse_s, mask=row_ok, other=float("-inf"))
+            delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+            # lse = -inf marks a row without keys: shift by +inf so that its P is exactly 0.
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+            diff = offs_n[:, None] - rows[None, :]
+            # Always masked: a per-tile "fully visible" branch here costs registers (spills on sm_80).
+            visible = col_ok[:, None] & row_ok[None, :] & (diff >= band_lo) & (diff <= band_hi)
+            p_t = tl.where(visible, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
+            tl.atomic_add(dq_base + rows[:, None] * stride_dq_s + offs_d[None, :], dq, mask=q_mask,
+                          sem="relaxed")
+
+    dk = dk * softmax_scale
+    dk_ptrs = (dk_ptr + b * stride_dk_b + k_row0 * stride_dk_s + hk * stride_dk_h
+               + offs_n[:, None] * stride_dk_s + offs_d[None, :])
+    dv_ptrs = (dv_ptr + b * stride_dv_b + k_row0 * stride_dv_s + hk * stride_dv_h
+               + offs_n[:, None] * stride_dv_s + offs_d[None, :])
+    if ATOMIC_KV:
+        tl.atomic_add(dk_ptrs, dk, mask=kv_mask, sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=kv_mask, sem="relaxed")
+    else:
+        tl.store(dk_ptrs, tl.load(dk_ptrs, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
+        tl.store(dv_ptrs, tl.load(dv_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: IEEE dots (no TF32) so fp32 results match the reference to 1e-5.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_runnable(t: torch.Tensor) -> None:
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton kernels take float16, bfloat16 or float32 inputs; got {t.dtype}. "
+                        f"Use ndp_kernels.reference (ndp.ops backend='torch') for {t.dtype}.")
+    if t.device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"Triton kernels need a CUDA tensor or TRITON_INTERPRET=1 set before triton is imported; "
+            f"got a tensor on {t.device}. Use the reference (ndp_kernels.reference) or "
+            f"ndp.ops.attention(backend='torch') on CPU.")
+
+
+def _check_acc(name: str, acc: torch.Tensor, shape, device) -> None:
+    _segments.check_like(name, acc, shape, torch.float32, device)
+
+
+def _check_last_dim(name: str, t: torch.Tensor) -> None:
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in the last dim, got {t.stride(-1)}; call .contiguous()")
+
+
+def _segment_args(segs, device):
+    table = segs.on(device)
+    return table, table.shape[0]
+
+
+def _keys_overlap(segs) -> bool:
+    """True when two segments (with work) share key rows: dk/dv must then be added atomically."""
+    rows = [(int(r[2]), int(r[2]) + int(r[3])) for r in segs.table.tolist() if r[1] > 0 and r[3] > 0]
+    rows.sort()
+    return any(rows[i + 1][0] < rows[i][1] for i in range(len(rows) - 1))
+
+
+def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
+    """Forward attention of 4-D q/k/v over a segment table.
+
+    Args:
+        q4: [B, Sq, H, D] fp16/bf16/fp32, stride 1 in the last dim.
+        k4, v4: [B, Sk, Hkv, D], same dtype and device, H % Hkv == 0.
+        segs: ``ndp_kernels._segments.Segments``.
+        softmax_scale: float.
+        out_acc, lse_acc: optional fp32 accumulators [B, Sq, H, D] and [B, H, Sq], merged in place by LSE.
+    Returns:
+        (out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq]); or (out_acc, lse_acc) when given.
+        Rows in no segment: out 0 and lse -inf (untouched in the accumulators).
+    Raises:
+        ValueError/TypeError on mismatched accumulators; RuntimeError for CPU tensors without the interpreter.
+    """
+    _check_runnable(q4)
+    B, Sq, H, D = q4.shape
+    Hkv = k4.shape[2]
+    if (out_acc is None) != (lse_acc is None):
+        raise ValueError("out_acc and lse_acc go together: pass both or neither")
+    accumulate = out_acc is not None
+    if accumulate:
+        _check_acc("out_acc", out_acc, (B, Sq, H, D), q4.device)
+        _check_acc("lse_acc", lse_acc, (B, H, Sq), q4.device)
+        _check_last_dim("out_acc", out_acc)
+        out, lse = out_acc, lse_acc
+    else:
+        # Rows in no segment must read out = 0, lse = -inf; skip the fill when segments cover all rows.
+        covered = sum(int(r[1]) for r in segs.table.tolist()) == Sq
+        if covered:
+            out = torch.empty((B, Sq, H, D), dtype=q4.dtype, device=q4.device)
+            lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q4.device)
+        else:
+            out = torch.zeros((B, Sq, H, D), dtype=q4.dtype, device=q4.device)
+            lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q4.device)
+    if B == 0 or Sq == 0 or H == 0 or segs.table.shape[0] == 0 or segs.max_q_len == 0:
+        return out, lse
+    cfg = fwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
+    table, nseg = _segment_args(segs, q4.device)
+    grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
+    _flash_fwd_kernel[grid](
+        q4, k4, v4, out, lse, table,
+        float(softmax_scale) * LOG2E,
+        nseg, H // Hkv,
+        q4.stride(0), q4.stride(1), q4.stride(2),
+        k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def _delta(out4, dout4):
+    B, S, H, D = out4.shape
+    delta = torch.empty((B, H, S), dtype=torch.float32, device=out4.device)
+    if delta.numel() == 0:
+        return delta
+    cfg = merge_config(current_arch(out4.device), D)
+    grid = (triton.cdiv(S, cfg.block_m), B, H)
+    _flash_bwd_preprocess_kernel[grid](
+        out4, dout4, delta, S,
+        out4.stride(0), out4.stride(1), out4.stride(2),
+        dout4.stride(0), dout4.stride(1), dout4.stride(2),
+        delta.stride(0), delta.stride(1),
+        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+    )
+    return delta
+
+
+def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
+                      dq_acc=None, dk_acc=None, dv_acc=None):
+    """Backward attention of 4-D q/k/v over a segment table.
+
+    Args:
+        dout4, out4: [B, Sq, H, D], the gradient and the FINAL output of the rows (q's dtype or fp32).
+        q4: [B, Sq, H, D]; k4, v4: [B, Sk, Hkv, D].
+        lse3: fp32 [B, H, Sq], the FINAL lse of the rows (natural log).
+        segs: ``Segments``; softmax_scale: float.
+        dq_acc, dk_acc, dv_acc: optional fp32 buffers shaped like q/k/v; gradients are added into them.
+    Returns:
+        (dq, dk, dv): the accumulators when given, else fresh tensors in the input dtypes.
+        GQA: dk/dv are summed over the query heads of each kv head.
+    Raises:
+        ValueError/TypeError on mismatched shapes/dtypes of out, lse or the accumulators.
+    """
+    _check_runnable(q4)
+    B, Sq, H, D = q4.shape
+    Sk, Hkv = k4.shape[1], k4.shape[2]
+    for name, t in (("dout", dout4), ("out", out4)):
+        if tuple(t.shape) != (B, Sq, H, D):
+            raise ValueError(f"{name} must have q's shape {(B, Sq, H, D)}, got {tuple(t.shape)}")
+        if t.device != q4.device:
+            raise ValueError(f"{name} must be on {q4.device} like q, got {t.device}")
+        _check_last_dim(name, t)
+    if tuple(lse3.shape) != (B, H, Sq):
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {(B, H, Sq)}, got {tuple(lse3.shape)}")
+    if lse3.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse3.dtype}")
+    bufs = []
+    for name, acc, like in (("dq_acc", dq_acc, q4), ("dk_acc", dk_acc, k4), ("dv_acc", dv_acc, v4)):
+        if acc is None:
+            bufs.append(torch.zeros(like.shape, dtype=torch.float32, device=like.device))
+        else:
+            _check_acc(name, acc, like.shape, like.device)
+            _check_last_dim(name, acc)
+            bufs.append(acc)
+    dq, dk, dv = bufs
+    if B and Sq and H and Sk and segs.table.shape[0] and segs.max_k_len:
+        delta = _delta(out4, dout4)  # from dout/out as given (fp32 when the caller has fp32)
+        if dout4.dtype != q4.dtype:
+            # The tensor-core dots take dout in q's dtype (a ring may hand in an fp32 gradient).
+            dout4 = dout4.to(q4.dtype)
+        cfg = bwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
+        table, nseg = _segment_args(segs, q4.device)
+        grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv)
+        _flash_bwd_kernel[grid](
+            q4, k4, v4, dout4, lse3, delta, table,
+            dq, dk, dv,
+            float(softmax_scale), float(softmax_scale) * LOG2E,
+            nseg, H // Hkv,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            dout4.stride(0), dout4.stride(1), dout4.stride(2),
+            lse3.stride(0), lse3.stride(1), lse3.stride(2),
+            delta.stride(0), delta.stride(1),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ATOMIC_KV=_keys_overlap(segs), DOT_PRECISION=_dot_precision(q4.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return (dq if dq_acc is not None else dq.to(q4.dtype),
+            dk if dk_acc is not None else dk.to(k4.dtype),
+            dv if dv_acc is not None else dv.to(v4.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# public API (DESIGN.md signatures)
+# ----------------------------------------------------------------------------------------------
+
+def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                   out_acc=None, lse_acc=None):
+    """Flash attention forward (Triton) returning the output and the log-sum-exp.
+
+    Args:
+        q: [B, Sq, H, D] (or packed [Tq, H, D] with cu_seqlens_q), fp16/bf16/fp32, 16 <= D <= 256.
+        k, v: [B, Sk, Hkv, D] (or packed [Tk, Hkv, D]), H % Hkv == 0.
+        causal: bottom-right aligned causal mask. softmax_scale: default D ** -0.5.
+        window_size: (left, right), -1 = unlimited (flash-attn semantics).
+        cu_seqlens_q/k: int32 [num_seqs + 1] document offsets for packed input; max_seqlen_q/k.
+        out_acc, lse_acc: optional fp32 accumulators shaped like out and lse; merged in place by LSE
+            in the kernel epilogue (the block result is never rounded to q's dtype).
+    Returns:
+        (out, lse): out like q in q's dtype, lse fp32 [B, H, Sq] (or [H, Tq] when packed);
+        or (out_acc, lse_acc) when given.
+    Raises:
+        ValueError/TypeError for bad input (the checks of ``ndp_kernels._segments.prepare``, shared
+        with the reference); RuntimeError for CPU tensors without TRITON_INTERPRET=1.
+    """
+    return _segments.run_fwd(
+        attn_fwd_segments, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc)
+
+
+def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                   dq_acc=None, dk_acc=None, dv_acc=None):
+    """Flash attention backward (Triton).
+
+    Args:
+        dout, out: like q; lse: fp32 [B, H, Sq] (or [H, Tq] when packed), from ``flash_attn_fwd``.
+        q, k, v, causal, softmax_scale, window_size, cu_seqlens_*, max_seqlen_*: as in ``flash_attn_fwd``.
+        dq_acc, dk_acc, dv_acc: optional fp32 buffers shaped like q, k, v (all three or none);
+            gradients are added into them.
+    Returns:
+        (dq, dk, dv) in the input dtypes, or the accumulators when given.
+    Raises:
+        ValueError/TypeError for bad input; RuntimeError for CPU tensors without TRITON_INTERPRET=1.
+    """
+    return _segments.run_bwd(
+        attn_bwd_segments, dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc)
+
+
+class FlashAttnFunction(torch.autograd.Function):
+    """Autograd wrapper: forward ``flash_attn_fwd``, backward ``flash_attn_bwd``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, window_size):
+        out, lse = flash_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                  window_size=window_size)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.window_size = causal, softmax_scale, window_size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(dout.contiguous(), q, k, v, out, lse, causal=ctx.causal,
+                                    softmax_scale=ctx.softmax_scale, window_size=ctx.window_size)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """Differentiable flash attention (Triton kernels forward and backward).
+
+    Args:
+        q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]; fp16/bf16/fp32 on CUDA (or CPU under TRITON_INTERPRET=1).
+        causal, softmax_scale, window_size: as in ``flash_attn_fwd``.
+    Returns:
+        out [B, Sq, H, D] in q's dtype.
+    Raises:
+        ValueError/TypeError for bad input.
+    """
+    return FlashAttnFunction.apply(q, k, v, causal, softmax_scale, tuple(window_size))

@@ -1,0 +1,46 @@
+"""Ahead-of-time compile of every Triton kernel for sm_80 and sm_90 (no GPU needed).
+
+Fails on register spills (STACK or LOCAL non-zero), shared memory over the SM limit, and sm_90
+attention kernels without wgmma. Runs `python -m ndp_kernels.aot` in a subprocess because the
+test session sets TRITON_INTERPRET=1, which replaces the compiler with the interpreter.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.aot
+
+
+def _run_aot(*args, timeout=170):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return subprocess.run([sys.executable, "-m", "ndp_kernels.aot", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_aot_static_report_no_spills_fits_smem_uses_wgmma():
+    proc = _run_aot("--markdown", "--jobs", "2")
+    assert proc.returncode == 0, f"AOT report has violations:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    # 5 kernels x 2 archs x 3 dtypes (bf16, fp16, fp32) x 4 head dims (64, 80, 128, 256)
+    assert len(rows) == 120, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        kernel, arch, dtype, _, _, reg, stack, local, shared, wgmma, ok = cells
+        assert ok == "yes" and stack == "0" and local == "0", row
+        assert 0 < int(reg) <= 255 and int(shared) <= (227 if arch == "sm_90" else 163) * 1024, row
+        # fp32 runs IEEE dots on FMA units (no TF32), so only 16-bit kernels use wgmma.
+        if arch == "sm_90" and kernel in ("fwd", "fwd_acc", "bwd") and dtype != "fp32":
+            assert wgmma == "yes", row
+
+
+def test_aot_refuses_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "ndp_kernels.aot", "--kernels", "merge"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "needs the real Triton compiler" in proc.stderr

@@ -1,0 +1,106 @@
+"""Mesh construction and parallelize() on a plain (non-HF) module: FSDP2 + TP + grad-norm clipping
+match a single-process run. One 4-rank spawn checks several layouts."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dist import spawn
+from ndp.parallel import (ModelPlan, ParallelismConfig, apply_cp, clip_grad_norm_, default_plan, mesh_axis,
+                          parallelize)
+from tolerances import assert_close
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+PLAN = ModelPlan(tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, blocks=("blocks.*",))
+
+
+def _grads(model):
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n.replace("_checkpoint_wrapped_module.", "")] = g.full_tensor() if isinstance(g, DTensor) else g
+    return out
+
+
+def _check(rank, world):
+    torch.manual_seed(0)
+    ref = Net()
+    x = torch.randn(8, 16)  # same on every rank
+    ref(x).backward()
+    ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
+    ref_grads = _grads(ref)
+    layouts = [dict(dp_shard_size=4), dict(dp_shard_size=2, tp_size=2), dict(dp_replicate_size=2, tp_size=2),
+               dict(dp_replicate_size=2, dp_shard_size=2)]
+    for kw in layouts:
+        cfg = ParallelismConfig(**kw)
+        mesh = cfg.build_device_mesh("cpu")
+        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
+        assert mesh_axis(mesh, "dp").size() == cfg.dp_size
+        assert mesh_axis(mesh, "dp_shard_cp").size() == cfg.dp_shard_size * cfg.cp_size
+        assert mesh_axis(mesh, "dp_cp").size() == cfg.fsdp_size
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        parallelize(model, cfg, mesh, plan=PLAN, activation_checkpointing=kw.get("tp_size", 1) == 1)
+        # Every data-parallel rank sees its slice of the batch; scale so FSDP's mean is the sum.
+        dp, dpr = mesh_axis(mesh, "dp").size(), mesh_axis(mesh, "dp").get_local_rank()
+        xs = x.chunk(dp)[dpr]
+        (model(xs) * cfg.fsdp_size).backward()
+        got = _grads(model)
+        for n, g in ref_grads.items():
+            assert_close(got[n], g, torch.float32, "grad", msg=f"{kw} {n}")
+        norm = clip_grad_norm_(model.parameters(), 0.5)
+        assert_close(norm, ref_norm, torch.float32, "grad", msg=f"{kw} norm")
+        clipped = _grads(model)
+        for n, g in ref_grads.items():
+            assert_close(clipped[n], g * (0.5 / (ref_norm + 1e-6)), torch.float32, "grad", msg=f"{kw} clipped {n}")
+
+
+@pytest.mark.distributed
+def test_plain_module_fsdp_tp_matches_single_process(tmp_path):
+    spawn(_check, 4, tmp_path)
+
+
+def test_default_plan_finds_blocks():
+    assert default_plan(Net()).blocks == ("blocks.*",)
+
+
+@pytest.mark.distributed
+def test_tp_without_plan_is_refused(tmp_path):
+    spawn(_refuse_tp, 2, tmp_path)
+
+
+def _refuse_tp(rank, world):
+    cfg = ParallelismConfig(tp_size=2)
+    mesh = cfg.build_device_mesh("cpu")
+    with pytest.raises(ValueError, match="needs a tensor-parallel plan"):
+        parallelize(Net(), cfg, mesh)
+    with pytest.raises(ValueError, match="matches no module"):
+        parallelize(Net(), cfg, mesh, plan=ModelPlan(tp_plan={"blocks.*.nothing": "colwise"}))
+    cfg2 = ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match="needs a plan with enable_cp"):
+        apply_cp(Net(), cfg2, cfg2.build_device_mesh("cpu"), ModelPlan())

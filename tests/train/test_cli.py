@@ -1,0 +1,103 @@
+"""The ndp-train CLI: flag/YAML/env parsing, config errors before any process-group work, a torchrun
+run with metrics JSONL and an HF export that from_pretrained loads."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndp.parallel import ParallelismConfig
+from ndp.train import TrainConfig, parse_config, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def test_flags_are_the_contract():
+    cfg = parse_config(["--model", "tiny-qwen2", "--dp-replicate", "2", "--dp-shard", "2", "--cp", "4", "--tp", "2",
+                        "--cp-impl", "usp", "--ulysses", "2", "--cp-layout", "striped", "--seq-len", "128",
+                        "--batch-size", "16", "--grad-accum", "2", "--steps", "7", "--lr", "0.01", "--seed", "3",
+                        "--dtype", "bf16", "--data", "x.txt", "--metrics", "m.jsonl", "--save-dir", "ck",
+                        "--save-every", "5", "--resume", "--export-hf", "hf"], env={})
+    assert cfg.parallel == ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=4, tp_size=2,
+                                             cp_impl="usp", ulysses_size=2, cp_layout="striped")
+    assert (cfg.model, cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.steps, cfg.lr, cfg.seed, cfg.dtype,
+            cfg.data, cfg.metrics, cfg.save_dir, cfg.save_every, cfg.resume, cfg.export_hf) == (
+        "tiny-qwen2", 128, 16, 2, 7, 0.01, 3, "bf16", "x.txt", "m.jsonl", "ck", 5, True, "hf")
+
+
+def test_yaml_and_env_precedence(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("model: tiny-mistral\nsteps: 9\nparallel:\n  cp: 2\n  cp-impl: ulysses\nseq_len: 32\n")
+    cfg = parse_config(["--config", str(y), "--steps", "11"], env={"NDP_TP_SIZE": "2", "NDP_CP_SIZE": "8"})
+    assert cfg.model == "tiny-mistral" and cfg.steps == 11 and cfg.seq_len == 32
+    assert cfg.parallel.cp_size == 2 and cfg.parallel.cp_impl == "ulysses" and cfg.parallel.tp_size == 2
+    y.write_text("bogus: 1\n")
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):
+        parse_config(["--config", str(y)], env={})
+
+
+@pytest.mark.parametrize("kw, world, match", [
+    (dict(parallel=ParallelismConfig(dp_shard_size=2, cp_size=2)), 2, "= 4, world_size=2"),
+    (dict(parallel=ParallelismConfig(tp_size=4)), 4, "divisible by tp_size"),
+    (dict(parallel=ParallelismConfig(cp_size=2), seq_len=66), 2, "zigzag sharding needs seq_len divisible"),
+    (dict(parallel=ParallelismConfig(dp_shard_size=2), batch_size=3), 2, "--batch-size .* divisible"),
+    (dict(model="tiny-gpt"), 1, "unknown model preset"),
+])
+def test_bad_config_raises_before_process_group(kw, world, match):
+    cfg = TrainConfig(**kw)
+    with pytest.raises(ValueError, match=match):
+        cfg.check(world)
+    if world == 1:
+        with pytest.raises(ValueError, match=match):
+            train(cfg)
+    assert not dist.is_initialized()
+
+
+def test_cli_reports_config_error_without_launching():
+    r = subprocess.run([PY, "-m", "ndp.train", "--dp-shard", "2", "--cp", "2", "--no-progress"], env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "dp_shard_size=2 * cp_size=2 * tp_size=1 = 4, world_size=1" in r.stderr
+
+
+@pytest.mark.distributed
+def test_torchrun_metrics_and_hf_export(tmp_path):
+    metrics, export = tmp_path / "m.jsonl", tmp_path / "hf"
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ndp.train",
+           "--model", "tiny-llama", "--dp-shard", "2", "--seq-len", "64", "--batch-size", "4", "--steps", "3",
+           "--metrics", str(metrics), "--export-hf", str(export), "--device", "cpu"]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all({"loss", "tokens_per_s", "lr", "grad_norm", "peak_mem_mb"} <= set(row) for row in rows)
+    assert "ndp-train summary" in r.stdout
+
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(export))
+    ids = torch.randint(0, 256, (1, 32))
+    from ndp.train.presets import build_model
+
+    ref = build_model("tiny-llama", seed=0)
+    assert m.config._attn_implementation != "ndp_ring"
+    # trained weights differ from the initial ones, and the export is complete
+    assert set(dict(m.named_parameters())) == set(dict(ref.named_parameters()))
+    assert not torch.allclose(m(ids).logits, ref(ids).logits)
+    # the export is also a valid --model for further training
+    r = subprocess.run([PY, "-m", "ndp.train", "--model", str(export), "--steps", "1", "--seq-len", "64",
+                        "--batch-size", "2", "--no-progress"], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ndp-train summary" in r.stdout, r.stderr[-3000:]

@@ -49,10 +49,10 @@ def _usp_pairs(placement, mask, u):
     """Per-rank pairs of USP with Ulysses size u (ring over groups of u adjacent ranks, heads split by u)."""
     n = placement.world_size
     r = n // u
-    groups = []
-    for g in range(r):
-        pos = np.concatenate([placement.positions[g * u + i] for i in range(u)])
-        groups.append(np.sort(pos))
+    from ndp.cp.ulysses import make_a2a_order
+
+    # the same local reorder usp_attention applies after its all-to-all
+    groups = [make_a2a_order([placement.positions[g * u + i] for i in range(u)], placement)[1] for g in range(r)]
     ring = RingSchedule(Placement(groups, placement.cu_seqlens), mask)
     per_group = ring.pairs_per_rank()
     return [per_group[c // u] / u for c in range(n)]
@@ -361,6 +361,32 @@ def _plot(result, path):
     fig.savefig(path, dpi=120)
 
 
+def _git_sha():
+    """The checked-out commit, read from .git (no git process)."""
+    try:
+        head = open(os.path.join(ROOT, ".git", "HEAD")).read().strip()
+        if head.startswith("ref: "):
+            ref = os.path.join(ROOT, ".git", head[5:])
+            return open(ref).read().strip() if os.path.exists(ref) else "unknown"
+        return head
+    except OSError:
+        return "unknown"
+
+
+def _write_csv(result, path):
+    """One CSV row per result with the machine, versions and git SHA (STYLE.md 'Benchmarks')."""
+    import csv
+
+    meta = result["meta"]
+    rows = [dict(section=sec, **r) for sec in ("balance", "bytes", "time") for r in result.get(sec, [])]
+    keys = sorted({k for r in rows for k in r})
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["gpu", "torch", "git_sha"] + keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(gpu=meta.get("gpu", "none"), torch=meta["torch"], git_sha=meta["git_sha"], **r))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -370,7 +396,8 @@ def main(argv=None):
     parts = set(args.only or ["balance", "bytes", "time"])
     os.makedirs(args.out, exist_ok=True)
     result = dict(meta=dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-                            cpus=os.cpu_count(), cuda=torch.cuda.is_available(),
+                            cpus=os.cpu_count(), cuda=torch.cuda.is_available(), git_sha=_git_sha(),
+                            gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
                             date=datetime.datetime.now(datetime.timezone.utc).isoformat()))
     if "balance" in parts:
         result["balance"] = balance_dense() + balance_packed()
@@ -394,6 +421,7 @@ def main(argv=None):
     path = os.path.join(args.out, "bench_cp.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
+    _write_csv(result, os.path.join(args.out, "bench_cp.csv"))
     if "balance" in result:
         _plot(result, os.path.join(args.out, "bench_cp.png"))
     print(f"\nsaved {path}" + (" and bench_cp.png" if "balance" in result else ""))

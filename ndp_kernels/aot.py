@@ -257,7 +257,11 @@ def main(argv=None) -> int:
             p.error(f"unknown dtype {d!r}; choose from {sorted(DTYPES)}")
     logging.basicConfig(level=logging.WARNING)
     t0 = time.perf_counter()
-    rows = run(args.kernels, args.archs, args.dtypes, args.head_dims, jobs=args.jobs)
+    try:
+        rows = run(args.kernels, args.archs, args.dtypes, args.head_dims, jobs=args.jobs)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.markdown:
         print(markdown(rows))
     else:

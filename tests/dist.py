@@ -12,9 +12,15 @@ def _entry(rank, fn, world_size, tmp_path, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    ok = False
     try:
         fn(rank, world_size, *args)
+        ok = True
     finally:
+        if ok:
+            # All ranks reach teardown together: a rank that leaves early while peers still have gloo
+            # work in flight makes them abort instead of report.
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -18,8 +18,9 @@ from .schedule import LAYOUTS
 
 __all__ = ["resolve_group", "check_layout", "check_common", "check_across_ranks", "group_key"]
 
-# (group key, fingerprint) pairs every rank of the group has already agreed on.
-_AGREED: set = set()
+# group key -> fingerprints every rank of that group has already agreed on. Per group, so that every
+# member of a group sees the same history (and clears the bounded cache at the same call).
+_AGREED: dict = {}
 _AGREED_LOCK = threading.Lock()
 
 
@@ -100,9 +101,9 @@ def check_across_ranks(group, world: int, fields: dict, like: torch.Tensor, what
         return
     desc = tuple(sorted(fields.items()))
     fp = _fingerprint(desc)
-    key = (group_key(group), tuple(fp.tolist()))
+    gkey, key = group_key(group), tuple(fp.tolist())
     with _AGREED_LOCK:
-        if key in _AGREED:
+        if key in _AGREED.get(gkey, ()):
             return
     dev = _comm_device(group, like)
     out = torch.empty(world * 2, dtype=torch.int64, device=dev)
@@ -110,7 +111,10 @@ def check_across_ranks(group, world: int, fields: dict, like: torch.Tensor, what
     allfp = out.view(world, 2).cpu()
     if bool((allfp == fp).all()):
         with _AGREED_LOCK:
-            _AGREED.add(key)
+            seen = _AGREED.setdefault(gkey, set())
+            if len(seen) >= 4096:  # packed batches bring new cu_seqlens every step: keep the cache bounded
+                seen.clear()
+            seen.add(key)
         return
     # Disagreement: every rank sees it (same gathered fingerprints), so all take this path together.
     descs = [None] * world

@@ -263,3 +263,52 @@ def test_other_head_dims(d):
     # Non-power-of-two head dims run in a padded BLOCK_D tile with masked columns.
     q, k, v, dout = _qkv(1, 33, 45, 2, 1, d, torch.float32, seed=13)
     _check(q, k, v, dout, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_segment_tables_and_tiles(seed, monkeypatch):
+    # Random segment tables (gaps, shared key rows, empty key ranges, one- and two-sided bands) with
+    # the GPU-like tile shapes swapped into the interpreter configuration, so the band/tile
+    # arithmetic (skipped blocks, unmasked interior blocks, ragged ends) is exercised for them too.
+    import random
+
+    from ndp_kernels import configs
+    from ndp_kernels.configs import KernelConfig
+
+    rng = random.Random(seed)
+    fwd_tile = [(16, 32), (32, 16), (128, 64), (64, 128), (32, 32), (16, 16)][seed]
+    monkeypatch.setitem(configs._FWD, ("interpreter", 64), KernelConfig(*fwd_tile, 4, 1))
+    monkeypatch.setitem(configs._BWD, ("interpreter", 64), KernelConfig(*reversed(fwd_tile), 4, 1))
+    hk = rng.choice([1, 2])
+    h = hk * rng.choice([1, 3])
+    sq, sk = rng.randint(20, 150), rng.randint(20, 150)
+    cuts = sorted(rng.sample(range(sq + 1), 4))
+    rows = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if rng.random() < 0.2:
+            continue  # rows in no segment
+        ks = rng.randint(0, sk - 1)
+        kl = rng.randint(0, sk - ks)
+        lo = rng.choice([-NO_LIMIT, rng.randint(-60, 30)])
+        hi = rng.choice([NO_LIMIT, rng.randint(max(lo, -30), 80)])
+        rows.append((a, b - a, ks, kl, lo, hi))
+    segs = Segments.from_rows(rows or [(0, sq, 0, sk, -NO_LIMIT, NO_LIMIT)])
+    q, k, v, dout = _qkv(2, sq, sk, h, hk, 64, torch.float32, seed=seed)
+    scale = 0.125
+    out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale)
+    ref_out, ref_lse = reference.attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale)
+    assert_close(out, ref_out, torch.float32, msg=str(segs))
+    _assert_lse(lse, ref_lse, torch.float32)
+    grads = flash.attn_bwd_segments(dout, q, k, v, ref_out, ref_lse, segs, softmax_scale=scale)
+    ref_grads = reference.attn_bwd_segments_ref(dout, q, k, v, ref_out, ref_lse, segs, softmax_scale=scale)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(g, r, torch.float32, "grad", msg=f"{name} {segs}")
+    g = torch.Generator().manual_seed(seed)
+    out_acc = torch.randn(q.shape, generator=g)
+    lse_acc = torch.randn(lse.shape, generator=g)
+    lse_acc[..., ::3] = float("-inf")
+    ref_acc, ref_lacc = out_acc.clone(), lse_acc.clone()
+    flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale, out_acc=out_acc, lse_acc=lse_acc)
+    reference.attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale, out_acc=ref_acc, lse_acc=ref_lacc)
+    assert_close(out_acc, ref_acc, torch.float32)
+    _assert_lse(lse_acc, ref_lacc, torch.float32)

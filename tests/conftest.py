@@ -5,6 +5,9 @@ import sys
 # decorated, so it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# The interpreter's matmuls are tiny: a multithreaded BLAS under an oversubscribed machine only adds
+# nondeterminism.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (ROOT, os.path.join(ROOT, "tests")):

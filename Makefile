@@ -6,7 +6,7 @@ VPY      := $(VENV)/bin/python
 TORCH    ?= torch==2.13.0
 DEPS     := triton==3.9.0 numpy ninja setuptools wheel pytest pytest-timeout transformers==5.23.0 safetensors \
             pyyaml tqdm matplotlib pytest-benchmark
-PYTEST   := OMP_NUM_THREADS=1 $(VPY) -m pytest
+PYTEST   := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VPY) -m pytest
 EXT_SRC  := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/kernels/*) setup.py
 
 .PHONY: venv build test test-fast test-kernels test-dist aot-report cuda-variant demo bench wheel clean

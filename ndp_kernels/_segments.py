@@ -50,7 +50,7 @@ class Segments:
         max_q_len / max_k_len: longest q_len / k_len (computed when omitted).
     """
 
-    __slots__ = ("table", "max_q_len", "max_k_len", "_on")
+    __slots__ = ("table", "max_q_len", "max_k_len", "_on", "_q_rows", "_keys_overlap")
 
     def __init__(self, table: torch.Tensor, max_q_len: int | None = None, max_k_len: int | None = None):
         table = table.to("cpu", torch.int32).reshape(-1, 6).contiguous()
@@ -58,6 +58,10 @@ class Segments:
         self.max_q_len = int(table[:, 1].max()) if max_q_len is None and len(table) else int(max_q_len or 0)
         self.max_k_len = int(table[:, 3].max()) if max_k_len is None and len(table) else int(max_k_len or 0)
         self._on = {}
+        # Facts the launchers need on every call, computed on first use: a ring step reuses its
+        # Segments, and the table is never modified after construction.
+        self._q_rows = None
+        self._keys_overlap = None
 
     def __len__(self) -> int:
         return self.table.shape[0]
@@ -72,6 +76,28 @@ class Segments:
         if key not in self._on:
             self._on[key] = self.table if device.type == "cpu" else self.table.to(device)
         return self._on[key]
+
+    @property
+    def q_rows(self) -> int:
+        """Sum of q_len over all segments (cached)."""
+        if self._q_rows is None:
+            self._q_rows = sum(int(r[1]) for r in self.table.tolist())
+        return self._q_rows
+
+    def covers(self, seqlen_q: int) -> bool:
+        """True when the query ranges cover all ``seqlen_q`` rows (they are disjoint, so lengths add up)."""
+        return self.q_rows == seqlen_q
+
+    @property
+    def keys_overlap(self) -> bool:
+        """True when two segments with work (q_len > 0, k_len > 0) share key rows (cached).
+
+        The backward kernel then adds dk/dv with atomics.
+        """
+        if self._keys_overlap is None:
+            rows = sorted((ks, ks + kl) for _, ql, ks, kl, _, _ in self.table.tolist() if ql > 0 and kl > 0)
+            self._keys_overlap = any(rows[i + 1][0] < rows[i][1] for i in range(len(rows) - 1))
+        return self._keys_overlap
 
     @staticmethod
     def from_rows(rows, max_q_len=None, max_k_len=None) -> "Segments":

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import _segments
 from .configs import block_d, bwd_config, current_arch, fwd_config, interpreting, merge_config
+from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
            "flash_attn_func", "FlashAttnFunction"]
@@ -35,6 +36,14 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_segment(seg_ptr, seg):
+    """Row ``seg`` of the int32 segment table: (q_start, q_len, k_start, k_len, band_lo, band_hi)."""
+    row_ptr = seg_ptr + seg * 6
+    return (tl.load(row_ptr + 0), tl.load(row_ptr + 1), tl.load(row_ptr + 2), tl.load(row_ptr + 3),
+            tl.load(row_ptr + 4), tl.load(row_ptr + 5))
+
 
 @triton.jit
 def _flash_fwd_kernel(
@@ -65,12 +74,7 @@ def _flash_fwd_kernel(
     h = tl.program_id(2)
     b = (pid_bs // num_segments).to(tl.int64)
     seg = pid_bs % num_segments
-    q_start = tl.load(seg_ptr + seg * 6 + 0)
-    q_len = tl.load(seg_ptr + seg * 6 + 1)
-    k_start = tl.load(seg_ptr + seg * 6 + 2)
-    k_len = tl.load(seg_ptr + seg * 6 + 3)
-    band_lo = tl.load(seg_ptr + seg * 6 + 4)
-    band_hi = tl.load(seg_ptr + seg * 6 + 5)
+    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
     hk = h // group_size
 
     m0 = pid_m * BLOCK_M
@@ -133,16 +137,10 @@ def _flash_fwd_kernel(
                 + (q_start + offs_m).to(tl.int64) * stride_lse_s)
     if ACCUMULATE:
         lse_old = tl.load(lse_ptrs, mask=row_ok, other=float("-inf"))
-        mx = tl.maximum(lse_old, lse)
-        none = mx == float("-inf")
-        mx_safe = tl.where(none, 0.0, mx)
-        w_old = tl.exp(lse_old - mx_safe)
-        w_blk = tl.exp(lse - mx_safe)
-        tot = tl.where(none, 1.0, w_old + w_blk)
-        w_old = tl.where(none, 1.0, w_old / tot)
+        w_old, w_blk = _merge_weights(lse_old, lse)
         # Fold 1/l of the block output into its merge weight.
-        w_blk = tl.where(none, 0.0, w_blk / tot) / l_safe
-        tl.store(lse_ptrs, tl.where(none, float("-inf"), mx_safe + tl.log(tot)), mask=row_ok)
+        w_blk = w_blk / l_safe
+        tl.store(lse_ptrs, _merge_lse(lse_old, lse), mask=row_ok)
         if BLOCK_D >= 64:
             # Merge one half of the head dim at a time: holding the old accumulator tile next to
             # the new one spills registers at head_dim 256.
@@ -227,12 +225,7 @@ def _flash_bwd_kernel(
     hk = tl.program_id(2)
     b = (pid_bs // num_segments).to(tl.int64)
     seg = pid_bs % num_segments
-    q_start = tl.load(seg_ptr + seg * 6 + 0)
-    q_len = tl.load(seg_ptr + seg * 6 + 1)
-    k_start = tl.load(seg_ptr + seg * 6 + 2)
-    k_len = tl.load(seg_ptr + seg * 6 + 3)
-    band_lo = tl.load(seg_ptr + seg * 6 + 4)
-    band_hi = tl.load(seg_ptr + seg * 6 + 5)
+    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -336,13 +329,6 @@ def _segment_args(segs, device):
     return table, table.shape[0]
 
 
-def _keys_overlap(segs) -> bool:
-    """True when two segments (with work) share key rows: dk/dv must then be added atomically."""
-    rows = [(int(r[2]), int(r[2]) + int(r[3])) for r in segs.table.tolist() if r[1] > 0 and r[3] > 0]
-    rows.sort()
-    return any(rows[i + 1][0] < rows[i][1] for i in range(len(rows) - 1))
-
-
 def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     """Forward attention of 4-D q/k/v over a segment table.
 
@@ -371,8 +357,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
         out, lse = out_acc, lse_acc
     else:
         # Rows in no segment must read out = 0, lse = -inf; skip the fill when segments cover all rows.
-        covered = sum(int(r[1]) for r in segs.table.tolist()) == Sq
-        if covered:
+        if segs.covers(Sq):
             out = torch.empty((B, Sq, H, D), dtype=q4.dtype, device=q4.device)
             lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q4.device)
         else:
@@ -477,7 +462,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ATOMIC_KV=_keys_overlap(segs), DOT_PRECISION=_dot_precision(q4.dtype),
+            ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (dq if dq_acc is not None else dq.to(q4.dtype),

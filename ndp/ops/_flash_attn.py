@@ -28,7 +28,8 @@ def available() -> tuple[bool, str]:
 
 def _varlen_args(q4, k4, segs):
     """(cu_q, cu_k, max_q, max_k, causal, (left, right)) when segs is flash-attn expressible, else None."""
-    if q4.dtype not in (torch.float16, torch.bfloat16) or q4.shape[0] != 1 and len(segs) != 1:
+    # Only packed-style calls ([1, T, H, D]) map onto the varlen API; others use the Triton kernels.
+    if q4.dtype not in (torch.float16, torch.bfloat16) or q4.shape[0] != 1:
         return None
     rows = segs.table.tolist()
     cu_q, cu_k, mode = [0], [0], None
@@ -55,7 +56,7 @@ def _flat(x):
 
 
 def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, fallback):
-    args = _varlen_args(q4, k4, segs) if q4.shape[0] == 1 else None
+    args = _varlen_args(q4, k4, segs)
     if args is None:
         log.debug("segment table not expressible in flash-attn varlen form; using the Triton kernels")
         return fallback(q4, k4, v4, segs, softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
@@ -73,7 +74,7 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, fallback
 
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
         fallback):
-    args = _varlen_args(q4, k4, segs) if q4.shape[0] == 1 else None
+    args = _varlen_args(q4, k4, segs)
     if args is None:
         return fallback(dout4, q4, k4, v4, out4, lse3, segs, softmax_scale=softmax_scale, dq_acc=dq_acc,
                         dk_acc=dk_acc, dv_acc=dv_acc)

@@ -99,7 +99,7 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "flash": ["flash-attn"],
+        "flash": ["flash-attn>=2.6,<2.9"],
         "hf": ["transformers", "safetensors"],
         "test": ["pytest", "pytest-timeout", "transformers", "pyyaml"],
         "bench": ["matplotlib", "pytest-benchmark"],

@@ -244,7 +244,8 @@ def _time_body(rank, world, out_file, cfg):
                 torch.cuda.synchronize()
             if it >= cfg["warmup"]:
                 times.append(time.perf_counter() - t0)
-        t = torch.tensor([float(np.median(times))], dtype=torch.float64)
+        # on the rank's device: NCCL only reduces CUDA tensors
+        t = torch.tensor([float(np.median(times))], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
         res[name] = t.item()
     if rank == 0:

@@ -10,13 +10,14 @@ cost per program and per block operation, so moderately large blocks keep tests 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 import triton
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
-           "bwd_config", "merge_config", "interpreting"]
+           "bwd_config", "merge_config", "interpreting", "launch_device"]
 
 ARCHS = ("sm_80", "sm_90")
 MIN_HEAD_DIM = 16
@@ -56,6 +57,15 @@ def block_d(head_dim: int) -> int:
 def interpreting() -> bool:
     """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return bool(triton.knobs.runtime.interpret)
+
+
+def launch_device(device: torch.device):
+    """Context manager making ``device`` the current CUDA device for a kernel launch.
+
+    Triton launches on the current device and its current stream, not on the device of the tensor
+    arguments: without this a tensor on cuda:1 would be launched on cuda:0. A no-op off CUDA.
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def current_arch(device: torch.device) -> str:

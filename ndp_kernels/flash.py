@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from .configs import block_d, bwd_config, current_arch, fwd_config, interpreting, merge_config
+from .configs import (block_d, bwd_config, current_arch, fwd_config, interpreting, launch_device,
+                      merge_config)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -368,19 +369,20 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     cfg = fwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
     table, nseg = _segment_args(segs, q4.device)
     grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
-    _flash_fwd_kernel[grid](
-        q4, k4, v4, out, lse, table,
-        float(softmax_scale) * LOG2E,
-        nseg, H // Hkv,
-        q4.stride(0), q4.stride(1), q4.stride(2),
-        k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with launch_device(q4.device):
+        _flash_fwd_kernel[grid](
+            q4, k4, v4, out, lse, table,
+            float(softmax_scale) * LOG2E,
+            nseg, H // Hkv,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out, lse
 
 
@@ -391,13 +393,14 @@ def _delta(out4, dout4):
         return delta
     cfg = merge_config(current_arch(out4.device), D)
     grid = (triton.cdiv(S, cfg.block_m), B, H)
-    _flash_bwd_preprocess_kernel[grid](
-        out4, dout4, delta, S,
-        out4.stride(0), out4.stride(1), out4.stride(2),
-        dout4.stride(0), dout4.stride(1), dout4.stride(2),
-        delta.stride(0), delta.stride(1),
-        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
-    )
+    with launch_device(out4.device):
+        _flash_bwd_preprocess_kernel[grid](
+            out4, dout4, delta, S,
+            out4.stride(0), out4.stride(1), out4.stride(2),
+            dout4.stride(0), dout4.stride(1), dout4.stride(2),
+            delta.stride(0), delta.stride(1),
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+        )
     return delta
 
 
@@ -447,24 +450,25 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         cfg = bwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
         table, nseg = _segment_args(segs, q4.device)
         grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv)
-        _flash_bwd_kernel[grid](
-            q4, k4, v4, dout4, lse3, delta, table,
-            dq, dk, dv,
-            float(softmax_scale), float(softmax_scale) * LOG2E,
-            nseg, H // Hkv,
-            q4.stride(0), q4.stride(1), q4.stride(2),
-            k4.stride(0), k4.stride(1), k4.stride(2),
-            v4.stride(0), v4.stride(1), v4.stride(2),
-            dout4.stride(0), dout4.stride(1), dout4.stride(2),
-            lse3.stride(0), lse3.stride(1), lse3.stride(2),
-            delta.stride(0), delta.stride(1),
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2),
-            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        with launch_device(q4.device):
+            _flash_bwd_kernel[grid](
+                q4, k4, v4, dout4, lse3, delta, table,
+                dq, dk, dv,
+                float(softmax_scale), float(softmax_scale) * LOG2E,
+                nseg, H // Hkv,
+                q4.stride(0), q4.stride(1), q4.stride(2),
+                k4.stride(0), k4.stride(1), k4.stride(2),
+                v4.stride(0), v4.stride(1), v4.stride(2),
+                dout4.stride(0), dout4.stride(1), dout4.stride(2),
+                lse3.stride(0), lse3.stride(1), lse3.stride(2),
+                delta.stride(0), delta.stride(1),
+                dq.stride(0), dq.stride(1), dq.stride(2),
+                dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2),
+                HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
     return (dq if dq_acc is not None else dq.to(q4.dtype),
             dk if dk_acc is not None else dk.to(k4.dtype),
             dv if dv_acc is not None else dv.to(v4.dtype))

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from .configs import block_d, current_arch, interpreting, merge_config
+from .configs import block_d, current_arch, interpreting, launch_device, merge_config
 
 __all__ = ["merge_attn_states_"]
 
@@ -125,12 +125,13 @@ def merge_attn_states_(out_acc, lse_acc, block_out, block_lse):
         return out_acc, lse_acc
     cfg = merge_config(current_arch(oa.device), D)
     grid = (triton.cdiv(S, cfg.block_m), B, H)
-    _merge_attn_states_kernel[grid](
-        oa, la, ob, lb, S,
-        oa.stride(0), oa.stride(1), oa.stride(2),
-        la.stride(0), la.stride(1), la.stride(2),
-        ob.stride(0), ob.stride(1), ob.stride(2),
-        lb.stride(0), lb.stride(1), lb.stride(2),
-        HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
-    )
+    with launch_device(oa.device):
+        _merge_attn_states_kernel[grid](
+            oa, la, ob, lb, S,
+            oa.stride(0), oa.stride(1), oa.stride(2),
+            la.stride(0), la.stride(1), la.stride(2),
+            ob.stride(0), ob.stride(1), ob.stride(2),
+            lb.stride(0), lb.stride(1), lb.stride(2),
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, num_warps=cfg.num_warps,
+        )
     return out_acc, lse_acc

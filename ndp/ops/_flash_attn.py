@@ -7,6 +7,7 @@ compiled merge op, since flash-attn has no accumulator epilogue.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -23,13 +24,19 @@ def available() -> tuple[bool, str]:
         return False, f"flash-attn does not import ({e}); install it with `pip install ndp[flash]` on a CUDA machine"
     if not torch.cuda.is_available():
         return False, "flash-attn needs a CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        # flash-attn 2 kernels are built for Ampere (sm_80) and newer only.
+        return False, f"flash-attn 2 needs compute capability >= 8.0; this GPU has {cap[0]}.{cap[1]}"
     return True, ""
 
 
 def _varlen_args(q4, k4, segs):
     """(cu_q, cu_k, max_q, max_k, causal, (left, right)) when segs is flash-attn expressible, else None."""
     # Only packed-style calls ([1, T, H, D]) map onto the varlen API; others use the Triton kernels.
-    if q4.dtype not in (torch.float16, torch.bfloat16) or q4.shape[0] != 1:
+    # flash-attn's private backward needs head_dim % 8 == 0 (only its public forward pads), so other
+    # head dims take the Triton kernels in both directions.
+    if q4.dtype not in (torch.float16, torch.bfloat16) or q4.shape[0] != 1 or q4.shape[-1] % 8:
         return None
     rows = segs.table.tolist()
     cu_q, cu_k, mode = [0], [0], None
@@ -39,7 +46,11 @@ def _varlen_args(q4, k4, segs):
         d = kl - ql
         left = -1 if lo <= -NO_LIMIT else d - lo
         right = -1 if hi >= NO_LIMIT else hi - d
-        if left < -1 or right < -1 or (mode is not None and mode != (left, right)):
+        # A finite bound that maps to a negative window (e.g. the striped ring's band_hi = -1 with
+        # d = 0) is not expressible: flash-attn would read -1 as "unlimited".
+        if (lo > -NO_LIMIT and left < 0) or (hi < NO_LIMIT and right < 0):
+            return None
+        if mode is not None and mode != (left, right):
             return None
         mode = (left, right)
         cu_q.append(qs + ql)
@@ -65,11 +76,37 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, fallback
     out, lse, _ = flash_attn_varlen_func(_flat(q4), _flat(k4), _flat(v4), cu_q, cu_k, mq, mk,
                                          softmax_scale=softmax_scale, causal=causal,
                                          window_size=(left, right), return_attn_probs=True)
+    # flash-attn writes lse = +inf for a row that sees no key; ndp's contract (and the merge) needs -inf.
+    lse = lse.masked_fill(lse == float("inf"), float("-inf"))
     out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, T, H, D], [1, H, T]
     if out_acc is None:
         return out, lse
     torch.ops.ndp.merge_attn_states_(out_acc, lse_acc, out, lse)
     return out_acc, lse_acc
+
+
+def _varlen_backward(*, window, **kwargs):
+    """Call flash-attn's private varlen backward, whose signature changed between releases.
+
+    2.6.x takes ``window_size=(left, right)``; 2.7 and 2.8 take ``window_size_left``/``window_size_right``
+    (and wrap the function as a torch custom op, whose Python signature is ``_init_fn``'s).
+    """
+    import flash_attn
+    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if "window_size_left" in params and "window_size_right" in params:
+        kwargs.update(window_size_left=window[0], window_size_right=window[1])
+    elif "window_size" in params:
+        kwargs["window_size"] = window
+    kwargs.update(softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+    kwargs = {k: v for k, v in kwargs.items() if k in params}
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs]
+    if missing or not any(n.startswith("window_size") for n in kwargs):
+        raise RuntimeError(
+            f"flash-attn {getattr(flash_attn, '__version__', '?')} has an unsupported "
+            f"_flash_attn_varlen_backward signature (cannot fill {missing or ['window_size']}); ndp supports "
+            f"flash-attn 2.6-2.8. Install one of those or use backend='triton'.")
+    return fn(**kwargs)
 
 
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
@@ -78,14 +115,13 @@ def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_a
     if args is None:
         return fallback(dout4, q4, k4, v4, out4, lse3, segs, softmax_scale=softmax_scale, dq_acc=dq_acc,
                         dk_acc=dk_acc, dv_acc=dv_acc)
-    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
     cu_q, cu_k, mq, mk, causal, (left, right) = args
     dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
-    _flash_attn_varlen_backward(
-        _flat(dout4), _flat(q4), _flat(k4), _flat(v4), _flat(out4), lse3[0].contiguous(), dq, dk, dv,
-        cu_q, cu_k, mq, mk, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-        window_size_left=left, window_size_right=right, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=None)
+    _varlen_backward(
+        dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4),
+        softmax_lse=lse3[0].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+        window=(left, right))
     dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
     if dq_acc is None:
         return dq, dk, dv

@@ -11,7 +11,9 @@
    a gloo job, against the theoretical minimum of each impl (ratio target 1.00).
 3. Time on CPU (gloo, one thread per rank): fwd+bwd of ring / allgather / ulysses against
    single-process attention on the whole sequence -> parallel efficiency T1 / (N * T_N), T_N the
-   slowest rank. With CUDA (NCCL) the same runs on GPUs and report % of ideal (T1 / N).
+   slowest rank. With CUDA (NCCL) the same runs on GPUs and report % of ideal (T1 / N). Before timing,
+   each impl's output is checked against single-process attention on the full sequence (ndp.ops, torch
+   backend, cut with ndp.shard_sequence; tolerances from tests/tolerances.py): a mismatch raises.
 Results: a printed table, <out>/bench_cp.json and <out>/bench_cp.png.
 """
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if os.path.join(ROOT, "tests") not in sys.path:
+    sys.path.append(os.path.join(ROOT, "tests"))   # tolerances.py: the one table of tolerances (STYLE.md)
 
 from ndp.cp.schedule import LAYOUTS, Mask, Placement, RingSchedule, build_step  # noqa: E402
 from ndp.cp.sharding import DEFAULT_MIN_PIECE, packed_shard  # noqa: E402
@@ -217,6 +221,69 @@ def comm_bytes(worlds=(2, 4), shapes=None):
 
 # ---------------------------------------------------------------------------------------------- time
 
+def _timed(step, dev, warmup, iters, barrier=None):
+    """Median seconds of step() (STYLE.md 'Benchmarks'): warm-up runs, then each timed run starts after
+    `barrier` (distributed) and is timed with CUDA events on GPU, perf_counter only on CPU."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _reference_shard(q, k, v, dtype):
+    """Single-process fp32 attention on the full sequence (ndp.ops, backend="torch"; inputs first rounded to
+    `dtype`), this rank's part cut with ndp.shard_sequence. One query head at a time: the dense
+    reference holds S x S per head."""
+    import ndp
+    import ndp.ops
+
+    q, k, v = (x.to(dtype).float() for x in (q, k, v))
+    r = q.shape[2] // k.shape[2]
+    with torch.no_grad():
+        ref = torch.cat([ndp.ops.attention(q[:, :, i:i + 1], k[:, :, i // r:i // r + 1], v[:, :, i // r:i // r + 1],
+                                           causal=True, backend="torch").cpu() for i in range(q.shape[2])], dim=2)
+    return ndp.shard_sequence(ref, dim=1)
+
+
+def _check_reference(name, out, ref, dtype, dev):
+    """Compare one CP output with the reference before timing; every rank raises on a mismatch on any rank.
+    Tolerances: tests/tolerances.py ("out" row of `dtype`). Returns the max abs error over ranks."""
+    import torch.distributed as dist
+
+    from tolerances import tol
+
+    atol, rtol = tol(dtype, "out")
+    diff = (out.detach().cpu().double() - ref.double()).abs()
+    bad = (diff > atol + rtol * ref.double().abs()).sum() + (~torch.isfinite(diff)).sum()
+    stats = torch.tensor([diff.max().item(), float(bad)], dtype=torch.float64, device=dev)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)   # NCCL only reduces CUDA tensors
+    err, nbad = stats.tolist()
+    ok = nbad == 0
+    if dist.get_rank() == 0:
+        print(f"reference check {name} N={dist.get_world_size()} {str(dtype)[6:]}: max|out-ref| = {err:.3e} "
+              f"(atol {atol:g}, rtol {rtol:g}) {'ok' if ok else 'MISMATCH'}", flush=True)
+    if not ok:
+        raise RuntimeError(f"bench_cp: {name} output differs from the single-process reference on rank "
+                           f"{dist.get_rank()}: max abs error {err:.3e}, {int(nbad)} elements over atol={atol:g} "
+                           f"rtol={rtol:g} (max over ranks); not timing a wrong result")
+    return err
+
+
 def _time_body(rank, world, out_file, cfg):
     import torch.distributed as dist
 
@@ -227,27 +294,23 @@ def _time_body(rank, world, out_file, cfg):
     dtype = getattr(torch, cfg["dtype"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, s, hh, d, generator=g) for hh in (h, hk, hk))
+    ref = _reference_shard(q.to(dev), k.to(dev), v.to(dev), dtype)
     ql, kl, vl = (shard_sequence(x, dim=1).to(dev, dtype).requires_grad_() for x in (q, k, v))
     res = {}
     for name, fn in (("ring", ring_attention), ("allgather", allgather_attention), ("ulysses", ulysses_attention)):
         if name == "ulysses" and (h % world or (hk < world and world % hk) or (hk >= world and hk % world)):
             continue
-        times = []
-        for it in range(cfg["warmup"] + cfg["iters"]):
-            dist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(ql, kl, vl, causal=True, backend=cfg["backend"])
-            out.sum().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if it >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
+        with torch.no_grad():
+            err = _check_reference(name, fn(ql, kl, vl, causal=True, backend=cfg["backend"]), ref, dtype, dev)
+
+        def step():
+            fn(ql, kl, vl, causal=True, backend=cfg["backend"]).sum().backward()
+
         # on the rank's device: NCCL only reduces CUDA tensors
-        t = torch.tensor([float(np.median(times))], dtype=torch.float64, device=dev)
+        t = torch.tensor([_timed(step, dev, cfg["warmup"], cfg["iters"], dist.barrier)], dtype=torch.float64,
+                         device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)   # the slowest rank sets the pace
-        res[name] = t.item()
+        res[name] = dict(tN=t.item(), ref_err=err)
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(res, f)
@@ -263,17 +326,11 @@ def _single_time(cfg):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(cfg["b"], cfg["s"], hh, cfg["d"], generator=g).to(dev, dtype).requires_grad_()
                for hh in (cfg["h"], cfg["hk"], cfg["hk"]))
-    times = []
-    for it in range(cfg["warmup"] + cfg["iters"]):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         ndp.ops.attention(q, k, v, causal=True, backend=cfg["backend"]).sum().backward()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        if it >= cfg["warmup"]:
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+
+    return _timed(step, dev, cfg["warmup"], cfg["iters"])
 
 
 def timing(worlds=(2, 4), device="cpu", s=1024):
@@ -292,9 +349,11 @@ def timing(worlds=(2, 4), device="cpu", s=1024):
                 _spawn(_time_body, n, f, cfg)
             with open(f) as fh:
                 res = json.load(fh)
-        for impl, tn in res.items():
-            rows.append(dict(device=device, impl=impl, N=n, t1=t1, tN=tn, efficiency=t1 / (n * tn),
-                             pct_ideal=100 * (t1 / n) / tn, shape=f"B=1 S={s} H=8 Hkv=2 D=64 {cfg['dtype']} causal"))
+        for impl, r in res.items():
+            tn = r["tN"]
+            rows.append(dict(device=device, impl=impl, N=n, t1=t1, tN=tn, ref_err=r["ref_err"],
+                             efficiency=t1 / (n * tn), pct_ideal=100 * (t1 / n) / tn,
+                             shape=f"B=1 S={s} H=8 Hkv=2 D=64 {cfg['dtype']} causal"))
     return rows
 
 
@@ -310,7 +369,7 @@ def _table(rows, cols, title):
 
 def _fmt(x):
     if isinstance(x, float):
-        return f"{x:.3f}" if abs(x) < 1e5 else f"{x:.3e}"
+        return f"{x:.3f}" if x == 0 or 1e-3 <= abs(x) < 1e5 else f"{x:.3e}"
     return str(x)
 
 
@@ -409,12 +468,13 @@ def main(argv=None):
                                  "bwd_ratio", "flops_ratio"], f"communication, {LAYERS_NOTE}")
     if "time" in parts:
         rows = timing(device="cpu", s=args.seqlen)
-        _table(rows, ["device", "impl", "N", "t1", "tN", "efficiency", "shape"],
+        _table(rows, ["device", "impl", "N", "t1", "tN", "pct_ideal", "efficiency", "ref_err", "shape"],
                f"fwd+bwd time, gloo on CPU, one thread per rank ({os.cpu_count()} cores on this machine)")
         if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
             n = torch.cuda.device_count()
             gpu = timing(worlds=tuple(w for w in (2, 4, 8) if w <= n), device="cuda", s=max(args.seqlen, 16384))
-            _table(gpu, ["device", "impl", "N", "t1", "tN", "pct_ideal", "shape"], "fwd+bwd time, NCCL on GPUs")
+            _table(gpu, ["device", "impl", "N", "t1", "tN", "pct_ideal", "ref_err", "shape"],
+                   "fwd+bwd time, NCCL on GPUs")
             rows += gpu
         else:
             print("\nno CUDA devices (or fewer than 2): GPU/NCCL mode skipped; the CPU figures above are gloo.")

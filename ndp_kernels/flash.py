@@ -85,12 +85,16 @@ def _flash_fwd_kernel(
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
 
-    # Base offsets in int64 (packed inputs can exceed 2**31 elements); in-tile offsets stay int32.
+    # Base offsets in int64 (packed inputs can exceed 2**31 elements). Row offsets inside a segment
+    # are int64 as well: row * stride_s passes 2**31 in a long segment (512K rows at H * D = 4096).
+    # Rows are widened per element (`rows.to(tl.int64)[:, None] * stride`) rather than by advancing
+    # a scalar base pointer per block: the latter leaves loop-invariant 64-bit tile offsets live
+    # across the key loop (+10..60 registers, spills; `python -m ndp_kernels.aot`).
     q_base = q_ptr + b * stride_q_b + q_start.to(tl.int64) * stride_q_s + h * stride_q_h
     k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
     v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
 
-    q = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_d[None, :],
+    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_q_s + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Key range [j_lo, j_hi) seen by at least one row of this tile.
@@ -113,7 +117,8 @@ def _flash_fwd_kernel(
     for start_n in range(n_begin, j_hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if (start_n < full_lo) | (start_n >= full_hi):  # uniform per program: edge blocks only
             diff = cols[None, :] - offs_m[:, None]
@@ -126,7 +131,8 @@ def _flash_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(v_base + cols[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -153,16 +159,27 @@ def _flash_fwd_kernel(
         else:
             _merge_tile(o_base, acc, offs_m, offs_d, row_ok, w_old, w_blk, stride_o_s, HEAD_DIM)
     else:
-        o_ptrs = o_base + offs_m[:, None] * stride_o_s + offs_d[None, :]
         o = acc / l_safe[:, None]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_rows = o_base + offs_m.to(tl.int64)[:, None] * stride_o_s
+        if BLOCK_D >= 64:
+            # Store one half of the head dim at a time, as the merge above: with 64-bit row offsets
+            # the whole-tile store spills registers (fp32, head_dim 80, sm_80).
+            halves = tl.split(tl.permute(tl.reshape(o, [BLOCK_M, 2, BLOCK_D // 2]), (0, 2, 1)))
+            offs_h = tl.arange(0, BLOCK_D // 2)
+            tl.store(o_rows + offs_h[None, :], halves[0].to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_h < HEAD_DIM)[None, :])
+            tl.store(o_rows + (offs_h + BLOCK_D // 2)[None, :], halves[1].to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_h + BLOCK_D // 2 < HEAD_DIM)[None, :])
+        else:
+            tl.store(o_rows + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_tile(o_base, acc, offs_m, offs_d, row_ok, w_old, w_blk, stride_o_s, HEAD_DIM: tl.constexpr):
     """out_acc[rows, cols] = out_acc * w_old + acc * w_blk (per-row weights), fp32, in place."""
-    ptrs = o_base + offs_m[:, None] * stride_o_s + offs_d[None, :]
+    ptrs = o_base + offs_m.to(tl.int64)[:, None] * stride_o_s + offs_d[None, :]  # int64 rows: see above
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     old = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, old * w_old[:, None] + acc * w_blk[:, None], mask=mask)
@@ -229,18 +246,23 @@ def _flash_bwd_kernel(
     q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
 
     n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
+    offs_n = n0 + offs_c  # key rows inside the segment: the masks
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < k_len
     d_ok = offs_d < HEAD_DIM
     kv_mask = col_ok[:, None] & d_ok[None, :]
 
-    k_row0 = k_start.to(tl.int64)
+    # Row offsets in int64 (row * stride_s passes 2**31 in long segments): the k/v/dk/dv base is
+    # advanced to the block's first row, leaving small int32 in-tile offsets; inside the query loop,
+    # q/do advance a scalar base by start_m and dq/lse widen their rows per element (the forms that
+    # keep registers and spills at the int32 kernel's level; `python -m ndp_kernels.aot`).
+    k_row0 = (k_start + n0).to(tl.int64)
     k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
-                + offs_n[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_c[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
-                + offs_n[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_c[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -263,10 +285,12 @@ def _flash_bwd_kernel(
             rows = start_m + offs_m0
             row_ok = rows < q_len
             q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + rows[:, None] * stride_q_s + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + rows[:, None] * stride_do_s + offs_d[None, :], mask=q_mask,
-                         other=0.0)
-            lse = tl.load(lse_base + rows * stride_lse_s, mask=row_ok, other=float("-inf"))
+            m64 = tl.cast(start_m, tl.int64)  # tl.cast: the interpreter's loop variable is a Python int
+            q = tl.load(q_base + m64 * stride_q_s + offs_m0[:, None] * stride_q_s + offs_d[None, :],
+                        mask=q_mask, other=0.0)
+            do = tl.load(do_base + m64 * stride_do_s + offs_m0[:, None] * stride_do_s + offs_d[None, :],
+                         mask=q_mask, other=0.0)
+            lse = tl.load(lse_base + rows.to(tl.int64) * stride_lse_s, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
             # lse = -inf marks a row without keys: shift by +inf so that its P is exactly 0.
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -280,14 +304,14 @@ def _flash_bwd_kernel(
             ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
             dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * softmax_scale
-            tl.atomic_add(dq_base + rows[:, None] * stride_dq_s + offs_d[None, :], dq, mask=q_mask,
-                          sem="relaxed")
+            tl.atomic_add(dq_base + rows.to(tl.int64)[:, None] * stride_dq_s + offs_d[None, :], dq,
+                          mask=q_mask, sem="relaxed")
 
     dk = dk * softmax_scale
     dk_ptrs = (dk_ptr + b * stride_dk_b + k_row0 * stride_dk_s + hk * stride_dk_h
-               + offs_n[:, None] * stride_dk_s + offs_d[None, :])
+               + offs_c[:, None] * stride_dk_s + offs_d[None, :])
     dv_ptrs = (dv_ptr + b * stride_dv_b + k_row0 * stride_dv_s + hk * stride_dv_h
-               + offs_n[:, None] * stride_dv_s + offs_d[None, :])
+               + offs_c[:, None] * stride_dv_s + offs_d[None, :])
     if ATOMIC_KV:
         tl.atomic_add(dk_ptrs, dk, mask=kv_mask, sem="relaxed")
         tl.atomic_add(dv_ptrs, dv, mask=kv_mask, sem="relaxed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ndp_kernels._segments import Segments, acc_dtype
@@ -136,6 +137,16 @@ def p2p_ring(send, recv, group, rank, world, tag):
     reqs = dist.batch_isend_irecv(ops)
     record_comm("p2p", nbytes(send), nbytes(recv))
     return reqs
+
+
+def on_device(cache: dict, name: str, tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device`, copied once per (name, device) and kept in `cache`: plans are reused on every
+    call, so their index tensors must not cross to the GPU again each time."""
+    key = (name, str(device))
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = tensor.to(device)
+    return hit
 
 
 def wait_all(reqs):

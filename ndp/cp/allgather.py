@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._common import acc_dtype, prepare_call, run_bwd_step, run_fwd_step
+from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import build_step
 from .stats import all_gather_flat, reduce_scatter_flat
 
@@ -31,10 +31,7 @@ class GatherOrder:
     _on: dict
 
     def idx(self, device):
-        key = str(device)
-        if key not in self._on:
-            self._on[key] = self.index.to(device)
-        return self._on[key]
+        return on_device(self._on, "index", self.index, device)
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._common import acc_dtype, prepare_call, run_bwd_step, run_fwd_step
+from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import Placement, build_step
 from .stats import record_comm
 
@@ -36,10 +36,7 @@ class A2AOrder:
     _on: dict
 
     def index(self, which: str, device) -> torch.Tensor:
-        key = (which, str(device))
-        if key not in self._on:
-            self._on[key] = getattr(self, which).to(device)
-        return self._on[key]
+        return on_device(self._on, which, getattr(self, which), device)
 
 
 @dataclass(frozen=True, eq=False)

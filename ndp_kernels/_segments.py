@@ -50,7 +50,7 @@ class Segments:
         max_q_len / max_k_len: longest q_len / k_len (computed when omitted).
     """
 
-    __slots__ = ("table", "max_q_len", "max_k_len", "_on", "_q_rows", "_keys_overlap")
+    __slots__ = ("table", "max_q_len", "max_k_len", "_on", "_q_rows", "_keys_overlap", "memo")
 
     def __init__(self, table: torch.Tensor, max_q_len: int | None = None, max_k_len: int | None = None):
         table = table.to("cpu", torch.int32).reshape(-1, 6).contiguous()
@@ -62,6 +62,8 @@ class Segments:
         # Segments, and the table is never modified after construction.
         self._q_rows = None
         self._keys_overlap = None
+        # Per-table facts of the layers above (block class, engine plans), keyed by their owner.
+        self.memo = {}
 
     def __len__(self) -> int:
         return self.table.shape[0]

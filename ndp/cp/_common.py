@@ -14,7 +14,15 @@ from .schedule import Mask, Placement, Step
 from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
 
-__all__ = ["Call", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring", "acc_dtype"]
+__all__ = ["Call", "LocalEngine", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring", "acc_dtype"]
+
+
+@dataclass(frozen=True)
+class LocalEngine:
+    """How a CP call runs its blocks: the ndp.ops backend ("auto" = measured per block) and whether the
+    gradients must be bitwise reproducible."""
+    backend: str = "auto"
+    deterministic: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,7 +34,7 @@ class Call:
     layout: str
     mask: Mask
     scale: float
-    backend: str
+    backend: LocalEngine
     packed: bool
     placement: Placement
     batch: int
@@ -36,7 +44,7 @@ class Call:
 
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
-                 extra=None, pre_check=None) -> Call:
+                 deterministic=False, extra=None, pre_check=None) -> Call:
     """Validates a public CP call on this rank, then checks that all ranks agree (cached).
 
     Raises:
@@ -54,10 +62,18 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
         pre_check(world)
     placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens)
     mask = Mask(causal, tuple(window))
-    fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra)
+    engine = local_engine(backend, deterministic)
+    fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra)
     check_across_ranks(pg, world, fields, q, f"{impl}")
-    return Call(pg, world, rank, layout, mask, scale, backend, packed, placement, batch, q.shape[-2],
+    return Call(pg, world, rank, layout, mask, scale, engine, packed, placement, batch, q.shape[-2],
                 k.shape[-2], q.shape[-1])
+
+
+def local_engine(backend, deterministic) -> LocalEngine:
+    """The validated LocalEngine of a call. Raises TypeError when deterministic is not a bool."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    return LocalEngine(backend, deterministic)
 
 
 def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra):
@@ -66,8 +82,8 @@ def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, ext
     return dict(impl=impl, layout=None if packed else layout, causal=causal, window=tuple(window),
                 scale=scale, dtype=str(q.dtype), device=q.device.type,
                 q_shape=tuple(q.shape[-2:]) if packed else tuple(q.shape),
-                kv_shape=tuple(k.shape[-2:]) if packed else tuple(k.shape), packed=cu_desc, backend=backend,
-                extra=extra)
+                kv_shape=tuple(k.shape[-2:]) if packed else tuple(k.shape), packed=cu_desc,
+                backend=backend.backend, deterministic=backend.deterministic, extra=extra)
 
 
 def placement_for(impl, q, world, rank, layout, cu_seqlens):
@@ -109,23 +125,25 @@ def to_segments(step: Step) -> tuple:
     return tuple(_segs_of_pass(p) for p in step.passes)
 
 
-def run_fwd_step(q4, k4, v4, step: Step, out_acc, lse_acc, *, scale, backend):
+def run_fwd_step(q4, k4, v4, step: Step, out_acc, lse_acc, *, scale, backend: LocalEngine):
     """Merges the attention of one step's blocks into the fp32 accumulators."""
     from ndp.ops import attention_fwd
 
     for segs in to_segments(step):
-        attention_fwd(q4, k4, v4, segs, softmax_scale=scale, out_acc=out_acc, lse_acc=lse_acc, backend=backend)
+        attention_fwd(q4, k4, v4, segs, softmax_scale=scale, out_acc=out_acc, lse_acc=lse_acc,
+                      backend=backend.backend)
     b, _, h, d = q4.shape
     record_flops(4 * b * h * d * step.pairs)
 
 
-def run_bwd_step(dout4, q4, k4, v4, out4, lse, step: Step, dq_acc, dk_acc, dv_acc, *, scale, backend):
+def run_bwd_step(dout4, q4, k4, v4, out4, lse, step: Step, dq_acc, dk_acc, dv_acc, *, scale,
+                 backend: LocalEngine):
     """Adds one step's gradients into the accumulators."""
     from ndp.ops import attention_bwd
 
     for segs in to_segments(step):
         attention_bwd(dout4, q4, k4, v4, out4, lse, segs, softmax_scale=scale, dq_acc=dq_acc, dk_acc=dk_acc,
-                      dv_acc=dv_acc, backend=backend)
+                      dv_acc=dv_acc, backend=backend.backend, deterministic=backend.deterministic)
     b, _, h, d = q4.shape
     record_flops(int(2.5 * 4 * b * h * d * step.pairs), backward=True)
 

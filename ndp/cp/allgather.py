@@ -41,7 +41,7 @@ class AllGatherPlan:
     rank: int
     ord: GatherOrder
     scale: float
-    backend: str
+    backend: object  # _common.LocalEngine
 
     @property
     def tmax(self):
@@ -212,22 +212,23 @@ class AllGatherAttnFunction(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                        window_size=(-1, -1), cu_seqlens=None, return_lse=False):
+                        window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
     """Exact attention over a sequence sharded on the group, by all-gathering K/V (autograd).
 
     Args:
         q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence`` over `group`),
             or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
         k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
-        group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse: as in
-            ``ndp.ring_attention``.
+        group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic: as
+            in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and the lse when asked.
     Raises:
         ValueError / TypeError for bad input, on every rank before any transfer.
     """
     call = prepare_call("allgather_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend)
+                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
+                        deterministic=deterministic)
     plan = _allgather_plan(call)
     out, lse = AllGatherAttnFunction.apply(q, k, v, plan, call.packed)
     return (out, lse) if return_lse else out

@@ -31,7 +31,7 @@ class RingPlan:
     rank: int
     schedule: RingSchedule
     scale: float
-    backend: str
+    backend: object  # _common.LocalEngine
 
     def count(self, rank: int) -> int:
         return self.schedule.placement.counts[rank]
@@ -152,7 +152,7 @@ class RingAttnFunction(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                   window_size=(-1, -1), cu_seqlens=None, return_lse=False):
+                   window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
     """Exact attention over a sequence sharded on the CP group, by passing K/V around a ring (autograd).
 
     Args:
@@ -162,11 +162,13 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
         group: the CP ProcessGroup (None = default group) or a 1-D DeviceMesh.
         causal: causal mask over global positions.  softmax_scale: default head_dim ** -0.5.
         layout: "zigzag" | "contiguous" | "striped", the layout the inputs were sharded with.
-        backend: local attention backend ("auto" | "triton" | "flash_attn" | "torch").
+        backend: local attention engine: "auto" (per block, the fastest exact engine measured on this
+            device) or one of "sdpa" | "triton" | "flash_attn" | "flash_attn3" | "torch".
         window_size: (left, right) sliding window over global positions, -1 = unlimited.
         cu_seqlens: packed documents: the global int32 cu_seqlens (or the ``shard_packed`` result) with
             q, k, v taken as ``x[shard.index]``.
         return_lse: also return the fp32 lse ``[batch, heads, seq/N]`` (packed ``[heads, local_tokens]``).
+        deterministic: bitwise-reproducible gradients (every block on an engine with a deterministic backward).
     Returns:
         out, q's shape and dtype (and lse when asked).
     Raises:
@@ -174,7 +176,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
         with different arguments get a ValueError too); RuntimeError for a missing process group.
     """
     call = prepare_call("ring_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend)
+                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
+                        deterministic=deterministic)
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)
     out, lse = RingAttnFunction.apply(q, k, v, plan, call.packed)

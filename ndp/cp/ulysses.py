@@ -140,7 +140,7 @@ class UlyssesPlan:
     step: object          # Step of the full (reordered) sequence against itself
     rep: int              # kv head replication factor
     scale: float
-    backend: str
+    backend: object  # _common.LocalEngine
 
 
 _CACHE = {}
@@ -236,7 +236,7 @@ class UlyssesAttnFunction(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                      window_size=(-1, -1), cu_seqlens=None, return_lse=False):
+                      window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
     """Exact attention over a sequence sharded on the group, by all-to-all to head sharding (autograd).
 
     Args:
@@ -248,6 +248,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         layout: the layout the inputs were sharded with.  backend: local attention backend.
         cu_seqlens: packed documents (global cu_seqlens or the shard_packed result).
         return_lse: also return the fp32 lse of this rank's rows.
+        deterministic: bitwise-reproducible gradients.
     Returns:
         out (q's shape and dtype), and lse when asked.
     Raises:
@@ -256,6 +257,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
     """
     call = prepare_call("ulysses_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
+                        deterministic=deterministic,
                         pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n))
     rep = check_heads("ulysses_attention", q.shape[-2], k.shape[-2], call.world)
     plan = _ulysses_plan(call, rep)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._common import acc_dtype, call_fields, placement_for
+from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import check_across_ranks, check_common, check_layout, group_key, resolve_group
 from .ring import RingPlan, _ring_bwd, _ring_fwd
 from .schedule import Mask, Placement, RingSchedule
@@ -156,7 +156,7 @@ class UspAttnFunction(torch.autograd.Function):
 
 
 def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_scale=None, layout="zigzag",
-                  backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False):
+                  backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
     """Exact attention with Ulysses inside `ulysses_group` and a ring across `ring_group` (autograd).
 
     Args:
@@ -165,7 +165,8 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
             in ``ndp.ring_attention``.
         ulysses_group, ring_group: from ``ndp.cp.split_cp_group(cp_group, ulysses_size)`` (CP rank
             c = ring_rank * U + ulysses_rank).
-        causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse: as in ring_attention
+        causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic: as in
+            ring_attention
             (a PackedShard passed as cu_seqlens must be for the whole CP group).
     Returns:
         out (q's shape and dtype), and the lse when asked.
@@ -182,12 +183,13 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
     ug, u_size, u = resolve_group(ulysses_group)
     rg, r_size, g = resolve_group(ring_group)
     resolve_backend(backend, q.device)
+    engine = local_engine(backend, deterministic)
     rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
     n, c = u_size * r_size, g * u_size + u
     placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens)
-    fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, backend, (u_size, r_size))
+    fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine, (u_size, r_size))
     check_across_ranks(ug, u_size, fields, q, "usp_attention (ulysses group)")
     check_across_ranks(rg, r_size, fields, q, "usp_attention (ring group)")
-    plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, backend)
+    plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
     out, lse = UspAttnFunction.apply(q, k, v, plan, packed, bool(return_lse))
     return (out, lse) if return_lse else out

@@ -2,8 +2,9 @@
 
 Kept deliberately small: segment tables that flash-attn's varlen API can express (query and key ranges
 laid out back to back from row 0, every segment bottom-right aligned with one shared (causal, window))
-go to flash-attn; anything else goes to the Triton kernels. The fused accumulator is emulated with the
-compiled merge op, since flash-attn has no accumulator epilogue.
+run on flash-attn; ``engines.capable`` refuses anything else, so ``auto`` sends those blocks to another
+engine and a forced ``backend="flash_attn"`` gets a clear error. The fused accumulator is emulated with
+the compiled merge op, since flash-attn has no accumulator epilogue.
 """
 from __future__ import annotations
 
@@ -66,11 +67,9 @@ def _flat(x):
     return x.reshape(-1, *x.shape[2:])
 
 
-def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, fallback):
+def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     args = _varlen_args(q4, k4, segs)
-    if args is None:
-        log.debug("segment table not expressible in flash-attn varlen form; using the Triton kernels")
-        return fallback(q4, k4, v4, segs, softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
+    assert args is not None, "engines.capable admits only flash-attn expressible blocks"
     from flash_attn import flash_attn_varlen_func
     cu_q, cu_k, mq, mk, causal, (left, right) = args
     out, lse, _ = flash_attn_varlen_func(_flat(q4), _flat(k4), _flat(v4), cu_q, cu_k, mq, mk,
@@ -85,7 +84,7 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, fallback
     return out_acc, lse_acc
 
 
-def _varlen_backward(*, window, **kwargs):
+def _varlen_backward(*, window, deterministic=False, **kwargs):
     """Call flash-attn's private varlen backward, whose signature changed between releases.
 
     2.6.x takes ``window_size=(left, right)``; 2.7 and 2.8 take ``window_size_left``/``window_size_right``
@@ -98,7 +97,7 @@ def _varlen_backward(*, window, **kwargs):
         kwargs.update(window_size_left=window[0], window_size_right=window[1])
     elif "window_size" in params:
         kwargs["window_size"] = window
-    kwargs.update(softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+    kwargs.update(softcap=0.0, alibi_slopes=None, deterministic=bool(deterministic), rng_state=None)
     kwargs = {k: v for k, v in kwargs.items() if k in params}
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing or not any(n.startswith("window_size") for n in kwargs):
@@ -110,18 +109,16 @@ def _varlen_backward(*, window, **kwargs):
 
 
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
-        fallback):
+        deterministic=False):
     args = _varlen_args(q4, k4, segs)
-    if args is None:
-        return fallback(dout4, q4, k4, v4, out4, lse3, segs, softmax_scale=softmax_scale, dq_acc=dq_acc,
-                        dk_acc=dk_acc, dv_acc=dv_acc)
+    assert args is not None, "engines.capable admits only flash-attn expressible blocks"
     cu_q, cu_k, mq, mk, causal, (left, right) = args
     dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
     _varlen_backward(
         dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4),
         softmax_lse=lse3[0].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-        window=(left, right))
+        window=(left, right), deterministic=deterministic)
     dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
     if dq_acc is None:
         return dq, dk, dv

@@ -76,7 +76,7 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
     ql, kl, vl = (sh(x).to(dtype).requires_grad_() for x in (q, k, v))
     dl = sh(dout).to(dtype)
     args = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), cu_seqlens=sh.cu,
-                backend=case.get("backend", "torch"), return_lse=True)
+                backend=case.get("backend", "auto"), return_lse=True)
     if not sh.packed:
         args["layout"] = case.get("layout", "zigzag")
     args.update(kw)

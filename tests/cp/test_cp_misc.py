@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _cp_checks import cu_of, run_case
+from _cp_checks import cu_of, make_inputs, run_case
 from dist import spawn
 from ndp.cp import (allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                     split_cp_group, ulysses_attention, usp_attention)
@@ -140,3 +140,32 @@ def test_lowp_error_does_not_grow_with_ring_size(tmp_path):
                 atol = tol(dtype, "out" if name == "out" else "grad")[0]
                 # fp32 accumulation across steps: the ring may not add error beyond the rounding of one pass
                 assert res[n][str(dtype)][i] <= 2 * base[i] + atol, (dtype, n, name, res)
+
+
+def _engines_body(rank, world):
+    # The reference engine through the ring still matches (auto runs sdpa everywhere else in these tests).
+    for case in (dict(batch=1, seqlen=32, heads=4, kv_heads=2, dim=16, causal=True, layout="zigzag", backend="torch"),
+                 dict(batch=1, seqlen=32, heads=4, kv_heads=1, dim=16, causal=False, layout="striped",
+                      backend="torch", window=(5, 3))):
+        run_case(ring_attention, case)
+    # deterministic=True: two runs give bitwise-identical gradients, on every impl.
+    case = dict(batch=2, seqlen=64, heads=4, kv_heads=2, dim=32, causal=True, layout="zigzag")
+    q, k, v, dout = make_inputs(case, seed=4)
+    ql, kl, vl, dl = (shard_sequence(x.float(), dim=1) for x in (q, k, v, dout))
+    for fn in (ring_attention, allgather_attention, ulysses_attention):
+        grads = []
+        for _ in range(2):
+            xs = [x.clone().requires_grad_() for x in (ql, kl, vl)]
+            out = fn(*xs, causal=True, deterministic=True)
+            grads.append(torch.autograd.grad(out, xs, dl))
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), fn.__name__
+    # ranks must agree on deterministic too (a call no rank made before), and it must be a bool
+    with pytest.raises(ValueError, match="deterministic"):
+        ring_attention(ql, kl, vl, causal=False, deterministic=(rank == 0))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ring_attention(ql, kl, vl, causal=True, deterministic=1)
+    dist.barrier()
+
+
+def test_engines_and_deterministic_over_a_group(tmp_path):
+    spawn(_engines_body, 2, tmp_path)

@@ -1,0 +1,221 @@
+"""Which engine runs each attention block: block classes, capabilities, and the measured choice of ``auto``.
+
+Every block (a segment table over a query and a key range, see ``ndp_kernels._segments``) falls in one
+class:
+
+- ``full``:   one segment, every query sees every key;
+- ``causal``: one segment with no lower limit and an upper one (bottom-right causal, or shifted);
+- ``window``: one segment with a lower limit (sliding window);
+- ``varlen``: several segments laid out back to back in queries and keys (packed documents);
+- ``other``:  anything else (the zigzag ring's diagonal step, overlapping key ranges, ...).
+
+An engine is *capable* of a block when it computes it exactly (no engine ever approximates a mask), in
+the block's dtype, with deterministic gradients when asked. ``auto`` runs, per block, the first capable
+engine of a measured preference order for (device, class, dtype, head_dim bucket). The orders come from
+a table written by ``python -m ndp.ops.tune`` on the device (user cache, see ``ndp_kernels.tuning``) or
+shipped with ndp for that device; where no table has a row, ``auto`` uses a fixed default order and
+``python -m ndp.info`` says so. The ``torch`` engine (the materialising reference) is never chosen by
+``auto``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import ndp_kernels
+from ndp_kernels import NO_LIMIT, tuning
+
+from . import _flash_attn, _sdpa
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
+           "EngineTable", "engine_table", "choose", "SHIPPED_DIR"]
+
+CLASSES = ("full", "causal", "window", "varlen", "other")
+ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
+AUTO_ENGINES = ("flash_attn", "sdpa", "triton")  # the engines auto may pick (never the reference)
+HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
+# Used only where no measured table has a row for the block (printed as such by ndp.info).
+DEFAULT_ORDER = {"cuda": ("flash_attn", "triton"), "cpu": ("sdpa",)}
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """Smallest bucket >= head_dim (32, 64, 128, 256)."""
+    for b in HEAD_DIM_BUCKETS:
+        if head_dim <= b:
+            return b
+    return HEAD_DIM_BUCKETS[-1]
+
+
+def _classify(rows, sq: int, sk: int) -> str:
+    rows = [r for r in rows if r[1] > 0]
+    if len(rows) == 1:
+        qs, ql, ks, kl, lo, hi = rows[0]
+        if qs != 0 or ql != sq or ks != 0 or kl != sk:
+            return "other"
+        lo_free = lo <= -(ql - 1)
+        hi_free = hi >= kl - 1
+        if lo_free and hi_free:
+            return "full"
+        if lo_free:
+            return "causal"
+        return "window"
+    q_end = k_end = 0
+    for qs, ql, ks, kl, _, _ in sorted(rows):
+        if qs != q_end or ks != k_end:
+            return "other"
+        q_end, k_end = qs + ql, ks + kl
+    return "varlen" if rows and q_end == sq and k_end == sk else "other"
+
+
+def block_class(segs, sq: int, sk: int) -> str:
+    """The class of a block (cached on the Segments table)."""
+    key = ("class", sq, sk)
+    hit = segs.memo.get(key)
+    if hit is None:
+        hit = segs.memo[key] = _classify(segs.table.tolist(), sq, sk)
+    return hit
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_has_deterministic() -> bool:
+    try:
+        return "deterministic" in inspect.signature(ndp_kernels.attn_bwd_segments).parameters
+    except Exception:  # triton missing: availability reports why
+        return False
+
+
+def engine_available(engine: str, device) -> tuple[bool, str]:
+    """(usable on `device`, reason when not) for one engine name."""
+    device = torch.device(device)
+    if engine == "torch":
+        return True, ""
+    if engine == "sdpa":
+        return _sdpa.available(device)
+    if engine == "triton":
+        ok, why = ndp_kernels.triton_available()
+        if ok and device.type != "cuda" and not ndp_kernels.interpreter_active():
+            return False, "triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on CPU)"
+        return ok, why
+    if engine == "flash_attn":
+        return _flash_attn.available() if device.type == "cuda" else (False, "flash-attn needs a CUDA device")
+    if engine == "flash_attn3":
+        return False, ("FlashAttention-3 (flash_attn_interface) is not wired into ndp yet: it needs a Hopper GPU "
+                       "to verify; use 'flash_attn', 'triton' or 'sdpa'")
+    raise ValueError(f"unknown attention engine {engine!r}; engines are {ENGINES}")
+
+
+def capable(engine: str, segs, q4, k4, *, deterministic: bool = False) -> tuple[bool, str]:
+    """Whether `engine` computes this block exactly here (assumes it is available), and why not."""
+    dtype = q4.dtype
+    if engine in ("triton", "flash_attn", "flash_attn3") and dtype == torch.float64:
+        return False, f"{engine} has no float64 kernels"
+    if engine == "triton" and deterministic and not _triton_has_deterministic():
+        return False, "this build's Triton backward has no deterministic mode"
+    if engine == "flash_attn":
+        if _flash_attn._varlen_args(q4, k4, segs) is None:
+            return False, ("flash-attn's varlen API cannot express this block (it needs fp16/bf16, head_dim % 8 == 0 "
+                           "and back-to-back bottom-right aligned segments with one shared window)")
+    if engine == "sdpa" and q4.device.type != "cpu":
+        return _sdpa.available(q4.device)
+    return True, ""
+
+
+@dataclass
+class EngineTable:
+    """A measured preference table for one device: ``rows[(class, dtype, bucket)] = {"order": [...], "ms": {...}}``."""
+    device_key: str
+    source: str                      # path of the file, or "none"
+    rows: dict
+    meta: dict
+
+    def order(self, cls: str, dtype: torch.dtype, bucket: int):
+        """(engine order, how it was found) for a block; order is () when no row applies."""
+        dt = str(dtype).replace("torch.", "")
+        row = self.rows.get((cls, dt, bucket))
+        if row is not None:
+            return tuple(row["order"]), "measured"
+        near = [(abs(b - bucket), b) for (c, t, b) in self.rows if c == cls and t == dt]
+        if near:
+            b = min(near)[1]
+            return tuple(self.rows[(cls, dt, b)]["order"]), f"measured at head_dim {b}"
+        other = sorted((t, b) for (c, t, b) in self.rows if c == cls)
+        if other:
+            t, b = other[0]
+            return tuple(self.rows[(cls, t, b)]["order"]), f"measured for {t} head_dim {b}"
+        return (), "no measured row"
+
+
+def parse_table(data: dict, source: str) -> EngineTable:
+    """An EngineTable from the JSON written by ``ndp.ops.tune``.
+
+    Raises:
+        RuntimeError: malformed table (names the file and how to rebuild it).
+    """
+    try:
+        rows = {}
+        for key, row in data["rows"].items():
+            cls, dt, bucket = key.split("/")
+            if cls not in CLASSES or any(e not in ENGINES for e in row["order"]):
+                raise ValueError(f"unknown class or engine in row {key!r}")
+            rows[(cls, dt, int(bucket))] = row
+        return EngineTable(data["device_key"], source, rows, {k: v for k, v in data.items() if k != "rows"})
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise RuntimeError(f"engine table {source} is malformed ({e}); delete it or rebuild it with "
+                           f"`python -m ndp.ops.tune`") from None
+
+
+_TABLES: dict = {}
+
+
+def engine_table(device, *, reload: bool = False) -> EngineTable:
+    """The engine table in use for `device`: the user's tuned table, else the shipped one, else an empty table."""
+    key = tuning.device_key(device)
+    if not reload and key in _TABLES:
+        return _TABLES[key]
+    table = EngineTable(key, "none", {}, {})
+    for path in (tuning.table_path("engines", key), tuning.table_path("engines", key, SHIPPED_DIR)):
+        data = tuning.load_json(path)
+        if data is not None:
+            table = parse_table(data, str(path))
+            break
+    _TABLES[key] = table
+    return table
+
+
+def choose(segs, q4, k4, *, deterministic: bool = False) -> str:
+    """The engine ``auto`` runs for this block (cached on the table per dtype, head_dim, device).
+
+    Raises:
+        RuntimeError: no engine here can run the block (the message lists each engine's reason).
+    """
+    sq, sk = q4.shape[1], k4.shape[1]
+    key = ("auto", sq, sk, q4.dtype, q4.shape[-1], str(q4.device), deterministic)
+    hit = segs.memo.get(key)
+    if hit is not None:
+        return hit
+    cls = block_class(segs, sq, sk)
+    order, _ = engine_table(q4.device).order(cls, q4.dtype, head_dim_bucket(q4.shape[-1]))
+    fallback = DEFAULT_ORDER.get(q4.device.type, ("triton",))
+    reasons = {}
+    for e in tuple(order) + tuple(x for x in fallback if x not in order):
+        if e not in AUTO_ENGINES:
+            continue
+        ok, why = engine_available(e, q4.device)
+        if ok:
+            ok, why = capable(e, segs, q4, k4, deterministic=deterministic)
+        if ok:
+            segs.memo[key] = e
+            return e
+        reasons[e] = why
+    detail = "; ".join(f"{e}: {w}" for e, w in reasons.items()) or "no engine is listed for this device"
+    raise RuntimeError(f"no attention engine can run this {cls} block ({q4.dtype}, head_dim {q4.shape[-1]}) on "
+                       f"{q4.device} with backend='auto' ({detail}). backend='torch' (the reference) runs "
+                       f"everything.")

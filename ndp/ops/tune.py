@@ -1,0 +1,193 @@
+"""Measure every attention engine per block class on this device and write the table ``auto`` reads.
+
+    python -m ndp.ops.tune                       # this machine's GPU (CPU when there is none)
+    python -m ndp.ops.tune --device cpu --ship   # write the table shipped inside the package
+
+For each block class (full, causal, window, varlen, other), dtype and head_dim bucket it builds one
+representative block, checks every available engine that can run it exactly against the float64
+reference (out, lse, dq, dk, dv; an engine that fails is rejected, never timed), times forward+backward
+of the block (median of ``--iters``), and writes the engines ordered fastest first. The reference
+engine (``torch``) is timed for comparison but ``auto`` never picks it. The table goes to the user's
+tuning cache (``ndp_kernels.tuning.tuning_dir()``, ``$NDP_TUNING_DIR``) as ``engines-<device>.json``;
+``python -m ndp.info`` shows the table in use.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+
+import torch
+
+import ndp_kernels
+from ndp_kernels import NO_LIMIT, Segments, tuning
+from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
+
+from .attention import attention_bwd, attention_fwd
+from .engines import AUTO_ENGINES, CLASSES, ENGINES, SHIPPED_DIR, block_class, capable, engine_available
+
+__all__ = ["class_block", "check_engine", "time_engine", "tune", "main"]
+
+# atol of the correctness check per dtype (out and grads): the error must also stay within twice the
+# error of the reference computed in the dtype itself (the STYLE.md rule for fp16/bf16).
+_ATOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def class_block(cls: str, s: int) -> tuple[Segments, int, int]:
+    """A representative block of class `cls` with about `s` query rows: (segments, seq_q, seq_k)."""
+    if cls == "full":
+        return Segments.dense(s, s, causal=False), s, s
+    if cls == "causal":
+        return Segments.dense(s, s, causal=True), s, s
+    if cls == "window":
+        return Segments.dense(s, s, causal=True, window_size=(max(1, s // 8), 0)), s, s
+    if cls == "varlen":
+        lens = [s // 2, s // 4, s // 8, s - s // 2 - s // 4 - s // 8]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return Segments.from_cu_seqlens(cu, cu, causal=True), s, s
+    if cls == "other":
+        # The zigzag ring's diagonal step: chunk r causal, then chunk 2N-1-r against both chunks.
+        c = s // 2
+        return Segments.from_rows([(0, c, 0, c, -NO_LIMIT, 0), (c, s - c, 0, s, -NO_LIMIT, c)]), s, s
+    raise ValueError(f"unknown block class {cls!r}; classes are {CLASSES}")
+
+
+def _inputs(sq, sk, h, hk, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, hh, d, generator=g, dtype=torch.float64) for n, hh in ((sq, h), (sk, hk), (sk, hk)))
+    dout = torch.randn(1, sq, h, d, generator=g, dtype=torch.float64)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, dout))
+
+
+def _fwd_bwd(engine, q, k, v, dout, segs, scale):
+    out, lse = attention_fwd(q, k, v, segs, softmax_scale=scale, backend=engine)
+    grads = attention_bwd(dout, q, k, v, out, lse, segs, softmax_scale=scale, backend=engine)
+    return (out, lse) + tuple(grads)
+
+
+def check_engine(engine, cls, dtype, head_dim, device, *, s=97, h=4, hk=2) -> tuple[bool, float]:
+    """Whether `engine` matches the float64 reference on a small block of class `cls`: (ok, worst error)."""
+    segs, sq, sk = class_block(cls, s)
+    q, k, v, dout = _inputs(sq, sk, h, hk, head_dim, dtype, device, seed=1)
+    scale = head_dim ** -0.5
+    got = _fwd_bwd(engine, q, k, v, dout, segs, scale)
+    q64, k64, v64, do64 = (x.double().cpu() for x in (q, k, v, dout))
+    o, lse = attn_fwd_segments_ref(q64, k64, v64, segs, softmax_scale=scale)
+    want = (o, lse) + tuple(attn_bwd_segments_ref(do64, q64, k64, v64, o, lse, segs, softmax_scale=scale))
+    lo, llse = attn_fwd_segments_ref(q64.to(dtype), k64.to(dtype), v64.to(dtype), segs, softmax_scale=scale,
+                                     upcast=False)
+    lowp = (lo, llse) + tuple(attn_bwd_segments_ref(do64.to(dtype), q64.to(dtype), k64.to(dtype), v64.to(dtype),
+                                                    lo, llse, segs, softmax_scale=scale, upcast=False))
+    worst, ok = 0.0, True
+    for a, w, lp in zip(got, want, lowp):
+        a, w, lp = (x.double().cpu() for x in (a, w, lp))
+        fin = torch.isfinite(w)
+        if not torch.equal(torch.isfinite(a), fin):
+            return False, float("inf")
+        err = (a[fin] - w[fin]).abs().max().item() if fin.any() else 0.0
+        base = (lp[fin] - w[fin]).abs().max().item() if fin.any() else 0.0
+        worst = max(worst, err)
+        ok &= err <= 2 * base + _ATOL[dtype]
+    return ok, worst
+
+
+def time_engine(engine, cls, dtype, head_dim, device, *, s, h=8, hk=2, iters=3) -> float:
+    """Median milliseconds of forward+backward of one block of class `cls` on `engine`."""
+    segs, sq, sk = class_block(cls, s)
+    q, k, v, dout = _inputs(sq, sk, h, hk, head_dim, dtype, device)
+    scale = head_dim ** -0.5
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    _fwd_bwd(engine, q, k, v, dout, segs, scale)  # warm-up (compiles Triton kernels on first use)
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        _fwd_bwd(engine, q, k, v, dout, segs, scale)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, log=print) -> dict:
+    """Measures every (class, dtype, head_dim) row; returns the table as a JSON-ready dict."""
+    device = torch.device(device)
+    rows = {}
+    for cls in CLASSES:
+        for dtype in dtypes:
+            for d in head_dims:
+                segs, sq, sk = class_block(cls, 8)
+                probe = torch.empty(1, sq, 1, d, dtype=dtype, device=device)
+                assert block_class(segs, sq, sk) == cls
+                ms, rejected = {}, {}
+                names = [e for e in ENGINES if e in AUTO_ENGINES or (with_reference and e == "torch")]
+                for e in names:
+                    ok, why = engine_available(e, device)
+                    if ok:
+                        ok, why = capable(e, segs, probe, probe)
+                    if not ok:
+                        continue
+                    good, err = check_engine(e, cls, dtype, d, device)
+                    if not good:
+                        rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
+                        continue
+                    ms[e] = round(time_engine(e, cls, dtype, d, device, s=s, iters=iters), 3)
+                order = sorted((e for e in ms if e in AUTO_ENGINES), key=ms.get)
+                key = f"{cls}/{str(dtype).replace('torch.', '')}/{d}"
+                rows[key] = {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
+                log(f"{key:<24} " + "  ".join(f"{e} {t:9.2f} ms" for e, t in sorted(ms.items(), key=lambda x: x[1]))
+                    + (f"  rejected: {rejected}" if rejected else ""))
+    return {
+        "device_key": tuning.device_key(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "measured": datetime.date.today().isoformat(),
+        "block": f"B=1 S={s} H=8 Hkv=2, forward+backward, median of {iters}",
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def _triton_version():
+    ok, _ = ndp_kernels.triton_available()
+    if not ok:
+        return None
+    import triton
+
+    return triton.__version__
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ndp.ops.tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--seqlen", type=int, default=None, help="rows per block (default 4096 on GPU, 1024 on CPU)")
+    ap.add_argument("--dtypes", default=None, help="comma list (default bfloat16,float16,float32 on GPU; "
+                                                   "float32,bfloat16,float16,float64 on CPU)")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--ship", action="store_true", help="write into the package (ndp/ops/tables) instead of the "
+                                                        "user cache")
+    ap.add_argument("--out", default=None, help="directory to write to (default: the user tuning cache)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("python -m ndp.ops.tune: --device cuda asked, but no CUDA device is visible", file=sys.stderr)
+        return 2
+    gpu = device.type == "cuda"
+    dtypes = [getattr(torch, t) for t in (args.dtypes or ("bfloat16,float16,float32" if gpu else
+                                                          "float32,bfloat16,float16,float64")).split(",")]
+    head_dims = [int(x) for x in args.head_dims.split(",")]
+    s = args.seqlen or (4096 if gpu else 1024)
+    table = tune(device, dtypes=dtypes, head_dims=head_dims, s=s, iters=args.iters)
+    directory = SHIPPED_DIR if args.ship else (args.out or tuning.tuning_dir())
+    path = tuning.save_json(tuning.table_path("engines", table["device_key"], directory), table)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

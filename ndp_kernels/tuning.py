@@ -1,0 +1,68 @@
+"""Where measured tuning tables live: one JSON file per (table kind, device), in a user cache directory.
+
+The directory is ``$NDP_TUNING_DIR`` when set, else ``$XDG_CACHE_HOME/ndp`` (``~/.cache/ndp``). Tables
+written by a tuning run there take precedence over the ones shipped inside the package. This is the
+only place in ndp that reads the environment for tuning, so the layers above take plain arguments.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json"]
+
+
+def tuning_dir() -> Path:
+    """The user's tuning cache directory (not created here)."""
+    env = os.environ.get("NDP_TUNING_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ndp"
+
+
+def device_key(device) -> str:
+    """A file-name-safe key per device model: ``cpu``, or the GPU's name (``NVIDIA_H100_80GB_HBM3``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+
+
+def table_path(kind: str, key: str, directory: Path | None = None) -> Path:
+    """Path of the table `kind` (e.g. ``engines``) for device `key` in `directory` (default: tuning_dir())."""
+    return Path(directory or tuning_dir()) / f"{kind}-{key}.json"
+
+
+def load_json(path: Path):
+    """The parsed table at `path`, or None when it does not exist.
+
+    Raises:
+        RuntimeError: the file exists but is not valid JSON (the message names it and how to rebuild it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"tuning table {path} is unreadable ({e}); delete it or re-run the tuning command "
+                           f"that wrote it") from None
+
+
+def save_json(path: Path, data) -> Path:
+    """Writes `data` to `path` atomically (a crash never leaves half a table); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

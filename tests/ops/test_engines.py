@@ -1,0 +1,266 @@
+"""The sdpa engine and auto's per-block choice: pieces cover every mask exactly, every engine matches the float64
+reference (out, lse, dq, dk, dv), forced engines refuse blocks they cannot do, tables are read and validated."""
+import json
+
+import pytest
+import torch
+
+import ndp
+import ndp.ops
+import ndp_kernels
+from ndp.ops import _sdpa, engines, tune
+from ndp.ops._pieces import plan_pieces
+from ndp_kernels import NO_LIMIT, Segments
+from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref, flash_attn_bwd_ref, \
+    flash_attn_fwd_ref
+from tolerances import assert_close, assert_within_lowp_bound
+
+N = NO_LIMIT
+
+# Tables of every shape the public API and the CP schedules produce, plus adversarial ones.
+TABLES = {
+    "full": ([(0, 40, 0, 40, -N, N)], 40, 40),
+    "causal": ([(0, 40, 0, 40, -N, 0)], 40, 40),
+    "causal_q_lt_k": ([(0, 17, 0, 40, -N, 23)], 17, 40),
+    "causal_q_gt_k": ([(0, 40, 0, 17, -N, -23)], 40, 17),
+    "striped_shift": ([(0, 33, 0, 33, -N, -1)], 33, 33),
+    "zigzag_diagonal": ([(0, 16, 0, 16, -N, 0), (16, 16, 0, 32, -N, 16)], 32, 32),
+    "window_both": ([(0, 45, 0, 45, -7, 3)], 45, 45),
+    "window_left_only": ([(0, 45, 0, 45, -6, N)], 45, 45),
+    "window_right_only": ([(0, 45, 0, 45, -N, 4)], 45, 45),
+    "packed_docs": ([(0, 10, 0, 10, -N, 0), (10, 1, 10, 1, -N, 0), (11, 0, 11, 0, -N, 0), (11, 20, 11, 20, -5, 0)],
+                    31, 31),
+    "overlapping_keys": ([(0, 20, 0, 30, -N, N), (20, 20, 10, 30, -N, 0)], 40, 40),
+    "partial_rows": ([(5, 10, 3, 12, -N, 2)], 30, 20),
+    "band_shifted": ([(0, 30, 0, 50, 8, 15)], 30, 50),
+    "empty_band": ([(0, 20, 0, 20, 5, 3)], 20, 20),
+}
+
+
+def _visibility(pieces, sq, sk):
+    m = torch.zeros(sq, sk, dtype=torch.int64)
+    for p in pieces:
+        i = torch.arange(p.rows)[:, None]
+        j = torch.arange(p.k1 - p.k0)[None, :]
+        if p.kind == "full":
+            vis = torch.ones(p.rows, p.k1 - p.k0, dtype=torch.bool)
+        elif p.kind == "causal":
+            assert p.rows == p.k1 - p.k0, p
+            vis = j <= i
+        else:
+            vis = (j - i >= p.lo) & (j - i <= p.hi)
+        assert vis.any(1).all(), f"piece {p} has a row that sees no key"
+        m[p.q0:p.q1, p.k0:p.k1] += vis.long()
+    return m
+
+
+@pytest.mark.parametrize("mask_rows", [1024, 4])
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_pieces_cover_the_mask_exactly(name, mask_rows):
+    rows, sq, sk = TABLES[name]
+    got = _visibility(plan_pieces(rows, sq, sk, mask_rows=mask_rows), sq, sk)
+    want = Segments.from_rows(rows).mask(sq, sk).long()
+    assert torch.equal(got, want)  # every visible pair exactly once, no hidden pair
+
+
+def test_pieces_of_the_common_blocks_need_no_mask():
+    kinds = lambda name: [p.kind for p in plan_pieces(*TABLES[name])]  # noqa: E731
+    assert kinds("zigzag_diagonal") == ["causal"]        # one causal call for the whole zigzag diagonal step
+    assert kinds("causal_q_lt_k") == ["full", "causal"]  # bottom-right causal = full block + causal square
+    assert kinds("striped_shift") == ["causal"]
+    assert kinds("full") == ["full"]
+
+
+def _inputs(b, sq, sk, h, hk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    return mk(b, sq, h, d), mk(b, sk, hk, d), mk(b, sk, hk, d), mk(b, sq, h, d)
+
+
+def _ref(dout, q, k, v, segs, scale, upcast=True):
+    q, k, v, dout = (x if not upcast else x.double() for x in (q, k, v, dout))
+    out, lse = attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale, upcast=upcast)
+    return (out, lse) + tuple(attn_bwd_segments_ref(dout, q, k, v, out, lse, segs, softmax_scale=scale,
+                                                    upcast=upcast))
+
+
+def _assert_matches(got, dtype, want, lowp=None):
+    for name, a, w, lp in zip(("out", "lse", "dq", "dk", "dv"), got, want, lowp or (None,) * 5):
+        kind = "out" if name in ("out", "lse") else "grad"
+        fin = torch.isfinite(w)
+        assert torch.equal(torch.isfinite(a), fin), f"{name}: -inf pattern differs"
+        a, w = torch.where(fin, a.double(), 0), torch.where(fin, w.double(), 0)
+        if name == "lse":  # as the kernel tests: the lse of rounded inputs, the dtype's tolerance
+            assert_close(a, w, dtype, kind, msg=name)
+            continue
+        assert_close(a, w, dtype, kind, msg=name)
+        if lp is not None:
+            assert_within_lowp_bound(a, w, torch.where(fin, lp.double(), 0) if lp.shape == fin.shape else lp,
+                                     dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_sdpa_segments_match_reference(name, dtype):
+    rows, sq, sk = TABLES[name]
+    segs = Segments.from_rows(rows)
+    q, k, v, dout = _inputs(2, sq, sk, 4, 2, 16, dtype, seed=len(name))
+    scale = 0.37
+    out, lse = ndp.ops.attention_fwd(q, k, v, segs, softmax_scale=scale, backend="sdpa")
+    assert out.dtype == dtype and lse.dtype == ndp_kernels.acc_dtype(dtype)
+    grads = ndp.ops.attention_bwd(dout, q, k, v, out, lse, segs, softmax_scale=scale, backend="sdpa")
+    assert all(g.dtype == dtype for g in grads)
+    want = _ref(dout, q, k, v, segs, scale)
+    # Backward takes the engine's own out/lse as a ring step does; the reference's are within tolerance.
+    lowp = _ref(dout, q, k, v, segs, scale, upcast=False) if dtype in (torch.float16, torch.bfloat16) else None
+    _assert_matches((out, lse) + tuple(grads), dtype, want, lowp)
+    rows_without_key = ~segs.mask(sq, sk).any(1)
+    assert torch.all(out[:, rows_without_key] == 0) and torch.all(lse[:, :, rows_without_key] == float("-inf"))
+    assert torch.all(grads[0][:, rows_without_key] == 0)
+
+
+@pytest.mark.parametrize("name", ["zigzag_diagonal", "overlapping_keys", "window_both", "causal_q_lt_k"])
+def test_sdpa_accumulators_over_key_blocks(name):
+    """Blocks merged into fp32 accumulators (what a ring step does) equal the whole attention."""
+    rows, sq, sk = TABLES[name]
+    segs = Segments.from_rows(rows)
+    q, k, v, dout = _inputs(1, sq, sk, 4, 1, 32, torch.float32, seed=3)
+    out, lse = attn_fwd_segments_ref(q, k, v, segs, softmax_scale=0.2)
+    oa, la = torch.zeros(q.shape), torch.full((1, 4, sq), float("-inf"))
+    cut = sk // 3
+    parts = []
+    for a, b in ((0, cut), (cut, sk)):
+        # The same visibility restricted to keys [a, b), as a table on the key slice.
+        m = segs.mask(sq, sk)[:, a:b]
+        prow = [(i, 1, 0, b - a, int(m[i].nonzero().min()), int(m[i].nonzero().max()))
+                for i in range(sq) if m[i].any()]
+        part = Segments.from_rows([(i, 1, ks, kl, lo, hi) for i, _, ks, kl, lo, hi in prow])
+        parts.append((a, b, part))
+        ndp.ops.attention_fwd(q, k[:, a:b], v[:, a:b], part, softmax_scale=0.2, out_acc=oa, lse_acc=la,
+                              backend="sdpa")
+    assert_close(oa, out, torch.float32)
+    assert_close(torch.where(torch.isfinite(lse), la, 0), torch.where(torch.isfinite(lse), lse, 0), torch.float32)
+    want = attn_bwd_segments_ref(dout, q, k, v, out, lse, segs, softmax_scale=0.2)
+    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    for a, b, part in parts:
+        ndp.ops.attention_bwd(dout, q, k[:, a:b], v[:, a:b], out, lse, part, softmax_scale=0.2, dq_acc=dq,
+                              dk_acc=dk[:, a:b], dv_acc=dv[:, a:b], backend="sdpa")
+    for got, w in zip((dq, dk, dv), want):
+        assert_close(got, w, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (16, -1)), (False, (7, 3))])
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(97, 97, 4, 1, 64), (17, 40, 4, 2, 80), (40, 17, 2, 2, 16)])
+def test_public_attention_sdpa_matches_reference(causal, window, sq, sk, h, hk, d):
+    q, k, v, dout = _inputs(2, sq, sk, h, hk, d, torch.float64, seed=sq + d)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, lse = ndp.ops.attention(q, k, v, causal=causal, window_size=window, backend="sdpa", return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ro, rl = flash_attn_fwd_ref(q.detach(), k.detach(), v.detach(), causal=causal, window_size=window)
+    rg = flash_attn_bwd_ref(dout, q.detach(), k.detach(), v.detach(), ro, rl, causal=causal, window_size=window)
+    _assert_matches((out, lse) + grads, torch.float64, (ro, rl) + tuple(rg))
+
+
+def test_packed_documents_with_empty_and_single_token_docs():
+    lens = [1, 17, 0, 64, 30, 1]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v, dout = (x[0] for x in _inputs(1, sum(lens), sum(lens), 4, 2, 32, torch.float64, seed=5))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, window_size=(9, 0))
+    out, lse = ndp.ops.attention(q, k, v, backend="sdpa", return_lse=True, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ro, rl = flash_attn_fwd_ref(q.detach(), k.detach(), v.detach(), **kw)
+    rg = flash_attn_bwd_ref(dout, q.detach(), k.detach(), v.detach(), ro, rl, **kw)
+    _assert_matches((out, lse) + grads, torch.float64, (ro, rl) + tuple(rg))
+
+
+def test_sdpa_gradients_are_deterministic():
+    q, k, v, dout = _inputs(2, 300, 300, 8, 2, 64, torch.float32, seed=9)
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = ndp.ops.attention(qq, kk, vv, causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out, (qq, kk, vv), dout))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_block_classes():
+    cls = lambda name: engines.block_class(Segments.from_rows(TABLES[name][0]), *TABLES[name][1:])  # noqa: E731
+    assert cls("full") == "full"
+    assert cls("causal") == "causal" and cls("causal_q_lt_k") == "causal" and cls("striped_shift") == "causal"
+    assert cls("window_both") == "window" and cls("window_left_only") == "window"
+    assert cls("packed_docs") == "varlen"
+    assert cls("zigzag_diagonal") == "other" and cls("overlapping_keys") == "other" and cls("partial_rows") == "other"
+
+
+def test_auto_on_cpu_runs_sdpa_for_every_class_from_the_shipped_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))  # no user table: the shipped one
+    table = engines.engine_table("cpu", reload=True)
+    assert table.source.endswith("engines-cpu.json"), table.source
+    q = torch.zeros(1, 40, 4, 64)
+    for name in ("full", "causal", "window_both", "packed_docs", "zigzag_diagonal"):
+        rows, sq, sk = TABLES[name]
+        segs = Segments.from_rows(rows)
+        cls = engines.block_class(segs, sq, sk)
+        order, how = table.order(cls, torch.float32, 64)
+        assert order and order[0] == "sdpa" and how == "measured", (cls, order, how)
+        assert engines.choose(segs, q[:, :sq], q[:, :sk]) == "sdpa"
+
+
+def test_a_tuned_table_in_the_cache_dir_takes_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    path = tmp_path / "engines-cpu.json"
+    path.write_text(json.dumps({"device_key": "cpu", "rows": {"causal/float32/64": {"order": ["triton", "sdpa"],
+                                                                                    "ms": {}}}}))
+    table = engines.engine_table("cpu", reload=True)
+    try:
+        assert table.source == str(path)
+        assert table.order("causal", torch.float32, 64) == (("triton", "sdpa"), "measured")
+        assert table.order("causal", torch.float32, 128)[1] == "measured at head_dim 64"
+        segs = Segments.dense(8, 8, causal=True)
+        q = torch.zeros(1, 8, 2, 64)
+        want = "triton" if ndp.ops.available_backends("cpu")["triton"][0] else "sdpa"
+        assert engines.choose(segs, q, q) == want
+        path.write_text("{not json")
+        with pytest.raises(RuntimeError, match="unreadable.*re-run the tuning command"):
+            engines.engine_table("cpu", reload=True)
+        path.write_text(json.dumps({"device_key": "cpu", "rows": {"causal/float32/64": {"order": ["cudnn"]}}}))
+        with pytest.raises(RuntimeError, match="malformed.*python -m ndp.ops.tune"):
+            engines.engine_table("cpu", reload=True)
+    finally:
+        monkeypatch.delenv("NDP_TUNING_DIR")
+        engines.engine_table("cpu", reload=True)
+
+
+def test_forced_engines_refuse_what_they_cannot_run():
+    q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, torch.float64)
+    with pytest.raises(RuntimeError, match="flash-attn needs a CUDA device"):
+        ndp.ops.attention(q, k, v, backend="flash_attn")
+    with pytest.raises(RuntimeError, match="FlashAttention-3"):
+        ndp.ops.attention(q, k, v, backend="flash_attn3")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ndp.ops.attention(q, k, v, backend="cudnn")
+    if ndp.ops.available_backends("cpu")["triton"][0]:
+        with pytest.raises(TypeError, match=r"cannot run this full attention block.*float64.*Engines that can here: "
+                                            r"\['sdpa', 'torch'\]"):
+            ndp.ops.attention(q, k, v, backend="triton")
+    assert ndp.ops.resolve_backend("auto", "cpu") == "auto"
+
+
+def test_tune_checks_before_timing_and_rejects_a_wrong_engine(monkeypatch):
+    ok, err = tune.check_engine("sdpa", "other", torch.float32, 32, torch.device("cpu"))
+    assert ok and err < 1e-4
+    real = _sdpa.fwd
+
+    def off_by_a_bit(*a, **kw):
+        out, lse = real(*a, **kw)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(_sdpa, "fwd", off_by_a_bit)
+    ok, err = tune.check_engine("sdpa", "causal", torch.float32, 32, torch.device("cpu"))
+    assert not ok and err > 1e-3
+    monkeypatch.setattr(_sdpa, "fwd", real)
+    table = tune.tune("cpu", dtypes=[torch.float32], head_dims=[32], s=64, iters=1, log=lambda *_: None)
+    assert set(table["rows"]) == {f"{c}/float32/32" for c in engines.CLASSES}
+    for row in table["rows"].values():
+        assert row["order"][0] == "sdpa" and set(row["ms"]) >= {"sdpa", "torch"} and "torch" not in row["order"]

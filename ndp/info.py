@@ -1,8 +1,10 @@
 """Environment report: ``python -m ndp.info`` (``--json`` for machine-readable output).
 
-Prints the versions of python, torch, triton, transformers and flash-attn, which attention backends
-(torch, triton, flash_attn) can run here, and which compiled ops (``torch.ops.ndp.*``, CPU and CUDA kernels)
-are registered, each with the reason when something is missing.
+Prints the versions of python, torch, triton, transformers and flash-attn, which attention engines
+(sdpa, triton, flash_attn, flash_attn3, torch) can run here, the engine table that ``backend="auto"`` reads
+on this device (where it comes from, and per block class, dtype and head_dim the engine it picks and the
+measured times), and which compiled ops (``torch.ops.ndp.*``, CPU and CUDA kernels) are registered, each
+with the reason when something is missing.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def collect() -> dict:
     except Exception as exc:  # report, do not crash: this is the tool people run when something is broken
         backends = {"error": {"available": False, "why": f"ndp.ops failed to import: {type(exc).__name__}: {exc}"}}
 
+    engines = _engine_report(device)
+
     ops = {}
     cuda_why = ""
     if _ops.load_error is not None:
@@ -78,7 +82,32 @@ def collect() -> dict:
             ops[op] = {"CPU": cpu, "CUDA": cu, "why": why}
     compiled = {"loaded": _ops.load_error is None, "why": _ops.load_error or "", "with_cuda": _ops.WITH_CUDA,
                 "cuda_why": cuda_why, "ops": ops}
-    return {"versions": versions, "cuda": cuda, "backends": backends, "compiled_ops": compiled}
+    return {"versions": versions, "cuda": cuda, "backends": backends, "engines": engines, "compiled_ops": compiled}
+
+
+def _engine_report(device: str) -> dict:
+    """The auto engine table of `device`: source, measurement facts, and per row the pick and why."""
+    try:
+        import torch as _t
+
+        from .ops import engines
+
+        table = engines.engine_table(device, reload=True)
+        rows = {}
+        for cls in engines.CLASSES:
+            for key in sorted(k for k in table.rows if k[0] == cls):
+                row = table.rows[key]
+                avail = [e for e in row["order"] if engines.engine_available(e, device)[0]]
+                rows["/".join(str(x) for x in key)] = {
+                    "auto": avail[0] if avail else None, "order": row["order"], "ms": row.get("ms", {}),
+                    "why": "fastest exact engine measured" if avail else "no measured engine is available here"}
+        default = list(engines.DEFAULT_ORDER.get(_t.device(device).type, ()))
+        return {"device_key": table.device_key, "source": table.source, "measured": table.meta.get("measured"),
+                "block": table.meta.get("block"), "rows": rows, "default_order": default,
+                "why": "" if rows else (f"no measured table for {table.device_key}: auto uses the default order "
+                                        f"{default}; run `python -m ndp.ops.tune` to measure this device")}
+    except Exception as exc:  # report, do not crash
+        return {"error": f"{type(exc).__name__}: {exc}", "rows": {}}
 
 
 def format_report(info: dict) -> str:
@@ -91,6 +120,14 @@ def format_report(info: dict) -> str:
                   f"{c['device'] if c['available'] else 'none (' + c['why'] + ')'}", "", "attention backends:"]
     for name, b in info["backends"].items():
         lines.append(f"  {name:<11} {'yes' if b['available'] else 'no '}  {b['why']}".rstrip())
+    e = info.get("engines", {})
+    lines += ["", f"backend='auto' engine table: {e.get('source', '?')}"
+                  + (f" (measured {e['measured']}, {e['block']})" if e.get("measured") else "")]
+    if e.get("error") or e.get("why"):
+        lines.append(f"  {e.get('error') or e.get('why')}")
+    for key, r in e.get("rows", {}).items():
+        times = "  ".join(f"{n} {t:.1f} ms" for n, t in sorted(r["ms"].items(), key=lambda x: x[1]))
+        lines.append(f"  {key:<22} -> {r['auto'] or 'none':<11} {times}")
     co = info["compiled_ops"]
     lines += ["", "compiled ops (torch.ops.ndp.*): " + ("loaded" if co["loaded"] else "NOT loaded: " + co["why"])]
     if co["loaded"]:

@@ -1,0 +1,276 @@
+"""Attention engines side by side in one run: ndp's per-block ``auto`` against torch's own fused attention.
+
+    python bench/bench_engines.py --out bench/results/             # both parts (CPU: about 3 minutes)
+    python bench/bench_engines.py --only single --seqlens 1024,4096
+    python bench/bench_engines.py --only ring --ring-seqlen 8192 --with-reference-engine
+
+1. single: one process, forward+backward of ``ndp.ops.attention`` per engine (auto, sdpa, the torch
+   reference; triton on CUDA) against ``torch.nn.functional.scaled_dot_product_attention`` with autograd,
+   causal and full, B=1 H=8 D=64, fp32 on CPU (bf16 on CUDA). Ratio = ndp time / SDPA time.
+2. ring (CPU, gloo): 2 processes, zigzag ring attention forward+backward, causal, B=1 H=8 D=64 fp32, one
+   thread per rank: ``ndp.ring_attention(backend="auto")`` against torch's own context-parallel ring
+   (``torch.distributed.tensor.experimental``'s load-balanced templated ring over the CPU flash kernel,
+   inputs in the same head-tail sharding) and, with ``--with-reference-engine``, ndp's ring on the
+   materialising ``torch`` engine (what ``auto`` ran on CPU before the sdpa engine). Slowest rank.
+
+Before timing, every provider's output is checked against a reference (tests/tolerances.py): the single
+runs against SDPA on the same inputs, the ring outputs against single-process SDPA on the full sequence
+cut with ndp.shard_sequence. Times are medians (perf_counter; CUDA synchronised) with p20/p80. Results:
+a printed table, <out>/bench_engines.json and .csv (one row per result with machine, versions, git SHA).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+def _stats(times):
+    t = np.asarray(times) * 1e3
+    return dict(ms=float(np.median(t)), p20=float(np.percentile(t, 20)), p80=float(np.percentile(t, 80)))
+
+
+def _time(fn, dev, warmup=1, iters=5, barrier=None):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _check(name, got, want, dtype):
+    from tolerances import tol
+
+    atol, rtol = tol(dtype, "out")
+    err = (got.double() - want.double()).abs()
+    bad = int((err > atol + rtol * want.double().abs()).sum())
+    print(f"reference check {name}: max|out-ref| = {err.max().item():.3e} {'ok' if bad == 0 else 'MISMATCH'}",
+          flush=True)
+    if bad:
+        raise RuntimeError(f"bench_engines: {name} differs from the reference ({bad} elements over atol={atol:g}, "
+                           f"rtol={rtol:g}); not timing a wrong result")
+    return err.max().item()
+
+
+# ---------------------------------------------------------------------------------------------- single process
+
+def single(seqlens, dev, iters, engines=None):
+    import ndp.ops
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    engines = engines or (["auto", "triton"] if dev.type == "cuda" else ["auto", "sdpa", "torch"])
+    rows = []
+    for s in seqlens:
+        for causal in (True, False):
+            g = torch.Generator().manual_seed(0)
+            q, k, v, dout = (torch.randn(1, s, 8, 64, generator=g).to(dev, dtype) for _ in range(4))
+            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+
+            def sdpa():
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                out.backward(dout.transpose(1, 2))
+                return out
+
+            want = sdpa().transpose(1, 2).detach()
+            base = _stats(_time(sdpa, dev, iters=iters))
+            shape = f"B=1 S={s} H=8 D=64 {str(dtype)[6:]} {'causal' if causal else 'full'}"
+            rows.append(dict(part="single", provider="torch SDPA", shape=shape, ratio=1.0, **base))
+            for e in engines:
+                if e != "auto" and not ndp.ops.available_backends(dev)[e][0]:
+                    continue
+                if e == "torch" and s > 4096:
+                    continue  # the materialising reference holds S x S per head
+                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+
+                def run():
+                    out = ndp.ops.attention(qq, kk, vv, causal=causal, backend=e)
+                    out.backward(dout)
+                    return out
+
+                err = _check(f"ndp {e} {shape}", run().detach(), want, dtype)
+                st = _stats(_time(run, dev, iters=iters))
+                rows.append(dict(part="single", provider=f"ndp {e}", shape=shape, ratio=st["ms"] / base["ms"],
+                                 ref_err=err, **st))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- ring (gloo)
+
+def _ring_body(rank, world, tmp, cfg, out_file):
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        import ndp
+        from torch.distributed.tensor.experimental._context_parallel import _attention as tcp
+
+        s, d = cfg["s"], 64
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, s, 8, d, generator=g) for _ in range(4))
+        with torch.no_grad():
+            full = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+        want = ndp.shard_sequence(full.transpose(1, 2), dim=1)
+        ql, kl, vl, dl = (ndp.shard_sequence(x, dim=1) for x in (q, k, v, dout))
+        res = {}
+
+        def ndp_ring(backend):
+            xs = [x.detach().requires_grad_() for x in (ql, kl, vl)]
+
+            def run():
+                out = ndp.ring_attention(*xs, causal=True, backend=backend)
+                out.backward(dl)
+                return out
+            return run
+
+        # torch's ring: zigzag ("load balanced") head-tail shards in [B, H, S, D], the CPU flash op per block.
+        tcp._cp_options.enable_load_balance = True
+        aten = torch.ops.aten
+        qt, kt, vt, dt = (x.transpose(1, 2).contiguous() for x in (ql, kl, vl, dl))
+
+        def torch_ring():
+            out, lse = tcp._templated_ring_attention(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
+                                                     qt, kt, vt, is_causal=True, dropout_p=0.0, scale=d ** -0.5)[:2]
+            tcp._templated_ring_attention_backward(
+                dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=dt,
+                grad_out_name="grad_out", query=qt, key=kt, value=vt, out=out, logsumexp=lse, is_causal=True,
+                dropout_p=0.0, scale=d ** -0.5)
+            return out.transpose(1, 2)
+
+        providers = [("ndp ring auto", ndp_ring("auto")), ("torch context-parallel ring", torch_ring)]
+        if cfg["with_reference_engine"]:
+            providers.append(("ndp ring torch-engine", ndp_ring("torch")))
+        # Interleave providers round by round so that machine noise hits all of them alike.
+        times = {name: [] for name, _ in providers}
+        errs = {}
+        for name, fn in providers:
+            errs[name] = _check_quiet(fn().detach(), want)
+        for _ in range(cfg["iters"]):
+            for name, fn in providers:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        for name, _ in providers:
+            t = torch.tensor(times[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)   # per round, the slowest rank
+            e = torch.tensor([errs[name]], dtype=torch.float64)
+            dist.all_reduce(e, op=dist.ReduceOp.MAX)
+            res[name] = dict(times=t.tolist(), ref_err=e.item())
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(res, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_quiet(got, want):
+    from tolerances import tol
+
+    atol, rtol = tol(torch.float32, "out")
+    err = (got.double() - want.double()).abs()
+    if bool((err > atol + rtol * want.double().abs()).any()):
+        raise RuntimeError(f"bench_engines: ring output differs from single-process SDPA (max {err.max():.3e}); "
+                           f"not timing a wrong result")
+    return err.max().item()
+
+
+def ring(s, iters, with_reference_engine):
+    import torch.multiprocessing as mp
+
+    cfg = dict(s=s, iters=iters, with_reference_engine=with_reference_engine)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ring.json")
+        mp.spawn(_ring_body, args=(2, tmp, cfg, out), nprocs=2, join=True)
+        with open(out) as f:
+            res = json.load(f)
+    shape = f"W=2 zigzag B=1 S={s} H=8 D=64 float32 causal"
+    base = _stats(res["torch context-parallel ring"]["times"])["ms"]
+    rows = []
+    for name, r in res.items():
+        st = _stats(r["times"])
+        rows.append(dict(part="ring", provider=name, shape=shape, ratio=st["ms"] / base, ref_err=r["ref_err"], **st))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def _git_sha():
+    try:
+        head = open(os.path.join(ROOT, ".git", "HEAD")).read().strip()
+        if head.startswith("ref: "):
+            ref = os.path.join(ROOT, ".git", head[5:])
+            return open(ref).read().strip() if os.path.exists(ref) else "unknown"
+        return head
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--only", choices=["single", "ring"], action="append")
+    ap.add_argument("--seqlens", default="1024,4096")
+    ap.add_argument("--ring-seqlen", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--with-reference-engine", action="store_true",
+                    help="also time the ring on the materialising torch engine (slow: ~20 s per step at S=8192)")
+    args = ap.parse_args(argv)
+    parts = set(args.only or ["single", "ring"])
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
+                cpus=os.cpu_count(), threads=torch.get_num_threads(), git_sha=_git_sha(),
+                gpu=torch.cuda.get_device_name(0) if dev.type == "cuda" else "none",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat())
+    rows = []
+    if "single" in parts:
+        rows += single([int(x) for x in args.seqlens.split(",")], dev, args.iters)
+    if "ring" in parts:
+        rows += ring(args.ring_seqlen, args.iters, args.with_reference_engine)
+    print(f"\n{'part':<7} {'provider':<28} {'shape':<44} {'ms':>10} {'p20':>10} {'p80':>10} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['part']:<7} {r['provider']:<28} {r['shape']:<44} {r['ms']:>10.1f} {r['p20']:>10.1f} "
+              f"{r['p80']:>10.1f} {r['ratio']:>7.3f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_engines.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(args.out, "bench_engines.csv"), "w", newline="") as f:
+        keys = ["part", "provider", "shape", "ms", "p20", "p80", "ratio", "ref_err"]
+        w = csv.DictWriter(f, fieldnames=["gpu", "torch", "git_sha"] + keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(gpu=meta["gpu"], torch=meta["torch"], git_sha=meta["git_sha"],
+                            **{k: r.get(k) for k in keys}))
+    print(f"\nwrote {args.out}/bench_engines.json and .csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

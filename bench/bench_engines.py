@@ -1,6 +1,6 @@
 """Attention engines side by side in one run: ndp's per-block ``auto`` against torch's own fused attention.
 
-    python bench/bench_engines.py --out bench/results/             # both parts (CPU: about 3 minutes)
+    python bench/bench_engines.py --out bench/results/             # all parts (CPU: about 4 minutes)
     python bench/bench_engines.py --only single --seqlens 1024,4096
     python bench/bench_engines.py --only ring --ring-seqlen 8192 --with-reference-engine
 
@@ -12,6 +12,10 @@
    (``torch.distributed.tensor.experimental``'s load-balanced templated ring over the CPU flash kernel,
    inputs in the same head-tail sharding) and, with ``--with-reference-engine``, ndp's ring on the
    materialising ``torch`` engine (what ``auto`` ran on CPU before the sdpa engine). Slowest rank.
+
+3. hf (``--only hf``): a Hugging Face Llama (hidden 512, 4 layers, 8:4 heads, d64, fp32, AdamW) trained
+   for a few steps with ``attn_implementation="sdpa"`` and with ndp's attention (``ndp_ring``, no CP
+   group: ``ndp.ops.attention`` with ``auto``); tokens/s, both from the same weights, losses compared.
 
 Before timing, every provider's output is checked against a reference (tests/tolerances.py): the single
 runs against SDPA on the same inputs, the ring outputs against single-process SDPA on the full sequence
@@ -220,6 +224,51 @@ def ring(s, iters, with_reference_engine):
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- HF model
+
+def hf(seqlen, steps, dev):
+    import ndp.hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ndp.hf.register_attention()
+    cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seqlen)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (steps + 1, 1, seqlen), generator=g).to(dev)
+    res = {}
+    for impl in ("sdpa", "ndp_ring"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(dev)
+        model.set_attn_implementation(impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, times = [], []
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids[i], labels=ids[i]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            losses.append(loss.item())
+            if i:  # step 0 is warm-up
+                times.append(time.perf_counter() - t0)
+        res[impl] = (losses, times)
+    (l0, t0), (l1, t1) = res["sdpa"], res["ndp_ring"]
+    rel = max(abs(a - b) / abs(a) for a, b in zip(l0, l1))
+    print(f"HF Llama losses, ndp vs sdpa: max relative difference {rel:.2e}", flush=True)
+    if rel > 1e-4:
+        raise RuntimeError(f"bench_engines: HF losses differ between sdpa and ndp attention ({rel:.2e})")
+    shape = f"Llama h512 L4 8:4 d64 S={seqlen} B=1 fp32"
+    base = _stats(t0)["ms"]
+    rows = []
+    for name, t in (("HF sdpa", t0), ("HF ndp_ring (auto)", t1)):
+        st = _stats(t)
+        rows.append(dict(part="hf", provider=name, shape=shape, ratio=st["ms"] / base, ref_err=rel,
+                         tokens_per_s=seqlen / (st["ms"] / 1e3), **st))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- report
 
 def _git_sha():
@@ -236,14 +285,16 @@ def _git_sha():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--only", choices=["single", "ring"], action="append")
+    ap.add_argument("--only", choices=["single", "ring", "hf"], action="append")
+    ap.add_argument("--hf-seqlen", type=int, default=2048)
+    ap.add_argument("--hf-steps", type=int, default=5)
     ap.add_argument("--seqlens", default="1024,4096")
     ap.add_argument("--ring-seqlen", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--with-reference-engine", action="store_true",
                     help="also time the ring on the materialising torch engine (slow: ~20 s per step at S=8192)")
     args = ap.parse_args(argv)
-    parts = set(args.only or ["single", "ring"])
+    parts = set(args.only or ["single", "ring", "hf"])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
                 cpus=os.cpu_count(), threads=torch.get_num_threads(), git_sha=_git_sha(),
@@ -254,6 +305,8 @@ def main(argv=None) -> int:
         rows += single([int(x) for x in args.seqlens.split(",")], dev, args.iters)
     if "ring" in parts:
         rows += ring(args.ring_seqlen, args.iters, args.with_reference_engine)
+    if "hf" in parts:
+        rows += hf(args.hf_seqlen, args.hf_steps, dev)
     print(f"\n{'part':<7} {'provider':<28} {'shape':<44} {'ms':>10} {'p20':>10} {'p80':>10} {'ratio':>7}")
     for r in rows:
         print(f"{r['part']:<7} {r['provider']:<28} {r['shape']:<44} {r['ms']:>10.1f} {r['p20']:>10.1f} "

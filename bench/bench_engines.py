@@ -82,6 +82,19 @@ def _check(name, got, want, dtype):
 
 # ---------------------------------------------------------------------------------------------- single process
 
+def _interleaved(providers, dev, iters, warmup=1):
+    """Times {name: fn} round by round (every provider once per round), so that load from elsewhere on
+    the machine hits all providers alike. Returns {name: [seconds]}."""
+    for fn in providers.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in providers}
+    for _ in range(iters):
+        for name, fn in providers.items():
+            times[name] += _time(fn, dev, warmup=0, iters=1)
+    return times
+
+
 def single(seqlens, dev, iters, engines=None):
     import ndp.ops
 
@@ -92,6 +105,7 @@ def single(seqlens, dev, iters, engines=None):
         for causal in (True, False):
             g = torch.Generator().manual_seed(0)
             q, k, v, dout = (torch.randn(1, s, 8, 64, generator=g).to(dev, dtype) for _ in range(4))
+            shape = f"B=1 S={s} H=8 D=64 {str(dtype)[6:]} {'causal' if causal else 'full'}"
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
 
             def sdpa():
@@ -100,9 +114,7 @@ def single(seqlens, dev, iters, engines=None):
                 return out
 
             want = sdpa().transpose(1, 2).detach()
-            base = _stats(_time(sdpa, dev, iters=iters))
-            shape = f"B=1 S={s} H=8 D=64 {str(dtype)[6:]} {'causal' if causal else 'full'}"
-            rows.append(dict(part="single", provider="torch SDPA", shape=shape, ratio=1.0, **base))
+            providers, errs = {"torch SDPA": sdpa}, {}
             for e in engines:
                 if e != "auto" and not ndp.ops.available_backends(dev)[e][0]:
                     continue
@@ -110,15 +122,19 @@ def single(seqlens, dev, iters, engines=None):
                     continue  # the materialising reference holds S x S per head
                 qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
 
-                def run():
+                def run(qq=qq, kk=kk, vv=vv, e=e):
                     out = ndp.ops.attention(qq, kk, vv, causal=causal, backend=e)
                     out.backward(dout)
                     return out
 
-                err = _check(f"ndp {e} {shape}", run().detach(), want, dtype)
-                st = _stats(_time(run, dev, iters=iters))
-                rows.append(dict(part="single", provider=f"ndp {e}", shape=shape, ratio=st["ms"] / base["ms"],
-                                 ref_err=err, **st))
+                errs[f"ndp {e}"] = _check(f"ndp {e} {shape}", run().detach(), want, dtype)
+                providers[f"ndp {e}"] = run
+            times = _interleaved(providers, dev, iters)
+            base = _stats(times["torch SDPA"])["ms"]
+            for name, t in times.items():
+                st = _stats(t)
+                rows.append(dict(part="single", provider=name, shape=shape, ratio=st["ms"] / base,
+                                 ref_err=errs.get(name, 0.0), **st))
     return rows
 
 
@@ -235,14 +251,14 @@ def hf(seqlen, steps, dev):
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seqlen)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (steps + 1, 1, seqlen), generator=g).to(dev)
-    res = {}
+    runs = {}
     for impl in ("sdpa", "ndp_ring"):
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).to(dev)
         model.set_attn_implementation(impl)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses, times = [], []
-        for i in range(steps + 1):
+        runs[impl] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), [], [])
+    for i in range(steps + 1):
+        for impl, (model, opt, losses, times) in runs.items():  # step by step, alternating the two models
             t0 = time.perf_counter()
             loss = model(input_ids=ids[i], labels=ids[i]).loss
             loss.backward()
@@ -253,7 +269,7 @@ def hf(seqlen, steps, dev):
             losses.append(loss.item())
             if i:  # step 0 is warm-up
                 times.append(time.perf_counter() - t0)
-        res[impl] = (losses, times)
+    res = {impl: (r[2], r[3]) for impl, r in runs.items()}
     (l0, t0), (l1, t1) = res["sdpa"], res["ndp_ring"]
     rel = max(abs(a - b) / abs(a) for a, b in zip(l0, l1))
     print(f"HF Llama losses, ndp vs sdpa: max relative difference {rel:.2e}", flush=True)

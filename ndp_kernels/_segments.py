@@ -18,6 +18,8 @@ parallel layer builds its own tables from global token positions (zigzag, stripe
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NO_LIMIT = 1 << 30
@@ -110,8 +112,9 @@ class Segments:
 
     @staticmethod
     def dense(seqlen_q: int, seqlen_k: int, *, causal: bool, window_size=(-1, -1)) -> "Segments":
-        """One bottom-right aligned segment covering the whole sequences."""
-        return Segments.from_rows([(0, seqlen_q, 0, seqlen_k, *band(seqlen_q, seqlen_k, causal, window_size))])
+        """One bottom-right aligned segment covering the whole sequences (cached: tables are immutable, so
+        the per-table facts the engines memoise carry over from one call of a layer to the next)."""
+        return _dense(int(seqlen_q), int(seqlen_k), bool(causal), tuple(int(w) for w in window_size))
 
     @staticmethod
     def from_cu_seqlens(cu_q, cu_k, *, causal: bool, window_size=(-1, -1)) -> "Segments":
@@ -134,6 +137,11 @@ class Segments:
             d = torch.arange(kl, device=device)[None, :] - torch.arange(ql, device=device)[:, None]
             m[qs:qs + ql, ks:ks + kl] |= (d >= lo) & (d <= hi)
         return m
+
+
+@functools.lru_cache(maxsize=256)
+def _dense(seqlen_q: int, seqlen_k: int, causal: bool, window_size: tuple) -> Segments:
+    return Segments.from_rows([(0, seqlen_q, 0, seqlen_k, *band(seqlen_q, seqlen_k, causal, window_size))])
 
 
 def _check_tensor(name, x):

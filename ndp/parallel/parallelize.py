@@ -226,7 +226,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, fore
         parameters: tensors (plain or DTensor) whose ``.grad`` is clipped in place.
         max_norm: the largest allowed global norm (<= 0 or inf: only measure).
     Returns:
-        the global norm before clipping (fp32 scalar, plain tensor, identical on every rank).
+        the global norm before clipping (fp32 scalar, plain tensor, identical on every rank); when it is not
+        finite the gradients are left unscaled.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -256,7 +257,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, fore
         total = sq if total is None else total + sq.to(total.device)
     norm = total.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        # A non-finite norm leaves the gradients as they are (no host sync here): scaling every gradient by
+        # NaN would hide which tensor went bad, and the caller is going to skip or stop the step anyway.
+        coef = torch.where(torch.isfinite(norm), torch.clamp(max_norm / (norm + 1e-6), max=1.0),
+                           torch.ones_like(norm))
         for g in grads:
             (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
     return norm

@@ -12,6 +12,7 @@ complete checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -59,8 +60,93 @@ def latest_checkpoint(save_dir: str) -> str | None:
     return path if os.path.isdir(path) else None
 
 
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data_files(path: str) -> list[str]:
+    """Every file of a checkpoint directory except meta.json (relative paths, sorted)."""
+    out = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), path)
+            if rel != "meta.json":
+                out.append(rel)
+    return sorted(out)
+
+
+def read_meta(path: str) -> dict:
+    """The meta.json of a committed checkpoint.
+
+    Raises:
+        FileNotFoundError: not a committed ndp checkpoint.  RuntimeError: meta.json unreadable.
+    """
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{path} is not a committed ndp checkpoint (no meta.json)")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"checkpoint {path}: meta.json is unreadable ({e}); the checkpoint is corrupt. Resume "
+                           f"from an older one (point {LATEST} at it) or start without --resume.") from None
+
+
+def verify_checkpoint(path: str) -> None:
+    """Checks every file of the checkpoint against the sha256 written at save (collective when a process
+    group exists: each rank hashes its share of the files, every rank gets the verdict).
+
+    Raises:
+        RuntimeError: a file is missing or its checksum differs (names the files and the fix), on every rank.
+    """
+    meta = read_meta(path)
+    want = meta.get("sha256")
+    if want is None:
+        logger.warning("checkpoint %s has no checksums (written by an older ndp): not verified", path)
+        return
+    rank, world = _rank(), (dist.get_world_size() if dist.is_initialized() else 1)
+    names = sorted(want)
+    bad = []
+    for i, name in enumerate(names):
+        if i % world != rank:
+            continue
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            bad.append(f"{name} (missing)")
+        elif _sha256(full) != want[name]:
+            bad.append(f"{name} (sha256 differs)")
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, bad)
+        bad = sorted(b for part in every for b in part)
+    if bad:
+        raise RuntimeError(f"checkpoint {path} is corrupt: {', '.join(bad)}. Resume from an older checkpoint "
+                           f"(write its directory name into {os.path.join(os.path.dirname(path), LATEST)}) or "
+                           f"start without --resume.")
+
+
+def check_identity(path: str, meta: dict, identity: dict) -> None:
+    """Refuses a checkpoint of another model, vocabulary or sequence length.
+
+    Raises:
+        ValueError: names every differing field with both values, and the fix.
+    """
+    saved = meta.get("identity")
+    if saved is None:
+        return
+    diff = {k: (saved.get(k), v) for k, v in identity.items() if k in saved and saved.get(k) != v}
+    if diff:
+        detail = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"--resume: checkpoint {path} belongs to another run ({detail}). Resume with the "
+                         f"model, vocabulary and --seq-len it was saved with, or use a new --save-dir.")
+
+
 def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, *, extra: dict | None = None,
-                    before_commit=None) -> str:
+                    before_commit=None, meta: dict | None = None) -> str:
     """Save a sharded checkpoint of ``step`` (collective: every rank calls it).
 
     Args:
@@ -68,6 +154,7 @@ def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, *, ex
         model, optimizer, scheduler: the (parallelized) model, its optimizer and LR scheduler.
         extra: small picklable per-rank state (e.g. metrics position).
         before_commit: test hook called on every rank after the files are written, before the commit.
+        meta: JSON-able run facts stored in meta.json (``identity``, ``steps``), checked on resume.
     Returns:
         the committed checkpoint directory.
     """
@@ -97,8 +184,13 @@ def save_checkpoint(save_dir: str, step: int, model, optimizer, scheduler, *, ex
     if before_commit is not None:
         before_commit()
     if _rank() == 0:
+        # Checksums of every file, so that a resume detects a truncated or corrupted checkpoint.
+        sums = {name: _sha256(os.path.join(tmp, name)) for name in _data_files(tmp)}
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}, f)
+            json.dump({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                       "sha256": sums, **(meta or {})}, f)
+            f.flush()
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -123,10 +215,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     Returns:
         the rank state dict (``step``, ``extra``).
     Raises:
-        FileNotFoundError: not a checkpoint directory.
+        FileNotFoundError: not a checkpoint directory.  RuntimeError: a file fails its checksum.
     """
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise FileNotFoundError(f"{path} is not a committed ndp checkpoint (no meta.json)")
+    verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

@@ -53,6 +53,8 @@ class TrainConfig:
     activation_checkpointing: bool = False
     device: str = "auto"
     progress: bool = True
+    stop_after: int | None = None
+    skip_nonfinite: int = 0
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -68,6 +70,15 @@ class TrainConfig:
             raise ValueError("--resume needs --save-dir (where the checkpoints are)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after must be in [1, steps]; got stop_after={self.stop_after}, "
+                             f"steps={self.steps}. It ends this run after that step; --steps keeps setting the "
+                             f"learning-rate schedule.")
+        if self.stop_after is not None and not self.save_dir:
+            raise ValueError("--stop-after saves a checkpoint to resume from: it needs --save-dir")
+        if self.skip_nonfinite < 0:
+            raise ValueError(f"--skip-nonfinite must be >= 0 (steps with a non-finite loss or gradient that may be "
+                             f"skipped before the run stops); got {self.skip_nonfinite}")
 
     @property
     def warmup_steps(self) -> int:
@@ -131,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--activation-checkpointing", action="store_true", default=None)
     a("--device", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", default=None)
+    a("--stop-after", type=int, help="save and exit cleanly after this step (a time slice); the learning-rate "
+                                     "schedule stays that of --steps")
+    a("--skip-nonfinite", type=int, help="skip up to N steps whose loss or gradient norm is not finite "
+                                         "(default 0: stop at the first)")
     return p
 
 

@@ -93,24 +93,51 @@ def _single_process_group():
             dist.destroy_process_group()
 
 
-def train(cfg: TrainConfig, *, return_state: bool = False, before_commit=None) -> TrainResult:
+def run_identity(model, cfg: TrainConfig) -> dict:
+    """What a checkpoint must match to be resumed by this run: architecture, vocabulary, sequence length."""
+    c = model.config
+    keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads")
+    ident = {k: getattr(c, k, None) for k in keys}
+    ident["seq_len"] = cfg.seq_len
+    return ident
+
+
+def _first_nonfinite(model, loss_ok: bool) -> str:
+    """Names the first tensor that is not finite on this rank: the loss, or a parameter's gradient."""
+    if not loss_ok:
+        return "the loss"
+    for name, prm in model.named_parameters():
+        g = prm.grad
+        if g is None:
+            continue
+        g = g.to_local() if hasattr(g, "to_local") else g
+        if not bool(torch.isfinite(g).all()):
+            return f"the gradient of {name}"
+    return "a gradient on another rank (every gradient on this rank is finite)"
+
+
+def train(cfg: TrainConfig, *, return_state: bool = False, before_commit=None, step_hook=None) -> TrainResult:
     """Run training on the current process group (or a private one-rank group when none exists).
 
     Args:
         cfg: the TrainConfig; return_state: gather the final consolidated weights into the result.
         before_commit: checkpoint test hook (see ``save_checkpoint``).
+        step_hook: test hook ``f(step, model)`` called after each step's backward, before the checks.
     Returns:
         TrainResult with per-step global losses.
     Raises:
-        ValueError: config inconsistent with the world size or the model (raised before collectives).
+        ValueError: config inconsistent with the world size or the model (raised before collectives), or
+            a checkpoint of another run on --resume.
+        RuntimeError: a non-finite loss or gradient norm (beyond --skip-nonfinite), or a corrupt checkpoint.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg.check(world)
     with _single_process_group():
-        return _train(cfg, return_state=return_state, before_commit=before_commit)
+        return _train(cfg, return_state=return_state, before_commit=before_commit, step_hook=step_hook)
 
 
-def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResult:
+def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=None) -> TrainResult:
     import ndp.hf
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -142,14 +169,30 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
     dataset = TokenDataset(tokens, starts, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                            pack_docs=cfg.pack_docs)
 
+    identity = run_identity(model, cfg)
     start_step = 0
+    schedule_note = None
     if cfg.resume:
         path = ckpt.latest_checkpoint(cfg.save_dir)
         if path is not None:
+            meta = ckpt.read_meta(path)
+            ckpt.check_identity(path, meta, identity)
             start_step = ckpt.load_checkpoint(path, model, opt, sched)["step"]
             logger.info("resumed from %s at step %d", path, start_step)
+            saved_steps = meta.get("steps")
+            if saved_steps is not None and saved_steps != cfg.steps:
+                schedule_note = (f"resumed a run saved with --steps {saved_steps} under --steps {cfg.steps}: the "
+                                 f"learning-rate schedule follows --steps {cfg.steps} from step {start_step + 1} on "
+                                 f"(use --stop-after to run in time slices without changing it)")
+                if rank == 0:
+                    logger.warning(schedule_note)
         elif rank == 0:
             logger.warning("--resume: no checkpoint in %s, starting from scratch", cfg.save_dir)
+    if start_step >= cfg.steps and rank == 0:
+        logger.warning("--resume: the checkpoint is at step %d, --steps is %d: nothing to train", start_step,
+                       cfg.steps)
+    end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    ckpt_meta = {"identity": identity, "steps": cfg.steps}
 
     dp_mesh = mesh_axis(mesh, "dp")
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
@@ -176,8 +219,9 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
         bar = tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}", dynamic_ncols=True)
 
     result = TrainResult(start_step=start_step)
+    skipped = 0
     model.train()
-    for step in range(start_step, cfg.steps):
+    for step in range(start_step, end_step):
         t0 = time.perf_counter()
         batch = dataset.global_batch(step)
         n_global = batch.num_tokens
@@ -194,13 +238,28 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
                                  reduction="sum")
             (ls * (grad_scale_world / max(1, n_global))).backward()
             loss_sum += ls.detach()
+        if step_hook is not None:
+            step_hook(step, model)
         gnorm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
         if loss_group is not None:
             dist.all_reduce(loss_sum, group=loss_group)
         loss = loss_sum.item() / max(1, n_global)
+        # The loss and the norm are global (reduced over every rank): every rank takes the same branch.
+        finite = math.isfinite(loss) and math.isfinite(float(gnorm))
+        if finite:
+            opt.step()
+        else:
+            what = _first_nonfinite(model, math.isfinite(loss))
+            msg = (f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+                   f"(loss={loss}, grad_norm={float(gnorm)}); first non-finite tensor on rank {rank}: {what}")
+            if skipped >= cfg.skip_nonfinite:
+                raise RuntimeError(f"{msg}. Stopping: the weights are unchanged by this step and the last checkpoint "
+                                   f"is intact. Lower --lr, check the data, or allow skipping with --skip-nonfinite N "
+                                   f"(used {skipped} of {cfg.skip_nonfinite}).")
+            skipped += 1
+            logger.warning("%s: step skipped (%d of --skip-nonfinite %d)", msg, skipped, cfg.skip_nonfinite)
+        sched.step()  # the schedule follows the step index, skipped or not (so resume math is unchanged)
+        opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -210,7 +269,13 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
         result.tokens_per_s.append(tps)
         result.step_times.append(dt)
         rec = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
-               "tokens_per_s": tps, "step_time_s": dt, "tokens": n_global, "peak_mem_mb": _peak_mem_mb(device)}
+               "tokens_per_s": tps, "step_time_s": dt, "tokens": n_global, "peak_mem_mb": _peak_mem_mb(device),
+               "schedule_steps": cfg.steps}
+        if not finite:
+            rec["skipped"] = True
+        if schedule_note is not None:
+            rec["note"] = schedule_note
+            schedule_note = None
         if metrics_f is not None:
             metrics_f.write(json.dumps(rec) + "\n")
             metrics_f.flush()
@@ -219,8 +284,8 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
                             mem=f"{rec['peak_mem_mb']:.0f}MB")
             bar.update(1)
         done = step + 1
-        if cfg.save_dir and ((cfg.save_every and done % cfg.save_every == 0) or done == cfg.steps):
-            ckpt.save_checkpoint(cfg.save_dir, done, model, opt, sched, before_commit=before_commit)
+        if cfg.save_dir and ((cfg.save_every and done % cfg.save_every == 0) or done == end_step):
+            ckpt.save_checkpoint(cfg.save_dir, done, model, opt, sched, before_commit=before_commit, meta=ckpt_meta)
     if bar is not None:
         bar.close()
     if metrics_f is not None:
@@ -230,6 +295,9 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit) -> TrainResul
     if return_state:
         result.state_dict = ckpt.full_state_dict(model)
     result.wall_time = time.perf_counter() - t_start
+    if cfg.stop_after and end_step < cfg.steps and rank == 0:
+        logger.info("stopped after step %d (--stop-after); continue with --resume (same --steps %d)", end_step,
+                    cfg.steps)
     if rank == 0 and result.losses:
         n = len(result.losses)
         logger.info("done: %d steps, final loss %.4f, mean %.0f tokens/s, %.1f s", n, result.losses[-1],

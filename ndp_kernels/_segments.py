@@ -146,7 +146,7 @@ def _dense(seqlen_q: int, seqlen_k: int, causal: bool, window_size: tuple) -> Se
 
 def _check_tensor(name, x):
     if not torch.is_tensor(x):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}; pass torch.as_tensor({name})")
 
 
 def check_qkv(q, k, v, *, packed: bool):
@@ -161,19 +161,23 @@ def check_qkv(q, k, v, *, packed: bool):
             hint = " Packed input needs cu_seqlens_q and cu_seqlens_k." if x.dim() == 3 and not packed else ""
             raise ValueError(f"{name} must be {want}-D {layout}; got shape {tuple(x.shape)}.{hint}")
     if q.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"q must be float16, bfloat16, float32 or float64; got {q.dtype}")
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64; got {q.dtype}. Cast q, k, v with "
+                        f".to(torch.bfloat16) (or another float dtype).")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype; got q={q.dtype}, k={k.dtype}, v={v.dtype}. "
                         f"Cast them with .to({q.dtype}).")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}. Pass the keys "
+                         f"and values of the same tokens and kv heads.")
     if not packed and k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size; got q={q.shape[0]}, k={k.shape[0]}")
+        raise ValueError(f"q and k must have the same batch size; got q={q.shape[0]}, k={k.shape[0]}. Pass k and v "
+                         f"with q's batch ({q.shape[0]}).")
     hq, hk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     if k.shape[-1] != d:
-        raise ValueError(f"q and k must have the same head_dim; got q={d}, k={k.shape[-1]}")
+        raise ValueError(f"q and k must have the same head_dim; got q={d}, k={k.shape[-1]}. Project q, k and v to one "
+                         f"head_dim.")
     if hk == 0 or hq % hk:
         raise ValueError(f"heads must be divisible by kv_heads (GQA/MQA); got heads={hq}, kv_heads={hk}. "
                          f"Use a kv_heads that divides {hq}.")
@@ -191,16 +195,19 @@ def _check_cu(name, cu, total, device):
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32; got {cu.dtype}. Use {name}.to(torch.int32).")
     if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D [num_seqs + 1] with at least 2 entries; got shape {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be 1-D [num_seqs + 1] with at least 2 entries; got shape {tuple(cu.shape)}. "
+                         f"Use [0, len_1, len_1 + len_2, ...] (a leading 0, then the cumulative document lengths).")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
     vals = cu.tolist()
     if vals[0] != 0:
-        raise ValueError(f"{name} must start at 0; got {name}[0]={vals[0]}")
+        raise ValueError(f"{name} must start at 0; got {name}[0]={vals[0]}. Prepend the 0: "
+                         f"torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int32).")
     bad = [i for i in range(len(vals) - 1) if vals[i + 1] < vals[i]]
     if bad:
         i = bad[0]
-        raise ValueError(f"{name} must be non-decreasing; got {name}[{i}]={vals[i]} > {name}[{i + 1}]={vals[i + 1]}")
+        raise ValueError(f"{name} must be non-decreasing; got {name}[{i}]={vals[i]} > {name}[{i + 1}]={vals[i + 1]}. "
+                         f"It is the cumulative sum of the document lengths (each >= 0).")
     if vals[-1] != total:
         raise ValueError(f"{name}[-1] must equal the number of tokens ({total}); got {vals[-1]}. "
                          f"cu_seqlens is the cumulative sum of document lengths with a leading 0.")
@@ -241,7 +248,8 @@ def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
         ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
         if len(cq) != len(ck):
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents; got "
-                             f"{len(cq) - 1} and {len(ck) - 1}")
+                             f"{len(cq) - 1} and {len(ck) - 1}. Pass one entry per document in both (the same "
+                             f"tensor for self-attention).")
         segs = Segments.from_cu_seqlens(cq, ck, causal=causal, window_size=window_size)
         for name, given, actual in (("max_seqlen_q", max_seqlen_q, segs.max_q_len),
                                     ("max_seqlen_k", max_seqlen_k, segs.max_k_len)):
@@ -257,11 +265,12 @@ def check_like(name, x, shape, dtype, device):
     """Check an output/accumulator/gradient argument has the expected shape, dtype and device."""
     _check_tensor(name, x)
     if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}. Allocate it with "
+                         f"torch.zeros({tuple(shape)}, dtype={dtype}).")
     if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}; got {x.dtype}")
+        raise TypeError(f"{name} must be {dtype}; got {x.dtype}. Allocate it with dtype={dtype}.")
     if x.device != device:
-        raise ValueError(f"{name} must be on {device}; got {x.device}")
+        raise ValueError(f"{name} must be on {device}; got {x.device}. Move it with .to({str(device)!r}).")
 
 
 def lse_shape(q, packed: bool):
@@ -330,9 +339,11 @@ def check_merge_args(out_acc, lse_acc, block_out, block_lse):
     if out_acc.dtype not in (torch.float32, torch.float64) or lse_acc.dtype != out_acc.dtype:
         raise TypeError(f"out_acc and lse_acc must be float32 accumulators; got {out_acc.dtype}, {lse_acc.dtype}")
     if block_out.shape != out_acc.shape:
-        raise ValueError(f"block_out must have out_acc's shape {tuple(out_acc.shape)}; got {tuple(block_out.shape)}")
+        raise ValueError(f"block_out must have out_acc's shape {tuple(out_acc.shape)}; got {tuple(block_out.shape)}. "
+                         f"Merge blocks computed for the accumulator's rows.")
     if block_lse.shape != lse_acc.shape:
-        raise ValueError(f"block_lse must have lse_acc's shape {tuple(lse_acc.shape)}; got {tuple(block_lse.shape)}")
+        raise ValueError(f"block_lse must have lse_acc's shape {tuple(lse_acc.shape)}; got {tuple(block_lse.shape)}. "
+                         f"Pass the block's own lse ([batch, heads, seq]).")
     packed = out_acc.dim() == 3
     if out_acc.dim() not in (3, 4) or tuple(lse_acc.shape) != lse_shape(out_acc, packed):
         raise ValueError(f"out_acc must be [batch, seq, heads, dim] with lse [batch, heads, seq] (or packed "

@@ -37,7 +37,7 @@ def _world_rank(group, world_size, rank):
             raise ValueError(f"pass both world_size and rank (or a group); got world_size={world_size}, rank={rank}")
         if not (isinstance(world_size, int) and isinstance(rank, int)) or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need an int world_size >= 1 and 0 <= rank < world_size; got world_size={world_size}, "
-                             f"rank={rank}")
+                             f"rank={rank}. Pass this process's rank in the CP group (or the group itself).")
         if group is not None:
             _, w, r = resolve_group(group)
             if (w, r) != (world_size, rank):
@@ -53,7 +53,8 @@ def _check_seq(x, dim, world, layout, what):
     if not torch.is_tensor(x):
         raise TypeError(f"{what} expects a torch.Tensor; got {type(x).__name__}")
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}; pass the sequence dim, "
+                         f"in [{-x.dim()}, {x.dim() - 1}]")
     return dim % x.dim()
 
 

@@ -18,7 +18,7 @@ __all__ = ["ops", "cp", "shard_sequence", "gather_sequence", "shard_packed", "ri
 
 
 def parallelize(model, config, mesh, **kwargs):
-    """Apply TP, CP, activation checkpointing and FSDP2 to `model` on `mesh` (DESIGN.md contract).
+    """Apply TP, CP, activation checkpointing and FSDP2 to `model` on `mesh` (docs/design.md, "Architecture").
 
     A Hugging Face causal LM gets the plan of ``ndp.hf`` (its own TP plan, attention switched to
     ``ndp_<cp_impl>``); any other ``nn.Module`` goes to ``ndp.parallel.parallelize`` with its plan.

@@ -1,4 +1,4 @@
-"""Multi-process helpers: real gloo process groups on CPU (STYLE.md)."""
+"""Multi-process helpers: real gloo process groups on CPU (docs/design.md, "Conventions: tests")."""
 import datetime
 import os
 

@@ -1,4 +1,4 @@
-"""Context-parallel attention (DESIGN.md layer ``ndp/cp``): load-balanced sharding and ring, all-gather,
+"""Context-parallel attention (layer ``ndp/cp`` of docs/design.md): load-balanced sharding and ring, all-gather,
 Ulysses and USP attention over a CP process group, forward and backward."""
 from .allgather import allgather_attention
 from .ring import ring_attention

@@ -1,6 +1,6 @@
 """ND parallelism on one DeviceMesh: ParallelismConfig, mesh construction and apply_tp/cp/ac/fsdp.
 
-Knows no model library (STYLE.md): models describe what to split with a :class:`ModelPlan`; ``ndp.hf``
+Knows no model library (docs/design.md): models describe what to split with a :class:`ModelPlan`; ``ndp.hf``
 provides the plan of Hugging Face causal LMs.
 """
 from .config import CP_IMPLS, CP_LAYOUTS, MESH_AXES, ParallelismConfig

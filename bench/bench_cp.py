@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 if os.path.join(ROOT, "tests") not in sys.path:
-    sys.path.append(os.path.join(ROOT, "tests"))   # tolerances.py: the one table of tolerances (STYLE.md)
+    sys.path.append(os.path.join(ROOT, "tests"))   # tolerances.py: the one table of tolerances (docs/design.md)
 
 from ndp.cp.schedule import LAYOUTS, Mask, Placement, RingSchedule, build_step  # noqa: E402
 from ndp.cp.sharding import DEFAULT_MIN_PIECE, packed_shard  # noqa: E402
@@ -222,7 +222,7 @@ def comm_bytes(worlds=(2, 4), shapes=None):
 # ---------------------------------------------------------------------------------------------- time
 
 def _timed(step, dev, warmup, iters, barrier=None):
-    """Median seconds of step() (STYLE.md 'Benchmarks'): warm-up runs, then each timed run starts after
+    """Median seconds of step() (docs/design.md, benchmarks): warm-up runs, then each timed run starts after
     `barrier` (distributed) and is timed with CUDA events on GPU, perf_counter only on CPU."""
     for _ in range(warmup):
         step()
@@ -434,7 +434,7 @@ def _git_sha():
 
 
 def _write_csv(result, path):
-    """One CSV row per result with the machine, versions and git SHA (STYLE.md 'Benchmarks')."""
+    """One CSV row per result with the machine, versions and git SHA (docs/design.md, "Conventions: benchmarks")."""
     import csv
 
     meta = result["meta"]

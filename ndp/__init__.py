@@ -5,6 +5,7 @@ ndp_kernels / the compiled ops ``torch.ops.ndp.*`` (ndp._C).
 """
 from . import _ops  # noqa: F401  (registers torch.ops.ndp.* and their fake kernels when ndp._C is built)
 from . import cp, ops
+from ._runtime import shutdown
 from .cp import (CommStats, allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                  split_cp_group, ulysses_attention, usp_attention)
 from .parallel import ParallelismConfig
@@ -13,11 +14,11 @@ __version__ = "0.1.0"
 
 __all__ = ["ops", "cp", "shard_sequence", "gather_sequence", "shard_packed", "ring_attention",
            "allgather_attention", "ulysses_attention", "usp_attention", "split_cp_group", "CommStats",
-           "ParallelismConfig", "parallelize"]
+           "ParallelismConfig", "parallelize", "shutdown"]
 
 
 def parallelize(model, config, mesh, **kwargs):
-    """Apply TP, CP, activation checkpointing and FSDP2 to `model` on `mesh` (DESIGN.md contract).
+    """Apply TP, CP, activation checkpointing and FSDP2 to `model` on `mesh` (docs/design.md, "Architecture").
 
     A Hugging Face causal LM gets the plan of ``ndp.hf`` (its own TP plan, attention switched to
     ``ndp_<cp_impl>``); any other ``nn.Module`` goes to ``ndp.parallel.parallelize`` with its plan.

@@ -1,6 +1,6 @@
 """ndp_kernels: Triton flash attention with LSE, fused merge of partial states, and their references.
 
-Public API (DESIGN.md)::
+Public API (docs/design.md)::
 
     flash_attn_fwd(q, k, v, ...) -> (out, lse)         flash_attn_bwd(dout, q, k, v, out, lse, ...)
     flash_attn_func(q, k, v, ...) -> out (autograd)     merge_attn_states_(out_acc, lse_acc, blk, blk_lse)

@@ -19,6 +19,8 @@ parallel layer builds its own tables from global token positions (zigzag, stripe
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import torch
 
@@ -224,6 +226,28 @@ def check_window(window_size):
     return left, right
 
 
+def check_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale as a float: ``head_dim ** -0.5`` when None, else a finite number > 0.
+
+    A NaN, infinite, zero or negative scale gives finite but meaningless attention (the kernels' running
+    max and the reference disagree on what it means), so it is refused instead of computed.
+
+    Raises:
+        TypeError: not a real number.  ValueError: not finite or not > 0.
+    """
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    is_real = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    if not (is_real or (torch.is_tensor(softmax_scale) and softmax_scale.numel() == 1)):
+        raise TypeError(f"softmax_scale must be a real number or None (= head_dim ** -0.5); got "
+                        f"{softmax_scale!r} ({type(softmax_scale).__name__})")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and > 0; got softmax_scale={scale!r}. Pass None for "
+                         f"the default head_dim ** -0.5 = {head_dim ** -0.5:.6g} (head_dim={head_dim}).")
+    return scale
+
+
 def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Validate public attention arguments and turn them into 4-D views plus a segment table.
@@ -240,9 +264,7 @@ def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
                          "for self-attention)")
     check_qkv(q, k, v, packed=packed)
     window_size = check_window(window_size)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    softmax_scale = float(softmax_scale)
+    softmax_scale = check_scale(softmax_scale, q.shape[-1])
     if packed:
         cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
         ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)

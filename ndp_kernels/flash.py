@@ -499,7 +499,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
 
 
 # ----------------------------------------------------------------------------------------------
-# public API (DESIGN.md signatures)
+# public API (signatures in docs/design.md, "Tensor conventions")
 # ----------------------------------------------------------------------------------------------
 
 def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),

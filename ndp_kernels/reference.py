@@ -14,7 +14,7 @@ Backward, given the FINAL output O and lse of each row (as the ring backward pas
     dQ = scale * dS K    dK = scale * dS^T Q  (dK, dV summed over the query heads of each kv head)
 
 Computation is fp32 (fp64 stays fp64); ``upcast=False`` computes in the input dtype, which gives the
-low-precision baseline of the fp16/bf16 error bound in STYLE.md. Dense masks make this O(S^2) in memory:
+low-precision baseline of the fp16/bf16 error bound in docs/design.md. Dense masks make this O(S^2) in memory:
 it is for checking and for small CPU runs, not for speed.
 """
 from __future__ import annotations

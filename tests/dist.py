@@ -1,4 +1,4 @@
-"""Multi-process helpers: real gloo process groups on CPU (STYLE.md)."""
+"""Multi-process helpers: real gloo process groups on CPU (docs/design.md, "Conventions: tests")."""
 import datetime
 import os
 
@@ -7,11 +7,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world_size, tmp_path, args):
+def _entry(rank, fn, world_size, tmp_path, args, timeout_s=60):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     ok = False
     try:
         fn(rank, world_size, *args)
@@ -24,6 +24,10 @@ def _entry(rank, fn, world_size, tmp_path, args):
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size, tmp_path, *args):
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
-    mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True)
+def spawn(fn, world_size, tmp_path, *args, timeout_s=60):
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails.
+
+    timeout_s: the process group's timeout: a collective or transfer that waits longer fails the rank
+    (tests of "no hang" pass a short one so that a hang fails fast instead of stalling the suite).
+    """
+    mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args, timeout_s), nprocs=world_size, join=True)

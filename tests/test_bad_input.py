@@ -9,7 +9,6 @@ import torch
 
 import ndp
 import ndp.ops
-import ndp_kernels
 from ndp_kernels import reference
 
 pytestmark = pytest.mark.timeout(60)

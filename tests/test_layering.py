@@ -1,4 +1,4 @@
-"""STYLE.md's layer table, enforced: imports only point down, and lower layers read no env vars."""
+"""The layer table of docs/design.md, enforced: imports only point down, and lower layers read no env vars."""
 import ast
 import pathlib
 
@@ -50,7 +50,7 @@ def test_imports_point_down(layer):
         for mod in _imports(path):
             if _hits(mod, FORBIDDEN[layer]):
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
-    assert not bad, "layering violations (STYLE.md):\n" + "\n".join(bad)
+    assert not bad, "layering violations (docs/design.md):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("layer", NO_ENV)
@@ -61,7 +61,7 @@ def test_lower_layers_read_no_env_vars(layer):
         for needle in ("os.environ", "os.getenv"):
             if needle in src:
                 bad.append(f"{path.relative_to(ROOT)} uses {needle}")
-    assert not bad, "only ndp.train parses config/env (STYLE.md):\n" + "\n".join(bad)
+    assert not bad, "only ndp.train parses config/env (docs/design.md):\n" + "\n".join(bad)
 
 
 def test_kernels_know_nothing_of_ndp():

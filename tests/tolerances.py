@@ -1,4 +1,4 @@
-"""The one table of test tolerances (STYLE.md). Tests take atol/rtol from here only."""
+"""The one table of test tolerances (docs/design.md, "Conventions: tests"). Tests take atol/rtol from here only."""
 import torch
 
 TOL = {

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ndp_kernels._segments import Segments, acc_dtype
 
-from ._validate import check_across_ranks, check_common, check_layout, resolve_group
+from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
 from .schedule import Mask, Placement, Step
 from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
@@ -45,28 +45,36 @@ class Call:
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
                  deterministic=False, extra=None, pre_check=None) -> Call:
-    """Validates a public CP call on this rank, then checks that all ranks agree (cached).
+    """Validates a public CP call on this rank, then agrees with the other ranks (one small all-gather).
+
+    A local failure does not raise before the exchange: the rank reports it there, so that every rank
+    of the group raises instead of one raising and the others waiting in a transfer.
 
     Raises:
-        ValueError / TypeError naming the constraint, values and fix; RuntimeError for a bad environment.
+        ValueError / TypeError naming the constraint, values and fix (on every rank of the group);
+        RuntimeError for a bad environment.
     """
     _require_ops()
     from ndp.ops import resolve_backend
 
-    window, scale, packed = check_common(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                         window_size=window_size, cu_seqlens=cu_seqlens)
-    layout = check_layout(layout)
-    pg, world, rank = resolve_group(group)
-    resolve_backend(backend, q.device)
-    if pre_check is not None:
-        pre_check(world)
-    placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens)
-    mask = Mask(causal, tuple(window))
-    engine = local_engine(backend, deterministic)
-    fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra)
-    check_across_ranks(pg, world, fields, q, f"{impl}")
-    return Call(pg, world, rank, layout, mask, scale, engine, packed, placement, batch, q.shape[-2],
-                k.shape[-2], q.shape[-1])
+    pg, world, rank = resolve_group_or_input_error(group, lambda: check_common(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens))
+    fields, error, engine = None, None, None
+    try:
+        window, scale, packed = check_common(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                             window_size=window_size, cu_seqlens=cu_seqlens)
+        layout = check_layout(layout)
+        resolve_backend(backend, q.device)
+        engine = local_engine(backend, deterministic)
+        if pre_check is not None:
+            pre_check(world)
+        placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens)
+        fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra)
+    except (ValueError, TypeError, RuntimeError) as e:
+        error = e
+    agree([(pg, world)], fields, q if torch.is_tensor(q) else None, impl, error)
+    return Call(pg, world, rank, layout, Mask(causal, tuple(window)), scale, engine, packed, placement, batch,
+                q.shape[-2], k.shape[-2], q.shape[-1])
 
 
 def local_engine(backend, deterministic) -> LocalEngine:
@@ -77,7 +85,7 @@ def local_engine(backend, deterministic) -> LocalEngine:
 
 
 def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra):
-    """What every rank of a group must agree on (compared by check_across_ranks)."""
+    """What every rank of a group must agree on (compared by ``agree``)."""
     packed = cu_desc is not None
     return dict(impl=impl, layout=None if packed else layout, causal=causal, window=tuple(window),
                 scale=scale, dtype=str(q.dtype), device=q.device.type,

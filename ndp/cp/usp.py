@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ._common import acc_dtype, call_fields, local_engine, placement_for
-from ._validate import check_across_ranks, check_common, check_layout, group_key, resolve_group
+from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
+                        resolve_group_or_input_error)
 from .ring import RingPlan, _ring_bwd, _ring_fwd
 from .schedule import Mask, Placement, RingSchedule
 from .sharding import _require_ops
@@ -177,19 +178,27 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
     _require_ops()
     from ndp.ops import resolve_backend
 
-    window, scale, packed = check_common(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                         window_size=window_size, cu_seqlens=cu_seqlens)
-    layout = check_layout(layout)
-    ug, u_size, u = resolve_group(ulysses_group)
-    rg, r_size, g = resolve_group(ring_group)
-    resolve_backend(backend, q.device)
-    engine = local_engine(backend, deterministic)
-    rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
-    n, c = u_size * r_size, g * u_size + u
-    placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens)
-    fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine, (u_size, r_size))
-    check_across_ranks(ug, u_size, fields, q, "usp_attention (ulysses group)")
-    check_across_ranks(rg, r_size, fields, q, "usp_attention (ring group)")
+    def local():
+        return check_common(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            cu_seqlens=cu_seqlens)
+
+    ug, u_size, u = resolve_group_or_input_error(ulysses_group, local)
+    rg, r_size, g = resolve_group_or_input_error(ring_group, local)
+    fields, error, engine = None, None, None
+    try:
+        window, scale, packed = local()
+        layout = check_layout(layout)
+        resolve_backend(backend, q.device)
+        engine = local_engine(backend, deterministic)
+        rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
+        n, c = u_size * r_size, g * u_size + u
+        placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens)
+        fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine,
+                             (u_size, r_size))
+    except (ValueError, TypeError, RuntimeError) as e:
+        error = e
+    # Ulysses group first, then the ring group: an error seen in one Ulysses group reaches every rank.
+    agree([(ug, u_size), (rg, r_size)], fields, q if torch.is_tensor(q) else None, "usp_attention", error)
     plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
     out, lse = UspAttnFunction.apply(q, k, v, plan, packed, bool(return_lse))
     return (out, lse) if return_lse else out

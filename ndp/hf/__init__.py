@@ -2,6 +2,9 @@
 decoder-only causal LMs (Llama, Qwen2, Mistral and models laid out like them)."""
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ndp.parallel import ModelPlan, ParallelismConfig
@@ -74,31 +77,97 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     return _parallelize(model, config, mesh, **kwargs)
 
 
-def shard_batch(model: nn.Module, **tensors):
-    """This rank's context-parallel shard of ``[batch, seq]`` tensors, in the layout the attention uses.
+def _parallel_state(model, what):
+    from ndp.parallel import CP_ATTR, PARALLEL_ATTR
+
+    state, ctx = getattr(model, PARALLEL_ATTR, None), getattr(model, CP_ATTR, None)
+    if state is None or ctx is None:
+        raise ValueError(f"{what} needs a model returned by ndp.parallelize / ndp.hf.parallelize (it carries the "
+                         f"parallel degrees and groups); got a {type(model).__name__} that was not parallelized.")
+    return state, ctx
+
+
+def shard_batch(model: nn.Module, *, global_batch: bool = False, **tensors):
+    """This rank's piece of ``[batch, seq]`` tensors: its context-parallel shard, in the attention's layout.
 
     Shift labels *before* sharding and pass global ``position_ids`` so RoPE sees true positions.
-    Identity when the model runs without CP.
 
     Args:
         model: a model returned by :func:`parallelize`.
+        global_batch: False (default): the tensors are this data-parallel rank's own batch; only the CP
+            shard is taken (identity without CP). True: the tensors are the global batch, the same on
+            every rank; first this rank's rows are taken (``batch / dp_size`` consecutive rows, rank r of
+            the ``dp`` axis = dp_replicate x dp_shard taking block r), then the CP shard.
         tensors: e.g. ``input_ids=..., labels=..., position_ids=...``, each ``[batch, seq]``.
     Returns:
-        dict of the same names -> ``[batch, seq / cp_size]`` shards.
+        dict of the same names -> ``[batch (/ dp_size), seq / cp_size]`` tensors.
     Raises:
-        ValueError: the model was not parallelized by ndp.
+        ValueError: the model was not parallelized by ndp, or (global_batch) the batch size does not
+            divide by the data-parallel size.
     """
-    from ndp.parallel import CP_ATTR
-
-    ctx = getattr(model, CP_ATTR, None)
-    if ctx is None:
-        raise ValueError("shard_batch needs a model returned by ndp.hf.parallelize (it carries the CP groups)")
+    state, ctx = _parallel_state(model, "shard_batch")
+    out = dict(tensors)
+    dp_size = state.config.dp_size
+    if global_batch and dp_size > 1:
+        dp_rank = state.axis("dp").get_local_rank()
+        for name, t in out.items():
+            if t.shape[0] % dp_size:
+                raise ValueError(f"shard_batch(global_batch=True): {name} has batch size {t.shape[0]}, not "
+                                 f"divisible by the data-parallel size {dp_size} (dp_replicate_size="
+                                 f"{state.config.dp_replicate_size} x dp_shard_size={state.config.dp_shard_size}). "
+                                 f"Use a global batch that is a multiple of {dp_size}.")
+            n = t.shape[0] // dp_size
+            out[name] = t[dp_rank * n:(dp_rank + 1) * n]
     if not ctx.enabled:
-        return dict(tensors)
+        return out
     import ndp.cp
 
-    return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in tensors.items()}
+    return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in out.items()}
 
 
-__all__ = ["shard_batch", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES",
-           "DEFAULT_TP_PLAN"]
+def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False):
+    """Token cross-entropy of this rank's shard, scaled so that FSDP's gradient averaging yields the
+    gradient of the global mean loss (every labelled token of every DP and CP rank counts once).
+
+    FSDP2/HSDP average gradients over the ``fsdp_size = dp_replicate x dp_shard x cp`` ranks, so each
+    rank back-propagates ``local_sum * fsdp_size / global_count``. The global count of labelled tokens
+    is summed over the ``dp_cp`` ranks (one all-reduce of two numbers): it is right whether or not the
+    batch was split over the data-parallel ranks (an unsplit batch counts each token dp_size times in
+    both the sum and the count). Tensor-parallel ranks hold the same tokens and are not counted again.
+
+    Args:
+        logits: ``[batch, local_seq, vocab]`` (any float dtype; the loss is computed in fp32).
+        labels: ``[batch, local_seq]`` int64, shifted before sharding (``ndp.hf.shard_batch``).
+        model: the model returned by :func:`parallelize` (carries the degrees and the mesh).
+        ignore_index: label value that marks tokens without a label.
+        num_tokens: the global number of labelled tokens, when known (e.g. over all micro-batches of a
+            step under gradient accumulation); None: counted here with one all-reduce.
+        return_mean: also return the global mean loss (detached fp32 scalar, identical on every rank;
+            for logging).
+    Returns:
+        the loss to call ``.backward()`` on (fp32 scalar); ``(loss, mean)`` when ``return_mean``.
+    Raises:
+        ValueError: the model was not parallelized by ndp, or logits and labels do not match.
+    """
+    state, _ = _parallel_state(model, "ndp.hf.loss")
+    if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"ndp.hf.loss needs logits [batch, local_seq, vocab] and labels [batch, local_seq]; got "
+                         f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}. Pass the labels that "
+                         f"shard_batch returned with the input_ids.")
+    local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                ignore_index=ignore_index, reduction="sum")
+    stats = torch.stack([local_sum.detach().double(), (labels != ignore_index).sum().double()])
+    group = state.axis("dp_cp")
+    if group is not None and group.size() > 1 and (num_tokens is None or return_mean):
+        dist.all_reduce(stats, group=group.get_group())
+    count = stats[1] if num_tokens is None else torch.as_tensor(float(num_tokens), dtype=torch.float64,
+                                                                 device=stats.device)
+    count = count.clamp(min=1)  # a batch without labels gives 0, not NaN
+    out = local_sum * (state.config.fsdp_size / count).to(local_sum.dtype)
+    if return_mean:
+        return out, (stats[0] / count).float()
+    return out
+
+
+__all__ = ["shard_batch", "loss", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
+           "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN"]

@@ -55,17 +55,30 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
             ``max_length_q``, ``position_ids`` (packed documents without CP are found from its resets).
     Raises:
-        ValueError: a mask, dropout, or a packed batch with batch > 1.
+        ValueError: a mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
+            on one rank raises on every rank of the CP group (no rank is left waiting in the ring).
     """
+    ctx = getattr(module, CP_ATTR, None)
+    cp_on = ctx is not None and ctx.enabled
+    error = None
     if dropout:
-        raise ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
-                         f"attention_dropout to 0.")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
-                         "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
+        error = ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
+                           f"attention_dropout to 0.")
+    elif attention_mask is not None and not bool(attention_mask.all()):
+        error = ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
+                           "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
+    if error is not None:
+        if cp_on:
+            # Only this rank's shard may hold the padding: join the other ranks' validity exchange so that
+            # every rank of the CP group raises instead of waiting in the ring.
+            import ndp.cp
+
+            groups = (dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group) if impl == "usp"
+                      else dict(group=ctx.group))
+            ndp.cp.raise_on_all_ranks(error, what=f"ndp_{impl} attention", **groups)
+        raise error
     causal = bool(getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
-    ctx = getattr(module, CP_ATTR, None)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if not (q.dtype == k.dtype == v.dtype):
         # Under autocast transformers' RoPE returns fp32 q/k next to a low-precision v: compute in the
@@ -75,7 +88,6 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     batch, seq = q.shape[0], q.shape[1]
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
-    cp_on = ctx is not None and ctx.enabled
     if cu is None and not cp_on and position_ids is not None and batch == 1 and seq > 1:
         pos = position_ids.reshape(-1)
         if bool((pos[1:] == 0).any()):

@@ -1,4 +1,4 @@
-"""Local attention backends (DESIGN.md layer ``ndp/ops``)."""
+"""Local attention backends (layer ``ndp/ops`` of docs/design.md)."""
 from .attention import (BACKENDS, attention, attention_backward, attention_bwd, attention_fwd, available_backends,
                         resolve_backend)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import ndp_kernels
-from ndp_kernels import NO_LIMIT, tuning
+from ndp_kernels import tuning
 
 from . import _flash_attn, _sdpa
 

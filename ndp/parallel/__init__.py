@@ -1,13 +1,13 @@
 """ND parallelism on one DeviceMesh: ParallelismConfig, mesh construction and apply_tp/cp/ac/fsdp.
 
-Knows no model library (STYLE.md): models describe what to split with a :class:`ModelPlan`; ``ndp.hf``
+Knows no model library (docs/design.md): models describe what to split with a :class:`ModelPlan`; ``ndp.hf``
 provides the plan of Hugging Face causal LMs.
 """
 from .config import CP_IMPLS, CP_LAYOUTS, MESH_AXES, ParallelismConfig
 from .mesh import CPContext, build_device_mesh, cp_context, mesh_axis
-from .parallelize import (CP_ATTR, ModelPlan, apply_ac, apply_cp, apply_fsdp, apply_tp, clip_grad_norm_,
+from .parallelize import (CP_ATTR, PARALLEL_ATTR, ModelPlan, Parallelized, apply_ac, apply_cp, apply_fsdp, apply_tp, clip_grad_norm_,
                           default_plan, fsdp_mesh, parallelize)
 
 __all__ = ["ParallelismConfig", "parallelize", "apply_tp", "apply_cp", "apply_fsdp", "apply_ac", "ModelPlan",
            "CPContext", "build_device_mesh", "cp_context", "mesh_axis", "clip_grad_norm_", "default_plan", "fsdp_mesh",
-           "CP_IMPLS", "CP_LAYOUTS", "MESH_AXES", "CP_ATTR"]
+           "CP_IMPLS", "CP_LAYOUTS", "MESH_AXES", "CP_ATTR", "PARALLEL_ATTR", "Parallelized"]

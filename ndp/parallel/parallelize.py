@@ -27,6 +27,20 @@ from .mesh import CPContext, cp_context, mesh_axis
 logger = logging.getLogger(__name__)
 
 CP_ATTR = "ndp_cp"  # attribute holding the CPContext on attention modules (and on the root module)
+PARALLEL_ATTR = "ndp_parallel"  # attribute holding the (config, mesh) a model was parallelized with
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` leaves on the root module (as ``ndp_parallel``) for code that needs the
+    degrees and groups later: batch slicing, loss normalisation."""
+
+    config: ParallelismConfig
+    mesh: DeviceMesh | None
+
+    def axis(self, name: str):
+        """The 1-D mesh of axis ``name`` (None without a mesh)."""
+        return None if self.mesh is None else mesh_axis(self.mesh, name)
 
 
 def _tp_style(name: str) -> ParallelStyle:
@@ -212,6 +226,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
     if config.fsdp_size > 1:
         apply_fsdp(model, config, mesh, blocks, mp_policy=mp_policy,
                    reshard_after_forward=reshard_after_forward)
+    setattr(model, PARALLEL_ATTR, Parallelized(config, mesh))
     return model
 
 

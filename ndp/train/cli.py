@@ -15,6 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+import ndp
+
 from .config import parse_config
 from .loop import resolve_device, train
 
@@ -48,6 +50,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     owned = _init_process_group(device.type)
+    ok = False
     try:
         res = train(cfg.replace(device=device.type))
         if (not dist.is_initialized() or dist.get_rank() == 0) and res.losses:
@@ -56,9 +59,12 @@ def main(argv=None) -> int:
                        "mean_tokens_per_s": sum(res.tokens_per_s) / n, "wall_time_s": res.wall_time,
                        "world_size": world, "parallel": cfg.parallel.__dict__}
             print("ndp-train summary: " + json.dumps(summary), flush=True)
+        ok = True
     finally:
         if owned:
-            dist.destroy_process_group()
+            # Every rank reaches teardown together (a gloo rank that leaves first can abort its peers);
+            # a rank that failed does not wait for peers that may never arrive.
+            ndp.shutdown(barrier=ok)
     return 0
 
 

@@ -67,21 +67,30 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--model", default="tiny-llama")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="directory for the metrics files (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="directory for the metrics files (kept); default: a temporary "
+                    "directory removed at the end")
     args = ap.parse_args(argv)
 
+    # One temporary folder per run, removed at the end: the metrics (unless --out) and the children's
+    # TMPDIR, where torchrun leaves a torchelastic_* log folder per launch.
+    with tempfile.TemporaryDirectory(prefix="ndp-demo-") as tmp:
+        if args.out is not None:
+            os.makedirs(args.out, exist_ok=True)
+        return _demo(args, args.out or tmp, tmp, kept=args.out is not None)
+
+
+def _demo(args, out, scratch, *, kept):
     gpus = torch.cuda.device_count()
     device = "cuda" if gpus >= 4 else "cpu"
-    out = args.out or tempfile.mkdtemp(prefix="ndp-demo-")
-    os.makedirs(out, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ, TMPDIR=scratch)
     env.setdefault("OMP_NUM_THREADS", "1")
     common = ["--model", args.model, "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
               "--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed), "--dtype", "fp32",
               "--device", device]
     m4, m1 = os.path.join(out, "metrics_dp2_cp2.jsonl"), os.path.join(out, "metrics_single.jsonl")
     print(f"ndp demo: {args.model}, {args.steps} steps of {args.batch_size} x {args.seq_len} tokens on "
-          f"{'4 GPUs' if device == 'cuda' else 'CPU (gloo)'}; metrics in {out}")
+          f"{'4 GPUs' if device == 'cuda' else 'CPU (gloo)'}; metrics in {out}"
+          f"{'' if kept else ' (removed at the end; --out DIR keeps them)'}")
     t4 = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
                "ndp.train", *common, "--dp-shard", "2", "--cp", "2", "--cp-impl", "ring", "--cp-layout", "zigzag",
                "--metrics", m4], env, "4-process")

@@ -1,5 +1,5 @@
 """Per-rank bodies of the CP tests: compare a CP implementation against single-process fp64 attention on
-the full sequence, sliced per rank with the library's own shard functions (STYLE.md: reference first)."""
+the full sequence, sliced per rank with the library's own shard functions (docs/design.md, "Conventions: tests")."""
 import torch
 import torch.distributed as dist
 

@@ -51,7 +51,7 @@ def test_dense_schedule_matches_mask(layout, world):
 
 
 def test_zigzag_blocks_are_the_three_kinds():
-    # DESIGN.md 'Ring step': diagonal (causal + second half vs both), first key half, second query half.
+    # docs/design.md, "Ring step": diagonal (causal + second half vs both), first key half, second query half.
     sch = RingSchedule(Placement.dense(64, 4, "zigzag"), Mask(True))
     c, nl = 8, 1 << 30
     assert sch.step(1, 1).passes == (((0, c, 0, c, -nl, 0), (c, c, 0, 2 * c, -nl, c)),)

@@ -36,7 +36,7 @@ def ref_shard_index(seqlen, world_size, rank, layout):
 
 
 def ref_merge(out_acc, lse_acc, block_out, block_lse):
-    """float64 merge by the DESIGN.md formula, with both -inf -> unchanged."""
+    """float64 merge by the formula of docs/design.md, "Ring step", with both -inf -> unchanged."""
     o, l = out_acc.double(), lse_acc.double()
     b, bl = block_out.double(), block_lse.double()
     new = torch.logaddexp(l, bl)

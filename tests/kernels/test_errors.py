@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ndp_kernels import flash, reference
+from tolerances import assert_close
 
 FWDS = [pytest.param(flash.flash_attn_fwd, id="triton"), pytest.param(reference.flash_attn_fwd_ref, id="ref")]
 
@@ -136,3 +137,27 @@ def test_cpu_without_interpreter_is_a_runtime_error(monkeypatch):
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor or TRITON_INTERPRET=1"):
         flash.flash_attn_fwd(q, k, v)
+
+
+@pytest.mark.parametrize("fwd", FWDS)
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 0.0, -0.125])
+def test_bad_softmax_scale(fwd, scale):
+    # NaN/inf/<=0 used to give finite, wrong output; now refused in the shared check (fwd and bwd).
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"softmax_scale must be finite and > 0; got softmax_scale=.*Pass None"):
+        fwd(q, k, v, softmax_scale=scale)
+    out, lse = fwd(q, k, v)
+    bwd = flash.flash_attn_bwd if fwd is flash.flash_attn_fwd else reference.flash_attn_bwd_ref
+    with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
+        bwd(out, q, k, v, out, lse, softmax_scale=scale)
+
+
+def test_softmax_scale_type():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="softmax_scale must be a real number or None.*'0.1'"):
+        reference.flash_attn_fwd_ref(q, k, v, softmax_scale="0.1")
+    # a valid explicit scale is the scale used: 0.1 with scores*0.1 == default scale on 1/sqrt(32)*... inputs
+    out, _ = reference.flash_attn_fwd_ref(q, k, v, softmax_scale=0.1)
+    want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.1, -1)
+    want = torch.einsum("bhqk,bkhd->bqhd", want, v.repeat_interleave(2, dim=2))
+    assert_close(out, want, torch.float32)

@@ -123,3 +123,16 @@ def test_triton_backend_under_interpreter_matches_torch():
     assert_close(outs[1], outs[0], torch.float32)
     for a, b in zip(grads[1], grads[0]):
         assert_close(a, b, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
+def test_bad_softmax_scale_refused(scale):
+    # Used to return finite, wrong output (issue 11): refused by the shared check before any backend runs.
+    q, k, v = _qkv(1, 8, 8, 4, 2, 16)
+    for backend in ("auto", "torch"):
+        with pytest.raises(ValueError, match=r"softmax_scale must be finite and > 0; got softmax_scale="):
+            ndp.ops.attention(q, k, v, causal=True, softmax_scale=scale, backend=backend)
+    out = ndp.ops.attention(q, k, v, causal=True, softmax_scale=0.5, backend="torch")
+    want = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k.repeat_interleave(2, 2),
+                                            v.repeat_interleave(2, 2))), is_causal=True, scale=0.5).transpose(1, 2)
+    assert_close(out, want, torch.float64)

@@ -1,0 +1,65 @@
+"""ndp.hf.loss and shard_batch(global_batch=True) in one process; the multi-process cases are in
+test_quickstart.py (the README script at dp_shard 2 x cp 2 and other layouts against one process)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ndp
+import ndp.hf
+from ndp.train.presets import build_model
+from tolerances import assert_close
+
+
+def _model():
+    return ndp.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(), None)
+
+
+def test_loss_is_the_mean_cross_entropy_on_one_rank():
+    model = _model()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    labels[0, :5] = -100
+    logits = model(ids).logits
+    loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert_close(loss, want, torch.float32)
+    assert_close(mean, want, torch.float32)
+    # num_tokens: the caller's global count (e.g. over micro-batches) replaces the local count
+    half = ndp.hf.loss(logits, labels, model, num_tokens=2 * int((labels != -100).sum()))
+    assert_close(half, want / 2, torch.float32)
+    # no labelled token: 0, not NaN
+    assert ndp.hf.loss(logits, torch.full_like(labels, -100), model).item() == 0.0
+
+
+def test_loss_and_shard_batch_errors():
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    plain = build_model("tiny-llama", seed=0)
+    with pytest.raises(ValueError, match="ndp.hf.loss needs a model returned by ndp.parallelize"):
+        ndp.hf.loss(torch.zeros(2, 16, 256), ids, plain)
+    with pytest.raises(ValueError, match="shard_batch needs a model returned by ndp.parallelize"):
+        ndp.hf.shard_batch(plain, input_ids=ids)
+    model = _model()
+    with pytest.raises(ValueError, match=r"logits \[batch, local_seq, vocab\] and labels \[batch, local_seq\]; got "
+                                         r"logits \(2, 8, 256\), labels \(2, 16\)"):
+        ndp.hf.loss(torch.zeros(2, 8, 256), ids, model)
+    # one process: the global batch is this rank's batch
+    b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids)
+    assert b["input_ids"] is ids
+
+
+def _dp_slice_body(rank, world):
+    cfg = ndp.ParallelismConfig(dp_shard_size=2)
+    model = ndp.parallelize(build_model("tiny-llama", seed=0), cfg, cfg.build_device_mesh("cpu"))
+    ids = torch.arange(4 * 8).reshape(4, 8)
+    assert torch.equal(ndp.hf.shard_batch(model, global_batch=True, input_ids=ids)["input_ids"],
+                       ids[2 * rank:2 * rank + 2])
+    assert ndp.hf.shard_batch(model, input_ids=ids)["input_ids"] is ids  # default: already this rank's batch
+    with pytest.raises(ValueError, match=r"input_ids has batch size 3, not divisible by the data-parallel size 2"):
+        ndp.hf.shard_batch(model, global_batch=True, input_ids=ids[:3])
+
+
+@pytest.mark.distributed
+def test_shard_batch_global_batch_takes_this_dp_ranks_rows(tmp_path):
+    from dist import spawn
+
+    spawn(_dp_slice_body, 2, tmp_path)

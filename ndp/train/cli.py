@@ -29,7 +29,9 @@ def _init_process_group(device_type: str) -> bool:
         return False
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    # On GPUs NCCL carries the tensors and gloo the small CPU-side exchanges (the per-call validity check
+    # of the CP functions, metrics): a CPU exchange on an NCCL-only group would wait for the GPU each call.
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=int(os.environ.get("NDP_PG_TIMEOUT", "600")))
     dist.init_process_group(backend, timeout=timeout)
     return True

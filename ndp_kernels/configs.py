@@ -132,13 +132,15 @@ _BWD32 = {
 # kernel at head_dim 256: dk + dv of a 64-row key block are 128 fp32 registers per thread at 8
 # warps, and Triton lays chained dots out with all warps along M (a 64-row block at 8 warps is
 # computed twice), so every 64-row variant spills; it runs 16-row key blocks on mma.sync instead.
-# The query-block step of the dK/dV kernel (block_m) is 32 rows where 64 spills. Chosen from the
-# AOT static report (no spills, shared memory within the SM); not yet timed on a GPU.
+# The query-block step of the dK/dV kernel (block_m) is 32 rows where 64 spills, and 16 where 32
+# spills with triton 3.6 (sm_90 head_dim 80/128, sm_80 head_dim 64; M32 there is spill-free on
+# 3.9 and a candidate for GPU tuning). Chosen from the AOT static report on triton 3.9 and 3.6 (no
+# spills, shared memory within the SM); not yet timed on a GPU.
 _BWD_DKDV = {
     ("sm_90", 64): KernelConfig(32, 128, 8, 3),
-    ("sm_90", 128): KernelConfig(32, 128, 8, 2),
+    ("sm_90", 128): KernelConfig(16, 128, 8, 2),
     ("sm_90", 256): KernelConfig(64, 16, 8, 1),
-    ("sm_80", 64): KernelConfig(32, 128, 8, 2),
+    ("sm_80", 64): KernelConfig(16, 128, 8, 2),
     ("sm_80", 128): KernelConfig(32, 64, 8, 2),
     ("sm_80", 256): KernelConfig(16, 64, 8, 1),
     ("interpreter", 64): KernelConfig(64, 64, 4, 1),

@@ -7,10 +7,11 @@ On a GPU::
 
 times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k,
 head_dim 64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp,
-torch SDPA and flash-attn (when importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd
-(x3.5 fwd+bwd). One output per (head_dim, causal) is checked against ``ndp_kernels.reference``
-before timing. Results go to ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement,
-with GPU name, torch/triton versions, git SHA, shapes and dtype) and a PNG plot.
+ndp_split (the atomic-free backward, deterministic=True), torch SDPA and flash-attn (when
+importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per
+(head_dim, causal) is checked against ``ndp_kernels.reference`` before timing. Results go to
+``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement, with GPU name, torch/triton
+versions, git SHA, shapes and dtype) and a PNG plot.
 
 Without a GPU it runs a smoke mode: tiny shapes under the Triton interpreter with a correctness
 check against the reference, then prints the static AOT report (registers, spills, shared memory
@@ -76,8 +77,10 @@ def _env_info():
 # ------------------------------------------------------------------------------------------------
 
 def _providers():
-    # sdpa_cudnn / sdpa_flash: torch's SDPA pinned to one backend (torch_sdpa is its default choice).
-    provs = ["ndp", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
+    # ndp_split: the atomic-free split backward (deterministic=True), timed next to the default
+    # backward so that a GPU run can set ndp_kernels.configs._BWD_IMPL. sdpa_cudnn / sdpa_flash: torch's
+    # SDPA pinned to one backend (torch_sdpa is its default choice).
+    provs = ["ndp", "ndp_split", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
     try:
         import flash_attn  # noqa: F401
         provs.append("flash_attn")
@@ -90,15 +93,17 @@ def _make_fns(provider, q, k, v, dout, causal):
     """(fwd, bwd, fwd+bwd) callables and the tensors whose .grad do_bench resets."""
     import torch.nn.functional as F
 
-    if provider == "ndp":
+    if provider in ("ndp", "ndp_split"):
         import ndp_kernels
+        det = provider == "ndp_split"
         out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
         fwd = lambda: ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)  # noqa: E731
-        bwd = lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
+        bwd = lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
+                                                 deterministic=det)
 
         def both():
             o, l = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
-            ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal)
+            ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal, deterministic=det)
         return fwd, bwd, both, []
     if provider in ("torch_sdpa", "sdpa_cudnn", "sdpa_flash"):
         import contextlib
@@ -211,7 +216,7 @@ def ratio_table(rows) -> list[dict]:
     for key in keys:
         same = [r for r in rows if (r["mode"], r["head_dim"], r["causal"], r["seqlen"]) == key]
         mine = [r for r in same if r["provider"] == "ndp"]
-        others = [r for r in same if r["provider"] != "ndp"]
+        others = [r for r in same if not r["provider"].startswith("ndp")]
         if not mine or not others:
             continue
         best = max(others, key=lambda r: r["tflops_p50"])
@@ -310,21 +315,25 @@ def run_smoke(args) -> list[dict]:
             t0 = time.perf_counter()
             out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
             t1 = time.perf_counter()
-            grads = ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal)
-            t2 = time.perf_counter()
             ref_out = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), causal=causal)[0]
             ref_grads = reference.flash_attn_bwd_ref(dout.float(), q.float(), k.float(), v.float(),
                                                      out.float(), lse, causal=causal)
             err_out = (out.float() - ref_out).abs().max().item()
-            err_grad = max((a.float() - b).abs().max().item() for a, b in zip(grads, ref_grads))
-            ok = err_out <= 2e-3 + 1e-3 * ref_out.abs().max().item() and err_grad <= 2e-2
-            rows.append(dict(info, provider="ndp", mode="fwd+bwd", batch=1, seqlen=seqlen, heads=heads,
-                             kv_heads=kv_heads, head_dim=head_dim, causal=causal, dtype="fp16",
-                             fwd_s=t1 - t0, bwd_s=t2 - t1, max_err_out=err_out, max_err_grad=err_grad, ok=ok))
-            print(f"smoke s={seqlen:4d} causal={causal!s:5s}: fwd {t1 - t0:.2f}s bwd {t2 - t1:.2f}s, "
-                  f"max err out {err_out:.2e} grads {err_grad:.2e} -> {'ok' if ok else 'MISMATCH'}")
-            if not ok:
-                raise SystemExit("smoke mode: the Triton kernels disagree with the reference")
+            for provider, det in (("ndp", False), ("ndp_split", True)):
+                t2 = time.perf_counter()
+                grads = ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+                t3 = time.perf_counter()
+                err_grad = max((a.float() - b).abs().max().item() for a, b in zip(grads, ref_grads))
+                ok = err_out <= 2e-3 + 1e-3 * ref_out.abs().max().item() and err_grad <= 2e-2
+                rows.append(dict(info, provider=provider, mode="fwd+bwd", batch=1, seqlen=seqlen, heads=heads,
+                                 kv_heads=kv_heads, head_dim=head_dim, causal=causal, dtype="fp16",
+                                 fwd_s=t1 - t0, bwd_s=t3 - t2, max_err_out=err_out, max_err_grad=err_grad,
+                                 ok=ok))
+                print(f"smoke {provider:9s} s={seqlen:4d} causal={causal!s:5s}: fwd {t1 - t0:.2f}s bwd "
+                      f"{t3 - t2:.2f}s, max err out {err_out:.2e} grads {err_grad:.2e} -> "
+                      f"{'ok' if ok else 'MISMATCH'}")
+                if not ok:
+                    raise SystemExit("smoke mode: the Triton kernels disagree with the reference")
     return rows
 
 
@@ -334,7 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
-    p.add_argument("--providers", default="ndp,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
+    p.add_argument("--providers", default="ndp,ndp_split,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

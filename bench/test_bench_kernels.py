@@ -47,11 +47,13 @@ def test_bench_fwd(benchmark, seqlen, head_dim, causal):
 @pytest.mark.parametrize("seqlen", [4096, 16384])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_bench_bwd(benchmark, seqlen, head_dim, causal):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "split"])
+def test_bench_bwd(benchmark, seqlen, head_dim, causal, deterministic):
     import ndp_kernels
     q, k, v, dout = _inputs(seqlen, head_dim)
     out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
-    _timed(benchmark, lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal))
+    _timed(benchmark, lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,
+                                                         deterministic=deterministic))
 
 
 @pytest.mark.parametrize("seqlen", [4096])

@@ -54,7 +54,7 @@ class Segments:
         max_q_len / max_k_len: longest q_len / k_len (computed when omitted).
     """
 
-    __slots__ = ("table", "max_q_len", "max_k_len", "_on", "_q_rows", "_keys_overlap", "memo")
+    __slots__ = ("table", "max_q_len", "max_k_len", "_on", "_q_rows", "_keys_overlap", "_key_groups", "memo")
 
     def __init__(self, table: torch.Tensor, max_q_len: int | None = None, max_k_len: int | None = None):
         table = table.to("cpu", torch.int32).reshape(-1, 6).contiguous()
@@ -66,6 +66,7 @@ class Segments:
         # Segments, and the table is never modified after construction.
         self._q_rows = None
         self._keys_overlap = None
+        self._key_groups = None
         # Per-table facts of the layers above (block class, engine plans), keyed by their owner.
         self.memo = {}
 
@@ -104,6 +105,33 @@ class Segments:
             rows = sorted((ks, ks + kl) for _, ql, ks, kl, _, _ in self.table.tolist() if ql > 0 and kl > 0)
             self._keys_overlap = any(rows[i + 1][0] < rows[i][1] for i in range(len(rows) - 1))
         return self._keys_overlap
+
+    def key_groups(self) -> tuple["Segments", ...]:
+        """The segments with work, partitioned into groups whose key ranges are disjoint (cached).
+
+        Greedy interval partitioning by key range (the fewest groups): sorted by k_start, each
+        segment joins the first group whose last key range ends at or before its start. The
+        atomic-free dK/dV kernel is launched once per group, so within one launch every key row
+        belongs to at most one segment. Segments without queries or keys (no gradient) are dropped.
+        Returns ``(self,)`` when every segment has work and no key rows are shared.
+        """
+        if self._key_groups is None:
+            rows = [tuple(r) for r in self.table.tolist() if r[1] > 0 and r[3] > 0]
+            if len(rows) == len(self) and not self.keys_overlap:
+                self._key_groups = (self,) if rows else ()
+            else:
+                groups, ends = [], []
+                for r in sorted(rows, key=lambda r: (r[2], r[0])):
+                    for i, end in enumerate(ends):
+                        if r[2] >= end:
+                            groups[i].append(r)
+                            ends[i] = r[2] + r[3]
+                            break
+                    else:
+                        groups.append([r])
+                        ends.append(r[2] + r[3])
+                self._key_groups = tuple(Segments.from_rows(g) for g in groups)
+        return self._key_groups
 
     @staticmethod
     def from_rows(rows, max_q_len=None, max_k_len=None) -> "Segments":

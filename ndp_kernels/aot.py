@@ -4,7 +4,8 @@ No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap,
 a cubin, and the ``cuobjdump`` inside the triton wheel reads the cubin's resource use. A kernel
 configuration passes when it has no register spills (``STACK == LOCAL == 0``), its shared memory
 (static + dynamic) fits the SM (227 KB on sm_90, 163 KB on sm_80), and on sm_90 the attention
-kernels' PTX uses ``wgmma`` (Hopper tensor-core instructions).
+kernels' PTX uses ``wgmma`` (Hopper tensor-core instructions; ``WGMMA_EXEMPT`` lists the variants
+that run mma.sync by design, and why).
 
     python -m ndp_kernels.aot --markdown          # report table; exit status 1 on a violation
     python -m ndp_kernels.aot --head-dims 64,80,128,256 --json report.json
@@ -31,7 +32,13 @@ CAPABILITY = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_KERNELS = ("fwd", "fwd_acc", "bwd_preprocess", "bwd", "merge")
+DEFAULT_KERNELS = ("fwd", "fwd_acc", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "merge")
+# Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
+WGMMA_KERNELS = ("fwd", "fwd_acc", "bwd", "bwd_dkdv", "bwd_dq")
+# (kernel, head_dim bucket) that run mma.sync on sm_90 by design, with the reason (configs.py):
+# the split dK/dV kernel at head_dim 256 spills with any key block of 64 rows, so it takes 16.
+WGMMA_EXEMPT = {("bwd_dkdv", 256): "dk+dv of a 64-row key block at head_dim 256 spill registers"}
+WGMMA_EXEMPT_MARK = "no (by design)"
 
 
 @dataclasses.dataclass
@@ -97,7 +104,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     """
     from . import flash, merge
     import torch
-    from .configs import block_d, bwd_config, fwd_config, merge_config
+    from .configs import block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config, merge_config
 
     torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
@@ -156,6 +163,25 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec)
         return build(flash._flash_bwd_kernel, args, consts, cfg)
+    if kernel in ("bwd_dkdv", "bwd_dq"):
+        dkdv = kernel == "bwd_dkdv"
+        cfg = (bwd_dkdv_config if dkdv else bwd_dq_config)(arch, head_dim, dtype=torch_dtype)
+        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+                ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
+                ("seg_ptr", "*i32:16")]
+        args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
+        args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("num_segments", "i32"),
+                 ("group_size", "i32")]
+        for p in ("q", "k", "v", "do"):
+            args += strides(p, ("b", "s", "h"))
+        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
+                 ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+        for p in (("dk", "dv") if dkdv else ("dq",)):
+            args += strides(p, ("b", "s", "h"))
+        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, DOT_PRECISION=prec)
+        fn = flash._flash_bwd_dkdv_kernel if dkdv else flash._flash_bwd_dq_kernel
+        return build(fn, args, consts, cfg)
     if kernel == "bwd_preprocess":
         cfg = merge_config(arch, head_dim)
         args = [("out_ptr", ptr + ":16"), ("dout_ptr", ptr + ":16"), ("delta_ptr", "*fp32:16"),
@@ -181,6 +207,8 @@ def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
     from triton.compiler import ASTSource
     import triton
 
+    from .configs import head_dim_bucket
+
     fn, sig, consts, attrs, cfg = _spec(kernel, dtype, head_dim, arch)
     row = Row(kernel, arch, dtype, head_dim, str(cfg))
     t0 = time.perf_counter()
@@ -191,8 +219,10 @@ def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
         res = resource_usage(k.asm["cubin"])
         row.reg, row.stack, row.local = res["REG"], res["STACK"], res["LOCAL"]
         row.shared = res["SHARED"] + int(k.metadata.shared)
-        if arch == "sm_90" and kernel in ("fwd", "fwd_acc", "bwd") and dtype != "fp32":
+        if arch == "sm_90" and kernel in WGMMA_KERNELS and dtype != "fp32":
             row.wgmma = "yes" if "wgmma" in k.asm["ptx"] else "no"
+            if row.wgmma == "no" and (kernel, head_dim_bucket(head_dim)) in WGMMA_EXEMPT:
+                row.wgmma = WGMMA_EXEMPT_MARK
     except Exception as e:  # reported as a violation row; the report keeps going
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     row.seconds = time.perf_counter() - t0

@@ -17,7 +17,8 @@ import torch
 import triton
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
-           "bwd_config", "merge_config", "interpreting", "launch_device"]
+           "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
+           "launch_device"]
 
 ARCHS = ("sm_80", "sm_90")
 MIN_HEAD_DIM = 16
@@ -124,6 +125,73 @@ _BWD32 = {
     ("sm_80", 256): KernelConfig(16, 16, 8, 1),
 }
 
+# Split backward (``_flash_bwd_dkdv_kernel`` / ``_flash_bwd_dq_kernel``). The dK/dV kernel keeps dk
+# and dv of its key block in registers and its dots have the key block (block_n) as the MMA M
+# dimension; the dQ kernel keeps q, dout and dq of its query block and has block_m as the M
+# dimension. On sm_90 those are >= 64 rows (a wgmma is 64 rows per warpgroup), except the dK/dV
+# kernel at head_dim 256: dk + dv of a 64-row key block are 128 fp32 registers per thread at 8
+# warps, and Triton lays chained dots out with all warps along M (a 64-row block at 8 warps is
+# computed twice), so every 64-row variant spills; it runs 16-row key blocks on mma.sync instead.
+# The query-block step of the dK/dV kernel (block_m) is 32 rows where 64 spills, and 16 where 32
+# spills with triton 3.6 (sm_90 head_dim 80/128, sm_80 head_dim 64; M32 there is spill-free on
+# 3.9 and a candidate for GPU tuning). Chosen from the AOT static report on triton 3.9 and 3.6 (no
+# spills, shared memory within the SM); not yet timed on a GPU.
+_BWD_DKDV = {
+    ("sm_90", 64): KernelConfig(32, 128, 8, 3),
+    ("sm_90", 128): KernelConfig(16, 128, 8, 2),
+    ("sm_90", 256): KernelConfig(64, 16, 8, 1),
+    ("sm_80", 64): KernelConfig(16, 128, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 64, 8, 2),
+    ("sm_80", 256): KernelConfig(16, 64, 8, 1),
+    ("interpreter", 64): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 128): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 256): KernelConfig(32, 32, 4, 1),
+}
+_BWD_DQ = {
+    ("sm_90", 64): KernelConfig(128, 64, 8, 3),
+    ("sm_90", 128): KernelConfig(128, 64, 8, 2),
+    ("sm_90", 256): KernelConfig(64, 32, 8, 2),
+    ("sm_80", 64): KernelConfig(128, 64, 8, 2),
+    ("sm_80", 128): KernelConfig(128, 32, 8, 2),
+    ("sm_80", 256): KernelConfig(64, 16, 8, 1),
+    ("interpreter", 64): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 128): KernelConfig(64, 64, 4, 1),
+    ("interpreter", 256): KernelConfig(32, 32, 4, 1),
+}
+# fp32 (IEEE dots on FMA units): the head_dim-128 bucket must also compile at head_dim 80, whose
+# padded tiles need smaller steps than head_dim 128 itself to stay free of spills.
+_BWD_DKDV32 = {
+    ("sm_90", 64): KernelConfig(32, 32, 8, 2),
+    ("sm_90", 128): KernelConfig(16, 32, 8, 2),
+    ("sm_90", 256): KernelConfig(16, 16, 8, 1),
+    ("sm_80", 64): KernelConfig(32, 32, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 32, 8, 2),
+    ("sm_80", 256): KernelConfig(16, 16, 8, 1),
+}
+_BWD_DQ32 = {
+    ("sm_90", 64): KernelConfig(64, 32, 8, 2),
+    ("sm_90", 128): KernelConfig(32, 16, 8, 2),
+    ("sm_90", 256): KernelConfig(16, 16, 8, 1),
+    ("sm_80", 64): KernelConfig(64, 32, 8, 2),
+    ("sm_80", 128): KernelConfig(32, 32, 8, 2),
+    ("sm_80", 256): KernelConfig(16, 16, 8, 1),
+}
+# Which backward serves deterministic=False: "atomic" (``_flash_bwd_kernel``, dq by fp32 atomics) or
+# "split" (the atomic-free pair). The split backward is not yet timed on a GPU, so the measured
+# atomic kernel stays the default everywhere; flip an entry once a GPU run shows split is faster.
+# deterministic=True always takes "split" (the only bitwise-reproducible one).
+_BWD_IMPL = {
+    ("sm_90", 64): "atomic",
+    ("sm_90", 128): "atomic",
+    ("sm_90", 256): "atomic",
+    ("sm_80", 64): "atomic",
+    ("sm_80", 128): "atomic",
+    ("sm_80", 256): "atomic",
+    ("interpreter", 64): "atomic",
+    ("interpreter", 128): "atomic",
+    ("interpreter", 256): "atomic",
+}
+
 # Row-wise kernels (merge, backward preprocess): ~8K elements per program keep two fp32 tiles in
 # registers without spills at every head_dim.
 _MERGE_ELEMENTS = 8192
@@ -153,6 +221,44 @@ def bwd_config(arch: str, head_dim: int, device: torch.device | None = None,
     """Backward-kernel configuration for ``arch``, ``head_dim`` and ``dtype``."""
     table = _BWD32 if dtype == torch.float32 and arch != "interpreter" else _BWD
     return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
+def bwd_dkdv_config(arch: str, head_dim: int, device: torch.device | None = None,
+                    dtype: torch.dtype = torch.float16) -> KernelConfig:
+    """Configuration of the split backward's dK/dV kernel.
+
+    block_n key rows per program, block_m query rows per step of its loop.
+    """
+    table = _BWD_DKDV32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DKDV
+    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
+def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
+                  dtype: torch.dtype = torch.float16) -> KernelConfig:
+    """Configuration of the split backward's dQ kernel.
+
+    block_m query rows per program, block_n key rows per step of its loop.
+    """
+    table = _BWD_DQ32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DQ
+    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
+def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deterministic: bool = False) -> str:
+    """Which backward to run: ``"split"`` (atomic-free dK/dV + dQ kernels) or ``"atomic"`` (``_flash_bwd_kernel``).
+
+    Args:
+        arch: "sm_80", "sm_90" or "interpreter" (``current_arch``).
+        head_dim: the head dimension. dtype: the input dtype (one table serves every dtype for now).
+        deterministic: True demands bitwise-reproducible gradients, which only "split" gives.
+    Returns:
+        "split" or "atomic".
+    Raises:
+        KeyError for an unknown arch.
+    """
+    del dtype
+    if deterministic:
+        return "split"
+    return _BWD_IMPL[(arch, head_dim_bucket(head_dim))]
 
 
 def merge_config(arch: str, head_dim: int) -> KernelConfig:

@@ -6,6 +6,10 @@ k_len, band_lo, band_hi)`` lets query row ``q_start + i`` see key row ``k_start 
 documents and the context-parallel blocks are all tables of such rows; the kernels only
 ever read the table, and skip key (or query) blocks that lie outside a segment's band.
 
+Backward: ``_flash_bwd_kernel`` (one program per key block, dq by fp32 atomics) or the atomic-free
+split pair ``_flash_bwd_dkdv_kernel`` + ``_flash_bwd_dq_kernel`` (bitwise reproducible; always used
+for ``deterministic=True``); ``configs.bwd_impl`` chooses per arch and head_dim.
+
 Numerics: fp32 accumulation for every dtype (fp16/bf16 dots on tensor cores, fp32 inputs with
 IEEE-precision dots, no TF32), exp2-based online softmax; the returned lse is in natural log.
 A row that sees no key gives ``out = 0``, ``lse = -inf`` and zero gradients, never NaN.
@@ -22,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import _segments
-from .configs import (block_d, bwd_config, current_arch, fwd_config, interpreting, launch_device,
-                      merge_config)
+from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
+                      fwd_config, interpreting, launch_device, merge_config)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -320,6 +324,296 @@ def _flash_bwd_kernel(
         tl.store(dv_ptrs, tl.load(dv_ptrs, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
 
 
+# Split backward: a dK/dV kernel (program per key block) and a dQ kernel (program per query block).
+# No atomics anywhere: each program owns its output rows, so results are bitwise reproducible. Both
+# kernels visit the blocks that lie fully inside the band with the lean step (MASKED=False: no
+# per-element mask arithmetic) and the band-edge / ragged blocks with the masked step.
+
+@triton.jit
+def _bwd_dkdv_step(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m,
+    offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
+    stride_q_s, stride_do_s, stride_lse_s,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dk += dS^T q and dv += P^T dout for the query block at ``start_m`` (key block in k, v).
+
+    Rows past q_len load q = dout = 0 and lse = -inf (P = 0): they add nothing, so only the band
+    needs masking, and only on edge blocks (MASKED). Key rows past k_len are never masked here:
+    they only feed their own dk/dv rows, which the caller does not store.
+    """
+    rows = start_m + offs_m0
+    row_ok = rows < q_len
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    m64 = tl.cast(start_m, tl.int64)  # tl.cast: under the interpreter start_m may be a Python int
+    q = tl.load(q_base + m64 * stride_q_s + offs_m0[:, None] * stride_q_s + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(do_base + m64 * stride_do_s + offs_m0[:, None] * stride_do_s + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    lse = tl.load(lse_base + rows.to(tl.int64) * stride_lse_s, mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+    # lse = -inf marks a row without keys: shift by +inf so that its P is exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+    p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:
+        diff = offs_n[:, None] - rows[None, :]
+        # where, not a multiply: an out-of-band exp2 may be inf.
+        p_t = tl.where((diff >= band_lo) & (diff <= band_hi), p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
+    dk_ptr, dv_ptr,
+    softmax_scale, qk_scale,
+    num_segments, group_size,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_lse_b, stride_lse_h, stride_lse_s,
+    stride_delta_b, stride_delta_h,
+    stride_dk_b, stride_dk_s, stride_dk_h,
+    stride_dv_b, stride_dv_s, stride_dv_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dK and dV of one key block of one segment and one kv head, without atomics.
+
+    With P = exp(scale * q k^T - lse) (0 outside the band), dP = dout v^T, dS = P * (dP - delta):
+    dv += sum_h P_h^T dout_h and dk += scale * sum_h dS_h^T q_h over the query heads h of kv head
+    ``hk`` (GQA/MQA: summed in registers, heads in a fixed order). Program (pid_n, b * num_segments
+    + seg, hk) walks the query blocks that see its key rows [pid_n*BLOCK_N, +BLOCK_N): first those
+    fully inside the band (unmasked), then the band-edge ones (masked). The result is added into
+    dk/dv with a plain read-add-write: the caller launches only segments whose key ranges are
+    disjoint, so no other program of the launch touches these rows.
+    """
+    pid_n = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    hk = tl.program_id(2)
+    b = (pid_bs // num_segments).to(tl.int64)
+    seg = pid_bs % num_segments
+    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+
+    n0 = pid_n * BLOCK_N
+    offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
+    offs_n = n0 + offs_c  # key rows inside the segment: the band mask
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = (offs_n < k_len)[:, None] & d_ok[None, :]
+
+    # int64 row offsets as in _flash_bwd_kernel: k/v/dk/dv advance their base to the block's first
+    # row, q/do advance a scalar base per query block (the forms that keep registers down).
+    k_row0 = (k_start + n0).to(tl.int64)
+    k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
+                + offs_c[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
+                + offs_c[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query rows [i_lo, i_hi) see at least one key of the block; blocks of BLOCK_M rows from m_begin.
+    n_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
+    i_lo = tl.maximum(n0 - band_hi, 0)
+    i_hi = tl.minimum(n_last - band_lo + 1, q_len)
+    m_begin = (i_lo // BLOCK_M) * BLOCK_M
+    num_blocks = tl.where((n0 < k_len) & (i_hi > m_begin), tl.cdiv(i_hi - m_begin, BLOCK_M), 0)
+    # Query blocks [full_a, full_b) (indices from m_begin) have every (row, key) pair in the band:
+    # first row >= n_last - band_hi and last row <= n0 - band_lo. Rows past q_len and keys past
+    # k_len need no mask (see _bwd_dkdv_step), so the ragged ends do not count as edges.
+    full_a = tl.minimum(tl.cdiv(tl.maximum(n_last - band_hi - m_begin, 0), BLOCK_M), num_blocks)
+    m_max = n0 - band_lo - BLOCK_M + 1  # last first-row of a block under the lower band edge
+    full_b = tl.where(m_max >= m_begin, (tl.maximum(m_max - m_begin, 0) // BLOCK_M) + 1, 0)
+    full_b = tl.minimum(tl.maximum(full_b, full_a), num_blocks)
+    num_edge = full_a + num_blocks - full_b
+
+    q_row0 = q_start.to(tl.int64)
+    for g in range(0, group_size):
+        h = hk * group_size + g
+        q_base = q_ptr + b * stride_q_b + q_row0 * stride_q_s + h * stride_q_h
+        do_base = dout_ptr + b * stride_do_b + q_row0 * stride_do_s + h * stride_do_h
+        lse_base = lse_ptr + b * stride_lse_b + h * stride_lse_h + q_row0 * stride_lse_s
+        delta_base = delta_ptr + b * stride_delta_b + h * stride_delta_h + q_row0
+        for i in range(full_a, full_b):
+            dk, dv = _bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, m_begin + i * BLOCK_M,
+                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
+                stride_q_s, stride_do_s, stride_lse_s, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+        for e in range(0, num_edge):
+            # Edge blocks: indices [0, full_a), then [full_b, num_blocks).
+            i = tl.where(e < full_a, e, e + (full_b - full_a))
+            dk, dv = _bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, m_begin + i * BLOCK_M,
+                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
+                stride_q_s, stride_do_s, stride_lse_s, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+
+    _add_tile(dv_ptr + b * stride_dv_b + k_row0 * stride_dv_s + hk * stride_dv_h, dv, offs_c,
+              offs_n < k_len, stride_dv_s, HEAD_DIM, BLOCK_D)
+    _add_tile(dk_ptr + b * stride_dk_b + k_row0 * stride_dk_s + hk * stride_dk_h, dk * softmax_scale,
+              offs_c, offs_n < k_len, stride_dk_s, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _add_tile(base_ptr, acc, offs_r, row_ok, stride_s, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """base[r, d] += acc[r, d] for rows ``offs_r`` (fp32 read-add-write, no atomics).
+
+    A quarter (BLOCK_D >= 128) or a half (>= 64) of the head dim at a time: converting the whole
+    accumulator to the store layout next to the dk and dv accumulators spills registers (sm_90,
+    head_dim 128; `python -m ndp_kernels.aot`).
+    """
+    if BLOCK_D >= 128:
+        halves = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_D // 2]), (0, 2, 1)))
+        q0 = tl.split(tl.permute(tl.reshape(halves[0], [acc.shape[0], 2, BLOCK_D // 4]), (0, 2, 1)))
+        _add_cols(base_ptr, q0[0], offs_r, row_ok, 0, stride_s, HEAD_DIM, BLOCK_D // 4)
+        _add_cols(base_ptr, q0[1], offs_r, row_ok, BLOCK_D // 4, stride_s, HEAD_DIM, BLOCK_D // 4)
+        q1 = tl.split(tl.permute(tl.reshape(halves[1], [acc.shape[0], 2, BLOCK_D // 4]), (0, 2, 1)))
+        _add_cols(base_ptr, q1[0], offs_r, row_ok, BLOCK_D // 2, stride_s, HEAD_DIM, BLOCK_D // 4)
+        _add_cols(base_ptr, q1[1], offs_r, row_ok, 3 * BLOCK_D // 4, stride_s, HEAD_DIM, BLOCK_D // 4)
+    elif BLOCK_D >= 64:
+        halves = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_D // 2]), (0, 2, 1)))
+        _add_cols(base_ptr, halves[0], offs_r, row_ok, 0, stride_s, HEAD_DIM, BLOCK_D // 2)
+        _add_cols(base_ptr, halves[1], offs_r, row_ok, BLOCK_D // 2, stride_s, HEAD_DIM, BLOCK_D // 2)
+    else:
+        _add_cols(base_ptr, acc, offs_r, row_ok, 0, stride_s, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _add_cols(base_ptr, acc, offs_r, row_ok, COL0: tl.constexpr, stride_s, HEAD_DIM: tl.constexpr,
+              WIDTH: tl.constexpr):
+    """base[r, COL0 + c] += acc[r, c] for c < WIDTH (columns past HEAD_DIM masked)."""
+    cols = COL0 + tl.arange(0, WIDTH)
+    ptrs = base_ptr + offs_r[:, None] * stride_s + cols[None, :]
+    mask = row_ok[:, None] & (cols < HEAD_DIM)[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + acc, mask=mask)
+
+
+@triton.jit
+def _bwd_dq_step(
+    dq, q, do, lse2, delta, k_base, v_base, start_n,
+    offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+    stride_k_s, stride_v_s,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dq += dS k (unscaled) for the key block at ``start_n``.
+
+    Lean blocks (MASKED=False) lie inside the band and inside k_len for every row of the tile. Edge
+    blocks mask the band and the keys past k_len: a zero-filled key there has score 0, and its
+    exp2(-lse) may overflow, so it is masked rather than trusted to vanish.
+    """
+    cols = start_n + offs_n0
+    if MASKED:
+        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+    else:
+        kv_mask = (offs_n0 >= 0)[:, None] & d_ok[None, :]  # every key in range: only padded head-dim columns
+    k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
+                other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        diff = cols[None, :] - offs_m[:, None]
+        p = tl.where((cols < k_len)[None, :] & (diff >= band_lo) & (diff <= band_hi), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
+    dq_ptr,
+    softmax_scale, qk_scale,
+    num_segments, group_size,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_do_b, stride_do_s, stride_do_h,
+    stride_lse_b, stride_lse_h, stride_lse_s,
+    stride_delta_b, stride_delta_h,
+    stride_dq_b, stride_dq_s, stride_dq_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ of one query block of one segment and one query head, without atomics.
+
+    With P = exp(scale * q k^T - lse) (0 outside the band) and dS = P * (dout v^T - delta):
+    dq += scale * dS k, summed over the key blocks of the band in a fixed order (unmasked interior
+    blocks first, then the masked edges). Program (pid_m, b * num_segments + seg, h) owns query rows
+    [pid_m*BLOCK_M, +BLOCK_M) of segment ``seg``; query ranges of segments are disjoint, so the
+    read-add-write into dq needs no atomics. lse = -inf (row sees no key) gives P = 0, hence dq = 0.
+    """
+    pid_m = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    h = tl.program_id(2)
+    b = (pid_bs // num_segments).to(tl.int64)
+    seg = pid_bs % num_segments
+    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+    hk = h // group_size
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+
+    q_row0 = q_start.to(tl.int64)
+    rows64 = offs_m.to(tl.int64)[:, None]  # int64 rows: see _flash_fwd_kernel
+    q = tl.load(q_ptr + b * stride_q_b + q_row0 * stride_q_s + h * stride_q_h + rows64 * stride_q_s
+                + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(dout_ptr + b * stride_do_b + q_row0 * stride_do_s + h * stride_do_h
+                 + rows64 * stride_do_s + offs_d[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(lse_ptr + b * stride_lse_b + h * stride_lse_h + (q_row0 + offs_m) * stride_lse_s,
+                  mask=row_ok, other=float("-inf"))
+    delta = tl.load(delta_ptr + b * stride_delta_b + h * stride_delta_h + q_row0 + offs_m, mask=row_ok,
+                    other=0.0)
+    # lse = -inf marks a row without keys (or past q_len): shift by +inf so that its P is exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
+    v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+
+    # Key range and the unmasked interior blocks [full_lo, full_hi), as in _flash_fwd_kernel.
+    m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    j_lo = tl.maximum(m0 + band_lo, 0)
+    n_begin = (j_lo // BLOCK_N) * BLOCK_N
+    j_hi = tl.minimum(m_last + band_hi + 1, k_len)
+    j_hi = tl.where(m0 < q_len, tl.maximum(j_hi, n_begin), n_begin)
+    full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, j_hi)
+    n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
+    full_hi = tl.where(n_max >= full_lo,
+                       full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
+    full_hi = tl.minimum(full_hi, tl.maximum(j_hi, full_lo))  # a program without rows has no blocks
+    num_lo_edge = tl.cdiv(full_lo - n_begin, BLOCK_N)
+    num_edge = num_lo_edge + tl.cdiv(tl.maximum(j_hi - full_hi, 0), BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
+                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+                          stride_k_s, stride_v_s, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+    for e in range(0, num_edge):
+        # Edge blocks: the ones before the interior, then the ones after it.
+        start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
+        dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
+                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+                          stride_k_s, stride_v_s, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+
+    _add_tile(dq_ptr + b * stride_dq_b + (q_row0 + m0) * stride_dq_s + h * stride_dq_h, dq * softmax_scale,
+              tl.arange(0, BLOCK_M), row_ok, stride_dq_s, HEAD_DIM, BLOCK_D)
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers
 # ----------------------------------------------------------------------------------------------
@@ -428,8 +722,79 @@ def _delta(out4, dout4):
     return delta
 
 
+def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
+    """Launch ``_flash_bwd_kernel``: dq by fp32 atomics, dk/dv atomically only where segments share keys."""
+    B, _, H, D = q4.shape
+    Hkv = k4.shape[2]
+    arch = current_arch(q4.device)
+    cfg = bwd_config(arch, D, q4.device, dtype=q4.dtype)
+    table, nseg = _segment_args(segs, q4.device)
+    grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv)
+    with launch_device(q4.device):
+        _flash_bwd_kernel[grid](
+            q4, k4, v4, dout4, lse3, delta, table,
+            dq, dk, dv,
+            float(softmax_scale), float(softmax_scale) * LOG2E,
+            nseg, H // Hkv,
+            q4.stride(0), q4.stride(1), q4.stride(2),
+            k4.stride(0), k4.stride(1), k4.stride(2),
+            v4.stride(0), v4.stride(1), v4.stride(2),
+            dout4.stride(0), dout4.stride(1), dout4.stride(2),
+            lse3.stride(0), lse3.stride(1), lse3.stride(2),
+            delta.stride(0), delta.stride(1),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
+    """Launch the atomic-free backward: one dQ launch, one dK/dV launch per key-disjoint segment group."""
+    B, _, H, D = q4.shape
+    Hkv = k4.shape[2]
+    arch = current_arch(q4.device)
+    prec = _dot_precision(q4.dtype)
+    scale, qk_scale = float(softmax_scale), float(softmax_scale) * LOG2E
+    common = (
+        q4.stride(0), q4.stride(1), q4.stride(2),
+        k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2),
+        dout4.stride(0), dout4.stride(1), dout4.stride(2),
+        lse3.stride(0), lse3.stride(1), lse3.stride(2),
+        delta.stride(0), delta.stride(1),
+    )
+    with launch_device(q4.device):
+        cfg = bwd_dkdv_config(arch, D, q4.device, dtype=q4.dtype)
+        # Launches of one stream run in order, so the groups add into dk/dv in a fixed order too.
+        for group in segs.key_groups():
+            table, nseg = _segment_args(group, q4.device)
+            grid = (triton.cdiv(group.max_k_len, cfg.block_n), B * nseg, Hkv)
+            _flash_bwd_dkdv_kernel[grid](
+                q4, k4, v4, dout4, lse3, delta, table, dk, dv,
+                scale, qk_scale, nseg, H // Hkv, *common,
+                dk.stride(0), dk.stride(1), dk.stride(2),
+                dv.stride(0), dv.stride(1), dv.stride(2),
+                HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        if segs.max_q_len:
+            cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype)
+            table, nseg = _segment_args(segs, q4.device)
+            grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
+            _flash_bwd_dq_kernel[grid](
+                q4, k4, v4, dout4, lse3, delta, table, dq,
+                scale, qk_scale, nseg, H // Hkv, *common,
+                dq.stride(0), dq.stride(1), dq.stride(2),
+                HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+
 def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
-                      dq_acc=None, dk_acc=None, dv_acc=None):
+                      dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False):
     """Backward attention of 4-D q/k/v over a segment table.
 
     Args:
@@ -438,6 +803,8 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         lse3: fp32 [B, H, Sq], the FINAL lse of the rows (natural log).
         segs: ``Segments``; softmax_scale: float.
         dq_acc, dk_acc, dv_acc: optional fp32 buffers shaped like q/k/v; gradients are added into them.
+        deterministic: True gives bitwise-reproducible gradients (the atomic-free split backward);
+            False lets ``configs.bwd_impl`` pick the faster backward for the arch and head_dim.
     Returns:
         (dq, dk, dv): the accumulators when given, else fresh tensors in the input dtypes.
         GQA: dk/dv are summed over the query heads of each kv head.
@@ -471,28 +838,9 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         if dout4.dtype != q4.dtype:
             # The tensor-core dots take dout in q's dtype (a ring may hand in an fp32 gradient).
             dout4 = dout4.to(q4.dtype)
-        cfg = bwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
-        table, nseg = _segment_args(segs, q4.device)
-        grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv)
-        with launch_device(q4.device):
-            _flash_bwd_kernel[grid](
-                q4, k4, v4, dout4, lse3, delta, table,
-                dq, dk, dv,
-                float(softmax_scale), float(softmax_scale) * LOG2E,
-                nseg, H // Hkv,
-                q4.stride(0), q4.stride(1), q4.stride(2),
-                k4.stride(0), k4.stride(1), k4.stride(2),
-                v4.stride(0), v4.stride(1), v4.stride(2),
-                dout4.stride(0), dout4.stride(1), dout4.stride(2),
-                lse3.stride(0), lse3.stride(1), lse3.stride(2),
-                delta.stride(0), delta.stride(1),
-                dq.stride(0), dq.stride(1), dq.stride(2),
-                dk.stride(0), dk.stride(1), dk.stride(2),
-                dv.stride(0), dv.stride(1), dv.stride(2),
-                HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
+        impl = bwd_impl(current_arch(q4.device), D, q4.dtype, deterministic=bool(deterministic))
+        launch = _bwd_split if impl == "split" else _bwd_atomic
+        launch(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
     return (dq if dq_acc is not None else dq.to(q4.dtype),
             dk if dk_acc is not None else dk.to(k4.dtype),
             dv if dv_acc is not None else dv.to(v4.dtype))
@@ -530,7 +878,7 @@ def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -
 
 def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                   dq_acc=None, dk_acc=None, dv_acc=None):
+                   dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False):
     """Flash attention backward (Triton).
 
     Args:
@@ -538,6 +886,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, wi
         q, k, v, causal, softmax_scale, window_size, cu_seqlens_*, max_seqlen_*: as in ``flash_attn_fwd``.
         dq_acc, dk_acc, dv_acc: optional fp32 buffers shaped like q, k, v (all three or none);
             gradients are added into them.
+        deterministic: True gives bitwise-reproducible gradients (the atomic-free split backward,
+            flash-attn's keyword); False lets ``ndp_kernels.configs.bwd_impl`` pick the faster one.
     Returns:
         (dq, dk, dv) in the input dtypes, or the accumulators when given.
     Raises:
@@ -546,37 +896,41 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, wi
     return _segments.run_bwd(
         attn_bwd_segments, dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
+        deterministic=deterministic)
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """Autograd wrapper: forward ``flash_attn_fwd``, backward ``flash_attn_bwd``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window_size):
+    def forward(ctx, q, k, v, causal, softmax_scale, window_size, deterministic=False):
         out, lse = flash_attn_fwd(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                   window_size=window_size)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.window_size = causal, softmax_scale, window_size
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attn_bwd(dout.contiguous(), q, k, v, out, lse, causal=ctx.causal,
-                                    softmax_scale=ctx.softmax_scale, window_size=ctx.window_size)
-        return dq, dk, dv, None, None, None
+                                    softmax_scale=ctx.softmax_scale, window_size=ctx.window_size,
+                                    deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def flash_attn_func(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), deterministic=False):
     """Differentiable flash attention (Triton kernels forward and backward).
 
     Args:
         q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]; fp16/bf16/fp32 on CUDA (or CPU under TRITON_INTERPRET=1).
         causal, softmax_scale, window_size: as in ``flash_attn_fwd``.
+        deterministic: bitwise-reproducible gradients in the backward (see ``flash_attn_bwd``).
     Returns:
         out [B, Sq, H, D] in q's dtype.
     Raises:
         ValueError/TypeError for bad input.
     """
-    return FlashAttnFunction.apply(q, k, v, causal, softmax_scale, tuple(window_size))
+    return FlashAttnFunction.apply(q, k, v, causal, softmax_scale, tuple(window_size), bool(deterministic))

@@ -1,6 +1,10 @@
 """Launch configurations (block sizes, warps, pipeline stages) of the Triton attention kernels.
 
-One table per architecture family and head_dim bucket. The values are chosen so that the
+A table measured on the user's GPU (``python -m ndp_kernels.tune``, written to the tuning cache, see
+``ndp_kernels.tuning``) is read first; a ``with override(kind, cfg)`` block forces one configuration (what
+the tuner uses to time candidates). Otherwise the shipped static tables below apply.
+
+One static table per architecture family and head_dim bucket. The values are chosen so that the
 ahead-of-time compiles (``python -m ndp_kernels.aot``) have no register spills and fit the
 shared memory of the SM (227 KB on sm_90, 163 KB on sm_80) for fp16 and bf16; the static
 report in the README is produced from exactly these entries.
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 import triton
@@ -209,18 +214,76 @@ def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> Ke
     return cfg
 
 
+KINDS = ("fwd", "bwd", "bwd_dkdv", "bwd_dq")
+_OVERRIDE = threading.local()
+_TUNED: dict = {}
+
+
+def tuned_key(kind: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
+    """Row key of a tuned table: ``kind/arch/head_dim bucket/dtype`` (kind may also be ``bwd_impl``)."""
+    return f"{kind}/{arch}/{head_dim_bucket(head_dim)}/{str(dtype).replace('torch.', '')}"
+
+
+def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
+    """Rows of the tuned table of `device`'s model from the tuning cache ({} when there is none).
+
+    Raises:
+        RuntimeError: the table exists but cannot be read (names the file and how to rebuild it).
+    """
+    if device is None:
+        return {}
+    from . import tuning
+
+    key = tuning.device_key(device)
+    if reload or key not in _TUNED:
+        data = tuning.load_json(tuning.table_path("kernels", key)) or {}
+        rows = data.get("rows", {}) if isinstance(data, dict) else None
+        if not isinstance(rows, dict):
+            raise RuntimeError(f"kernel tuning table {tuning.table_path('kernels', key)} is malformed; delete it or "
+                               f"re-run `python -m ndp_kernels.tune`")
+        _TUNED[key] = rows
+    return _TUNED[key]
+
+
+@contextlib.contextmanager
+def override(kind: str, cfg: KernelConfig):
+    """Within the block, kernels of `kind` (``fwd``, ``bwd``, ``bwd_dkdv``, ``bwd_dq``) launch with `cfg`
+    (this thread only). Used by the tuner to time candidates through the public launchers."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    stack = getattr(_OVERRIDE, "cfg", {})
+    old = stack.get(kind)
+    _OVERRIDE.cfg = {**stack, kind: cfg}
+    try:
+        yield
+    finally:
+        _OVERRIDE.cfg = {**_OVERRIDE.cfg, kind: old} if old is not None else \
+            {k: v for k, v in _OVERRIDE.cfg.items() if k != kind}
+
+
+def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
+    forced = getattr(_OVERRIDE, "cfg", {}).get(kind)
+    if forced is not None:
+        return forced
+    row = tuned_table(device).get(tuned_key(kind, arch, head_dim, dtype))
+    if row is not None:
+        # Measured on this GPU model: taken as is (no shared-memory shrink, it ran there).
+        return KernelConfig(*row["config"])
+    return _shrink_for_small_smem(static[(arch, head_dim_bucket(head_dim))], device)
+
+
 def fwd_config(arch: str, head_dim: int, device: torch.device | None = None,
                dtype: torch.dtype = torch.float16) -> KernelConfig:
     """Forward-kernel configuration for ``arch`` ("sm_80", "sm_90" or "interpreter"), ``head_dim``, ``dtype``."""
     table = _FWD32 if dtype == torch.float32 and arch != "interpreter" else _FWD
-    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+    return _pick("fwd", table, arch, head_dim, device, dtype)
 
 
 def bwd_config(arch: str, head_dim: int, device: torch.device | None = None,
                dtype: torch.dtype = torch.float16) -> KernelConfig:
     """Backward-kernel configuration for ``arch``, ``head_dim`` and ``dtype``."""
     table = _BWD32 if dtype == torch.float32 and arch != "interpreter" else _BWD
-    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+    return _pick("bwd", table, arch, head_dim, device, dtype)
 
 
 def bwd_dkdv_config(arch: str, head_dim: int, device: torch.device | None = None,
@@ -230,7 +293,7 @@ def bwd_dkdv_config(arch: str, head_dim: int, device: torch.device | None = None
     block_n key rows per program, block_m query rows per step of its loop.
     """
     table = _BWD_DKDV32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DKDV
-    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+    return _pick("bwd_dkdv", table, arch, head_dim, device, dtype)
 
 
 def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
@@ -240,24 +303,28 @@ def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
     block_m query rows per program, block_n key rows per step of its loop.
     """
     table = _BWD_DQ32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DQ
-    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+    return _pick("bwd_dq", table, arch, head_dim, device, dtype)
 
 
-def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deterministic: bool = False) -> str:
+def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deterministic: bool = False,
+             device: torch.device | None = None) -> str:
     """Which backward to run: ``"split"`` (atomic-free dK/dV + dQ kernels) or ``"atomic"`` (``_flash_bwd_kernel``).
 
     Args:
         arch: "sm_80", "sm_90" or "interpreter" (``current_arch``).
-        head_dim: the head dimension. dtype: the input dtype (one table serves every dtype for now).
+        head_dim: the head dimension. dtype: the input dtype.
         deterministic: True demands bitwise-reproducible gradients, which only "split" gives.
+        device: the tensors' device: a tuned table of its GPU model decides first (``ndp_kernels.tune``).
     Returns:
         "split" or "atomic".
     Raises:
         KeyError for an unknown arch.
     """
-    del dtype
     if deterministic:
         return "split"
+    row = tuned_table(device).get(tuned_key("bwd_impl", arch, head_dim, dtype))
+    if row is not None:
+        return row["impl"]
     return _BWD_IMPL[(arch, head_dim_bucket(head_dim))]
 
 

@@ -838,7 +838,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         if dout4.dtype != q4.dtype:
             # The tensor-core dots take dout in q's dtype (a ring may hand in an fp32 gradient).
             dout4 = dout4.to(q4.dtype)
-        impl = bwd_impl(current_arch(q4.device), D, q4.dtype, deterministic=bool(deterministic))
+        impl = bwd_impl(current_arch(q4.device), D, q4.dtype, deterministic=bool(deterministic), device=q4.device)
         launch = _bwd_split if impl == "split" else _bwd_atomic
         launch(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
     return (dq if dq_acc is not None else dq.to(q4.dtype),

@@ -1,0 +1,208 @@
+"""Tune the Triton kernels' launch configurations on the GPU this runs on.
+
+    python -m ndp_kernels.tune                               # fwd, bwd, split bwd; head_dim 64,128; bf16, fp16
+    python -m ndp_kernels.tune --kinds fwd --head-dims 128 --dtypes bfloat16 --quick
+
+For each (kernel, arch, head_dim bucket, dtype) it runs every candidate configuration of a grid through the
+public launchers (``configs.override``), checks each candidate against the float64 reference on a small
+causal block before timing it (a wrong or failing candidate is dropped, never timed), times the survivors
+with ``triton.testing.do_bench`` on a large causal block (and a full one), and keeps the fastest. It then
+times the two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
+``deterministic=False``. The table goes to ``<tuning dir>/kernels-<GPU name>.json`` (``$NDP_TUNING_DIR``,
+default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
+
+Without a GPU the command says so and exits 2 (the interpreter cannot time kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import sys
+
+import torch
+
+from . import tuning
+from .configs import KINDS, KernelConfig, current_arch, override, tuned_key
+
+__all__ = ["candidates", "check_candidate", "tune_kind", "main"]
+
+# Candidate grids per kernel: (block_m, block_n, num_warps, num_stages). Candidates that cannot compile
+# or launch on this GPU (registers, shared memory) fail and are skipped.
+_GRID = {
+    "fwd": dict(m=(64, 128), n=(32, 64, 128), w=(4, 8), s=(2, 3, 4)),
+    "bwd": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3)),
+    "bwd_dkdv": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3)),
+    "bwd_dq": dict(m=(64, 128), n=(16, 32, 64), w=(4, 8), s=(1, 2, 3)),
+}
+_QUICK = {
+    "fwd": dict(m=(128,), n=(64, 128), w=(8,), s=(2, 3)),
+    "bwd": dict(m=(32, 64), n=(128,), w=(8,), s=(2, 3)),
+    "bwd_dkdv": dict(m=(16, 32), n=(128,), w=(8,), s=(2, 3)),
+    "bwd_dq": dict(m=(128,), n=(32, 64), w=(8,), s=(2, 3)),
+}
+_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def candidates(kind: str, quick: bool = False) -> list[KernelConfig]:
+    """The candidate configurations of `kind`."""
+    g = (_QUICK if quick else _GRID)[kind]
+    return [KernelConfig(*c) for c in itertools.product(g["m"], g["n"], g["w"], g["s"])]
+
+
+def _overrides(cfgs: dict):
+    """Nested ``configs.override`` blocks for every kind in `cfgs`."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for kind, cfg in cfgs.items():
+        stack.enter_context(override(kind, cfg))
+    return stack
+
+
+def _inputs(b, s, h, hk, d, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    return mk(b, s, h, d), mk(b, s, hk, d), mk(b, s, hk, d), mk(b, s, h, d)
+
+
+def _run(kind, q, k, v, dout, causal, out=None, lse=None):
+    """One call of the kernel(s) `kind` through the public launchers; returns what it computed."""
+    from . import flash
+
+    if kind == "fwd":
+        return flash.flash_attn_fwd(q, k, v, causal=causal)
+    # bwd: the atomic backward; bwd_dkdv / bwd_dq: the split backward (deterministic=True takes it).
+    return flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=kind != "bwd")
+
+
+def check_candidate(kind, cfg, dtype, head_dim, device, *, s=192, h=4, hk=2, fixed=None) -> tuple[bool, float]:
+    """Whether `kind` launched with `cfg` matches the float64 reference on a small causal GQA block.
+
+    Returns:
+        (ok, max abs error); (False, inf) when the candidate fails to compile or launch.
+    """
+    from . import reference
+
+    q, k, v, dout = _inputs(1, s, h, hk, head_dim, dtype, device, seed=1)
+    q64, k64, v64, d64 = (x.double().cpu() for x in (q, k, v, dout))
+    ref_out, ref_lse = reference.flash_attn_fwd_ref(q64, k64, v64, causal=True)
+    want = (ref_out, ref_lse) if kind == "fwd" else \
+        reference.flash_attn_bwd_ref(d64, q64, k64, v64, ref_out, ref_lse, causal=True)
+    out, lse = ref_out.to(device=device, dtype=dtype), ref_lse.float().to(device)
+    try:
+        with _overrides({**(fixed or {}), kind: cfg}):
+            got = _run(kind, q, k, v, dout, True, out, lse)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception:  # compile / launch failure (out of resources): not a candidate here
+        return False, float("inf")
+    err = max((g.double().cpu() - w).abs().max().item() for g, w in zip(got, want))
+    scale = max(w.abs().max().item() for w in want)
+    return err <= _ATOL[dtype] * max(1.0, scale), err
+
+
+def _bench(fn, device):
+    """Median milliseconds of fn (do_bench on CUDA; one timed call after a warm-up under the interpreter,
+    where only the mechanism is exercised)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0])
+    import time
+
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, kv_heads=16, quick=False,
+              cands=None, fixed=None, log=print) -> dict:
+    """Tunes one (kind, dtype, head_dim) row on `device` (``fixed``: configs of other kinds held during it,
+    e.g. the best dK/dV tiles while the dQ kernel of the same split backward is tuned).
+
+    Returns:
+        ``{"config": [m, n, w, s], "ms": best, "candidates": {str(cfg): ms or reason}}``; ``config`` is None
+        when no candidate passed its check.
+    """
+    q, k, v, dout = _inputs(batch, seqlen, heads, kv_heads, head_dim, dtype, device)
+    out = lse = None
+    if kind != "fwd":
+        from . import flash
+
+        out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
+    results, best = {}, None
+    for cfg in cands or candidates(kind, quick):
+        ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
+        if not ok:
+            results[str(cfg)] = "failed to launch" if err == float("inf") else f"wrong (max error {err:.2e})"
+            continue
+        with _overrides({**(fixed or {}), kind: cfg}):
+            try:
+                ms = sum(_bench(lambda c=c: _run(kind, q, k, v, dout, c, out, lse), device) for c in (True, False))
+            except Exception as e:  # e.g. out of resources at the large shape
+                results[str(cfg)] = f"failed at the timing shape ({type(e).__name__})"
+                continue
+        results[str(cfg)] = round(ms, 4)
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    row = {"config": None if best is None else [best[0].block_m, best[0].block_n, best[0].num_warps,
+                                                  best[0].num_stages],
+           "ms": None if best is None else round(best[1], 4), "candidates": results,
+           "shape": f"B={batch} S={seqlen} H={heads} Hkv={kv_heads} causal+full"}
+    log(f"{kind:9s} {str(dtype)[6:]:9s} d={head_dim:3d}: best {best[0] if best else None} "
+        f"({row['ms']} ms) of {len(results)} candidates")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ndp_kernels.tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--quick", action="store_true", help="a small grid (minutes instead of tens of minutes)")
+    ap.add_argument("--out", default=None, help="directory (default: the tuning cache, $NDP_TUNING_DIR)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m ndp_kernels.tune: no CUDA device is visible. Tuning times the kernels on the GPU they "
+              "will run on; run it on a machine with the GPU (the static tables in ndp_kernels/configs.py "
+              "apply meanwhile).", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = current_arch(device)
+    kinds = [x for x in args.kinds.split(",") if x]
+    bad = [x for x in kinds if x not in KINDS]
+    if bad:
+        ap.error(f"--kinds must be among {KINDS}; got {bad}")
+    kinds.sort(key=KINDS.index)
+    dtypes = [getattr(torch, t) for t in args.dtypes.split(",")]
+    rows = {}
+    path = tuning.table_path("kernels", tuning.device_key(device), args.out)
+    for dtype in dtypes:
+        for d in (int(x) for x in args.head_dims.split(",")):
+            fixed = {}
+            for kind in kinds:  # KINDS order: bwd_dkdv before bwd_dq, which is tuned with the best dK/dV tiles
+                row = tune_kind(kind, dtype, d, device, seqlen=args.seqlen, quick=args.quick,
+                                fixed=fixed if kind == "bwd_dq" else None)
+                if row["config"] is not None:
+                    rows[tuned_key(kind, arch, d, dtype)] = row
+                    if kind == "bwd_dkdv":
+                        fixed["bwd_dkdv"] = KernelConfig(*row["config"])
+            # Which backward serves deterministic=False: the faster of the two, each with its best tiles
+            # (the dQ row times the whole split backward: both kernels, dK/dV at its best).
+            a, sq = rows.get(tuned_key("bwd", arch, d, dtype)), rows.get(tuned_key("bwd_dq", arch, d, dtype))
+            if a and sq and "bwd_dkdv" in fixed:
+                rows[tuned_key("bwd_impl", arch, d, dtype)] = {
+                    "impl": "split" if sq["ms"] < a["ms"] else "atomic", "ms": {"atomic": a["ms"], "split": sq["ms"]}}
+    table = {"device_name": torch.cuda.get_device_name(device), "arch": arch, "torch": torch.__version__,
+             "triton": __import__("triton").__version__, "measured": datetime.date.today().isoformat(),
+             "rows": rows}
+    tuning.save_json(path, table)
+    print(f"wrote {path} ({len(rows)} rows); ndp_kernels.configs reads it on this GPU model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             json.dump([_row(e) for e in ests], f, indent=1)
     if n_fit:
         best = ests[0]
-        terms = ", ".join(f"{k} {best.mem[k] / GiB:.1f}" for k in MEM_TERMS if best.mem[k] >= 0.05 * GiB)
+        terms = ", ".join(f"{k} {best.mem[k] / GiB:.2f}" for k in MEM_TERMS if best.mem[k] >= 0.01 * best.peak_bytes)
         print(f"\nbest: {describe(best.config)}: {best.tokens_per_s:,.0f} tokens/s per GPU, MFU {best.mfu:.1%}, "
               f"{best.peak_bytes / GiB:.1f} GiB per GPU ({terms})")
         print(train_flags(req, best, args.model))

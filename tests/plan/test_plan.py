@@ -243,3 +243,17 @@ def test_best_tiny_config_runs_through_ndp_train(tmp_path, capsys):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.split("ndp-train summary: ", 1)[1].splitlines()[0])
     assert summary["steps"] == 2 and summary["world_size"] == 4
+
+
+@pytest.mark.distributed
+def test_predicted_bytes_equal_measured_gloo_ranks():
+    # ndp.train's setup in a 2-rank gloo job (bench/plan_vs_measured.py): parameter and AdamW bytes per rank
+    # exactly, saved activations exactly (autograd's saved tensors, parameters excluded)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from plan_vs_measured import measure_bytes
+
+    rows = measure_bytes("tiny-llama", names=("dp_shard2", "tp2", "cp2_ulysses"), seq_len=64, batch=2)
+    assert [r["config"] for r in rows] == ["dp_shard2", "tp2", "cp2_ulysses"]
+    for r in rows:
+        for term in ("params", "optimizer", "activations"):
+            assert r[f"{term}_predicted"] == r[f"{term}_measured"], (r["config"], term, r)

@@ -86,7 +86,8 @@ setup(
     description="Context-parallel attention (ring, Ulysses, USP) with Triton and C++/CUDA kernels for PyTorch",
     python_requires=">=3.10",
     packages=find_packages(include=["ndp", "ndp.*", "ndp_kernels", "ndp_kernels.*"]),
-    package_data={"ndp.train": ["data/*.txt", "data/*.py"], "ndp.ops": ["tables/*.json"]},
+    package_data={"ndp.train": ["data/*.txt", "data/*.py"], "ndp.ops": ["tables/*.json"],
+                  "ndp.plan": ["data/*.json"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=[
@@ -104,6 +105,6 @@ setup(
         "test": ["pytest", "pytest-timeout", "transformers", "pyyaml"],
         "bench": ["matplotlib", "pytest-benchmark"],
     },
-    entry_points={"console_scripts": ["ndp-train = ndp.train.cli:main"]},
+    entry_points={"console_scripts": ["ndp-train = ndp.train.cli:main", "ndp-plan = ndp.plan.cli:main"]},
     zip_safe=False,
 )

@@ -7,12 +7,16 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # package dir -> module prefixes it must not import
+# ndp.plan is the top row: it reads ndp.parallel's config rules and ndp.train's presets, and no layer imports it.
 FORBIDDEN = {
     "ndp_kernels": ("torch.distributed", "ndp", "transformers"),
-    "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train"),
-    "ndp/cp": ("transformers", "ndp.parallel", "ndp.hf", "ndp.train"),
-    "ndp/parallel": ("transformers", "ndp.hf", "ndp.train"),
-    "ndp/hf": ("ndp.train",),
+    "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan"),
+    "ndp/cp": ("transformers", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan"),
+    "ndp/parallel": ("transformers", "ndp.hf", "ndp.train", "ndp.plan"),
+    "ndp/hf": ("ndp.train", "ndp.plan"),
+    "ndp/train": ("ndp.plan",),
+    # the planner predicts; it never runs kernels or collectives
+    "ndp/plan": ("ndp.cp", "ndp.ops", "ndp.hf", "ndp_kernels", "torch.distributed"),
 }
 NO_ENV = ("ndp/ops", "ndp/cp", "ndp/parallel")
 

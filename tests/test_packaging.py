@@ -50,13 +50,15 @@ def test_wheel_builds_installs_and_imports_in_fresh_venv(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("ndp/_C") and n.endswith(".so") for n in names), names
     for must in ("ndp/__init__.py", "ndp/_ops.py", "ndp/info.py", "ndp_kernels/__init__.py",
-                 "ndp/ops/tables/engines-cpu.json"):
+                 "ndp/ops/tables/engines-cpu.json",
+                 "ndp/plan/data/gpus.json", "ndp/plan/data/models.json"):
         assert must in names, f"{must} missing from the wheel"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for extra in ("flash", "hf", "test", "bench"):
         assert f"Provides-Extra: {extra}" in meta, f"extra [{extra}] missing"
     entry = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "ndp-train = ndp.train.cli:main" in entry
+    assert "ndp-plan = ndp.plan.cli:main" in entry
 
     # --without-pip: no bundled (old) setuptools that would shadow the one torch requires; the test venv's pip
     # installs into it with --python.

@@ -107,6 +107,13 @@ def _comm_device(group, like) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _is_fake(group) -> bool:
+    # torch's fake process group (bench/simulate_cp.py: one process plays one rank of a world-N job) moves no
+    # data: what its all-gather returns is not the other ranks' fingerprints, and there are no other ranks to
+    # disagree. Real backends (gloo, nccl, ...) always take the exchange.
+    return str(dist.get_backend(group)).lower() == "fake"
+
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -167,7 +174,7 @@ def agree(groups, fields, like, what: str, error: BaseException | None = None) -
     msg = None if error is None else _error_text(error)
     relayed = False
     for group, world in groups:
-        if world == 1:
+        if world == 1 or _is_fake(group):
             continue
         m = _exchange(group, world, desc, msg, like, what, relayed)
         if m is not None:

@@ -1,0 +1,415 @@
+"""The cost model: per-GPU peak memory by term and per-step time of one ``ParallelismConfig``.
+
+Memory follows what ``ndp.train`` does (``ndp/train/loop.py``): the model is built in fp32, so the master
+parameters, their gradients and AdamW's two moments are fp32 (4 + 4 + 8 bytes per parameter), sharded by
+tensor parallel (ndp's plan: q/k/v/o and the MLP; embeddings, norms and lm_head replicated) and then by FSDP2
+over ``dp_shard x cp`` (HSDP replicates over ``dp_replicate``). With ``--dtype bf16`` FSDP2 gathers bf16
+parameters (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``). Saved activations per token
+and layer are the bytes autograd keeps for a Llama layer under ndp attention (fitted exactly against
+``torch.autograd.graph.saved_tensors_hooks`` counts on CPU, see tests/plan): norms keep an fp32 copy of
+their input, the rest scales with the activation dtype.
+
+Time: matmul FLOPs (6 x matmul params x tokens, +2 with checkpointing) at the profile's measured matmul
+rate; attention FLOPs (4 B H D per visible pair, x2.5 backward) at the measured kernel rate for the block
+length each CP algorithm computes; memory-bound element-wise work at HBM bandwidth; every collective's
+bytes from the formulas ``ndp.cp.CommStats`` counts (all-gather (N-1) local chunks, reduce-scatter and
+all-to-all (N-1)/N of the input, P2P exact), over NVLink inside a node and the network across nodes. Ring
+transfers overlap each step's compute (as ``ndp.cp.ring`` posts them before the compute), the all-gather
+of head slice i+1 overlaps slice i, Ulysses all-to-alls and TP all-reduces are exposed, FSDP2 prefetch
+hides its all-gathers and reduce-scatters behind compute except the first block's.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from ndp.parallel.config import ParallelismConfig
+
+from .spec import GpuProfile, ModelSpec
+
+GiB = 2**30
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "activations", "attention", "logits")
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+def local_param_numel(spec: ModelSpec, tp: int, fsdp: int) -> dict:
+    """Parameter elements one rank holds, per FSDP unit, after TP (ndp's plan) and FSDP2 sharding.
+
+    FSDP2 shards dim 0 of every (TP-local) tensor into ``ceil(dim0 / fsdp)`` rows per rank.
+
+    Returns:
+        dict with "block" (one decoder layer, sharded), "root" (embeddings, final norm, lm_head, sharded),
+        "block_tp"/"root_tp" (the same after TP only: what an FSDP all-gather materialises), "total" (sharded
+        elements of the whole model) and "tensors" (count of parameter tensors).
+    """
+    out = {"block": 0, "root": 0, "block_tp": 0, "root_tp": 0, "tensors": 0}
+    for _, shape, tp_dim, unit in spec.tensors():
+        s = list(shape)
+        if tp_dim is not None:
+            s[tp_dim] //= tp
+        tp_numel = math.prod(s)
+        s[0] = -(-s[0] // fsdp)
+        out[unit] += math.prod(s)
+        out[unit + "_tp"] += tp_numel
+        out["tensors"] += spec.num_layers if unit == "block" else 1
+    out["total"] = out["block"] * spec.num_layers + out["root"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- activations
+
+def layer_activation_bytes(spec: ModelSpec, tp: int, es: int, head_sharded: bool = False) -> float:
+    """Bytes autograd saves per token for one decoder layer (ndp attention, TP degree ``tp``).
+
+    Two RMSNorms keep their fp32 input (4h; in fp32 that is the input itself) and their normalised output
+    (es*h) plus a 4-byte rsqrt each, replicated over TP; q/attention output/o_proj input (4 es h), k and v
+    (2 es h_kv), the gated MLP (gate, up, silu, product: 4 es i) and the fp32 lse (4 heads) are split by TP.
+    Under TP the colwise input redistribution keeps one more es*h copy of the normalised input; Ulysses and
+    USP (``head_sharded``) keep the head-sharded q of the all-to-all (es * h_q / tp).
+    Exact against ``saved_tensors_hooks`` counts of ndp.train's setup (bench/plan_vs_measured.py).
+    """
+    h, i = spec.hidden_size, spec.intermediate_size
+    hkv = spec.num_kv_heads * spec.head_dim
+    hq = spec.num_heads * spec.head_dim
+    norms = 2 * (4 * h + es * h + 4)
+    split = es * (4 * hq + 2 * hkv + 4 * i) + 4 * spec.num_heads
+    extra = (es * h if tp > 1 else 0) + (es * hq / tp if head_sharded else 0)
+    return norms + split / tp + extra
+
+
+def root_activation_bytes(spec: ModelSpec, es: int) -> float:
+    """Bytes saved per token outside the layers: final norm, its output for lm_head, RoPE cos/sin, token ids."""
+    h = spec.hidden_size
+    return (4 * h + es * h + 4) + es * h + 2 * es * spec.head_dim + 8
+
+
+def logits_bytes(spec: ModelSpec, es: int) -> float:
+    """Peak bytes per token of logits and loss (ndp.train: ``cross_entropy(logits.float(), ...)``).
+
+    The es-byte logits stay referenced, log_softmax keeps its fp32 output, and its backward holds the fp32
+    gradient of the loss and its own fp32 result: (es + 12) * vocab. lm_head is replicated over TP.
+    """
+    return (es + 12) * spec.vocab_size
+
+
+def attention_buffer_bytes(spec: ModelSpec, cfg: ParallelismConfig, tokens: float, es: int) -> float:
+    """Transient bytes of one CP attention call's backward (the larger pass) on one rank.
+
+    ``tokens`` is the rank's local tokens. ring: two K/V blocks in flight (es) and four fp32 dK/dV blocks
+    (own, in-flight partial, incoming, send) plus fp32 dq; all-gather: the full gathered K/V, its ordered
+    copy and the next slice (es), fp32 dK/dV in global and rank-major order and the send buffer, per head
+    slice; Ulysses: head-sharded q/k/v/out copies (send and receive) and fp32 dq/dk/dv; USP: both.
+    """
+    tp, n = cfg.tp_size, cfg.cp_size
+    d = spec.head_dim
+    hq = spec.num_heads // tp * d
+    hk = spec.num_kv_heads // tp
+    kv = 2 * tokens * hk * d                      # local K and V elements
+    dq32 = 4 * tokens * hq
+    if n == 1 or cfg.cp_impl == "ring":
+        return 2 * es * kv + 4 * 4 * kv + dq32
+    if cfg.cp_impl == "allgather":
+        ns = 2 if hk >= 2 else 1
+        full = n * kv / ns
+        return 3 * es * full + (3 + ns - 1) * 4 * full + dq32 / ns
+    u = cfg.head_parallel_size
+    kvr = 2 * tokens * max(hk, u) * d             # kv heads replicated just to one per rank
+    a2a = 2 * es * (tokens * hq + kvr) + 2 * es * tokens * hq
+    fp32 = dq32 + 4 * kvr
+    if cfg.cp_impl == "ulysses":
+        return a2a + fp32
+    return a2a + fp32 + 2 * es * kvr + 4 * 4 * kvr   # usp: ring buffers of the head-sharded group
+
+
+# ---------------------------------------------------------------------------------------------- topology
+
+@dataclass(frozen=True)
+class Topology:
+    """Where ranks sit: ``gpus_per_node`` consecutive ranks per node; mesh order (dp_replicate, dp_shard, cp, tp)."""
+    gpus: int
+    gpus_per_node: int
+
+    def intra_node(self, size: int, stride: int) -> bool:
+        """True when every group of ``size`` ranks spaced ``stride`` apart lies inside one node."""
+        return _intra_node(self.gpus, self.gpus_per_node, size, stride)
+
+
+@functools.lru_cache(maxsize=4096)
+def _intra_node(gpus: int, gpus_per_node: int, size: int, stride: int) -> bool:
+    # The groups of a mesh axis start at outer * size * stride + inner (inner < stride).
+    if size == 1:
+        return True
+    for outer in range(gpus // (size * stride)):
+        for inner in range(stride):
+            base = outer * size * stride + inner
+            if base // gpus_per_node != (base + (size - 1) * stride) // gpus_per_node:
+                return False
+    return True
+
+
+def _link(profile: GpuProfile, topo: Topology, size: int, stride: int) -> tuple[float, float]:
+    """(bytes/s, per-message latency s) of the slowest link a group crosses."""
+    if topo.intra_node(size, stride):
+        return profile.nvlink_gbps * 1e9, profile.nvlink_latency_us * 1e-6
+    return profile.network_gbps * 1e9, profile.network_latency_us * 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- comm bytes
+
+def cp_bytes_per_layer(spec: ModelSpec, cfg: ParallelismConfig, tokens: float, es: int) -> dict:
+    """Bytes one rank sends per attention layer (one micro-batch), by phase, as ``ndp.cp.CommStats`` counts.
+
+    Same formulas as ``bench/bench_cp.py::_theory`` with the TP-local heads: ring and all-gather send every
+    other rank's K/V ((N-1) local K/V blocks) forward and again backward, plus the fp32 dK/dV partial sums
+    backward; Ulysses all-to-alls move (N-1)/N of q, the kv heads replicated to one per rank, and the output
+    (forward) or dout, dq, dk/dv (backward); USP is Ulysses inside plus a ring over the head-sharded group.
+
+    Returns:
+        dict with fwd_p2p, bwd_p2p, fwd_ag, bwd_ag, bwd_rs, fwd_a2a, bwd_a2a (bytes sent per rank).
+    """
+    out = dict.fromkeys(("fwd_p2p", "bwd_p2p", "fwd_ag", "bwd_ag", "bwd_rs", "fwd_a2a", "bwd_a2a"), 0.0)
+    n = cfg.cp_size
+    if n == 1:
+        return out
+    tp, d = cfg.tp_size, spec.head_dim
+    h, hk = spec.num_heads // tp, spec.num_kv_heads // tp
+    kv = 2 * tokens * hk * d * es
+    kv32 = 2 * tokens * hk * d * 4
+    q = tokens * h * d * es
+    if cfg.cp_impl == "ring":
+        out["fwd_p2p"] = (n - 1) * kv
+        out["bwd_p2p"] = (n - 1) * (kv + kv32)
+    elif cfg.cp_impl == "allgather":
+        out["fwd_ag"] = (n - 1) * kv
+        out["bwd_ag"] = (n - 1) * kv
+        out["bwd_rs"] = (n - 1) * kv32
+    else:
+        u = cfg.head_parallel_size
+        r = n // u
+        f = (u - 1) / u
+        kvr = 2 * tokens * max(hk, u) * d * es
+        out["fwd_a2a"] = f * (2 * q + kvr)
+        out["bwd_a2a"] = f * (2 * q + kvr)
+        if r > 1:
+            out["fwd_p2p"] = (r - 1) * kvr
+            out["bwd_p2p"] = (r - 1) * (kvr + kvr // es * 4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- estimate
+
+@dataclass
+class Estimate:
+    """Prediction for one candidate (memory in bytes per GPU, times in seconds per optimizer step)."""
+    config: ParallelismConfig
+    micro_batch: int
+    grad_accum: int
+    activation_checkpointing: bool
+    mem: dict = field(default_factory=dict)       # term -> bytes
+    peak_bytes: float = 0.0
+    usable_bytes: float = 0.0
+    time: dict = field(default_factory=dict)      # term -> seconds per step
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0                      # per GPU
+    mfu: float = 0.0
+    model_flops: float = 0.0                       # per step, all GPUs (no recomputation)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes
+
+    @property
+    def largest_term(self) -> str:
+        return max(self.mem, key=self.mem.get)
+
+    def reason(self) -> str:
+        """Why it does not fit ('' when it does): the overflow and the terms that cause it."""
+        if self.fits:
+            return ""
+        over = (self.peak_bytes - self.usable_bytes) / GiB
+        top = sorted(self.mem.items(), key=lambda kv: -kv[1])[:2]
+        terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in top)
+        return (f"needs {self.peak_bytes / GiB:.1f} GiB > {self.usable_bytes / GiB:.1f} usable "
+                f"(over by {over:.1f} GiB; largest: {terms} GiB)")
+
+
+def _rate(peak: float, half: float, block: float) -> float:
+    return peak * block / (block + half) if half > 0 else peak
+
+
+def attention_block(spec: ModelSpec, cfg: ParallelismConfig, seq_len: int) -> float:
+    """Query/key block length the local kernel sees per call (what its efficiency depends on)."""
+    n = cfg.cp_size
+    if n == 1 or cfg.cp_impl == "ulysses":
+        return float(seq_len)
+    if cfg.cp_impl == "usp":
+        return seq_len / (n // cfg.ulysses_size)
+    return seq_len / n
+
+
+def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, *, seq_len: int,
+             batch_size: int, grad_accum: int = 1, dtype: str = "bf16",
+             activation_checkpointing: bool = False) -> Estimate:
+    """Predict peak memory per GPU and time per optimizer step of one configuration.
+
+    Args:
+        spec: the model. cfg: the degrees (already valid for ``topo.gpus``). profile: the GPU.
+        topo: GPUs and GPUs per node. seq_len: tokens per sequence. batch_size: global batch in sequences
+            (divisible by ``cfg.dp_size * grad_accum``). dtype: "bf16" | "fp32" (compute dtype; master
+            weights and optimizer are fp32 either way). activation_checkpointing: full per-layer recompute.
+    Returns:
+        an Estimate.
+    Raises:
+        ValueError: batch not divisible by dp_size * grad_accum, unknown dtype.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}; got {dtype!r}")
+    if batch_size % (cfg.dp_size * grad_accum):
+        raise ValueError(f"batch_size must be divisible by dp_replicate*dp_shard*grad_accum; got batch_size="
+                         f"{batch_size}, dp_size={cfg.dp_size}, grad_accum={grad_accum}")
+    es = DTYPE_BYTES[dtype]
+    L = spec.num_layers
+    tp, n_cp = cfg.tp_size, cfg.cp_size
+    fsdp_on = cfg.fsdp_size > 1
+    shard = cfg.dp_shard_size * cfg.cp_size if fsdp_on else 1
+    mb = batch_size // cfg.dp_size // grad_accum          # sequences per rank per micro-batch
+    tokens = mb * seq_len / n_cp                          # local tokens per micro-batch
+    pn = local_param_numel(spec, tp, shard)
+    est = Estimate(cfg, mb, grad_accum, activation_checkpointing, usable_bytes=profile.usable_bytes)
+
+    # ---------------- memory (bytes per GPU)
+    m = dict.fromkeys(MEM_TERMS, 0.0)
+    m["params"] = 4.0 * pn["total"]
+    m["grads"] = 4.0 * pn["total"]
+    m["optimizer"] = 8.0 * pn["total"]
+    if fsdp_on:
+        # Gathered (es-byte) parameters: current + prefetched + last block (kept for backward), the root
+        # unit (kept from forward to backward); backward: one block's es-byte grads and fp32 reduce input,
+        # lm_head's unsharded grad until the root's reduce-scatter.
+        lm = spec.vocab_size * spec.hidden_size if not spec.tie_word_embeddings else 0
+        m["fsdp_buffers"] = es * (3 * pn["block_tp"] + pn["root_tp"]) + (es + 4) * pn["block_tp"] + es * lm
+        if grad_accum > 1:
+            m["grad_accum"] = 4.0 * (pn["block_tp"] * L + pn["root_tp"])   # unsharded fp32 accumulators
+    elif es == 2:
+        # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
+        m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L + spec.vocab_size * spec.hidden_size)
+    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
+    root = root_activation_bytes(spec, es)
+    if activation_checkpointing:
+        m["activations"] = tokens * (L * es * spec.hidden_size + layer + root)
+    else:
+        m["activations"] = tokens * (L * layer + root)
+    m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
+    m["logits"] = tokens * logits_bytes(spec, es)
+    transient = m["activations"] + m["attention"] + m["logits"] + m["grad_accum"]
+    est.mem = m
+    est.peak_bytes = m["params"] + m["optimizer"] + m["fsdp_buffers"] + max(m["grads"], transient)
+
+    # ---------------- time (seconds per micro-batch, then per step)
+    t = {}
+    mm_rate = (profile.matmul_tflops if es == 2 else profile.matmul_fp32_tflops) * 1e12
+    block_mm = spec.block_matmul_params / tp
+    head_mm = spec.vocab_size * spec.hidden_size                   # lm_head: replicated over TP
+    recompute = 2 if activation_checkpointing else 0
+    t["matmul"] = ((6 + recompute) * tokens * block_mm * L + 6 * tokens * head_mm) / mm_rate
+
+    pairs = mb * spec.attn_pairs(seq_len) / n_cp                   # balanced (zigzag) share of visible pairs
+    fwd_flops = 4 * spec.head_dim * (spec.num_heads / tp) * pairs * L
+    blk = attention_block(spec, cfg, seq_len)
+    scale = 1.0 if es == 2 else profile.matmul_fp32_tflops / profile.matmul_tflops
+    r_f = _rate(profile.attn_fwd_tflops, profile.attn_fwd_half_block, blk) * 1e12 * scale
+    r_b = _rate(profile.attn_bwd_tflops, profile.attn_bwd_half_block, blk) * 1e12 * scale
+    over = profile.cp_overhead.get(cfg.cp_impl, 1.0) if n_cp > 1 else 1.0
+    a_f = fwd_flops / r_f / over
+    a_b = 2.5 * fwd_flops / r_b / over
+    t["attention"] = a_f * (2 if activation_checkpointing else 1) + a_b
+    act_moved = tokens * (L * layer + root) + m["logits"]
+    passes = profile.elementwise_passes + (2 if activation_checkpointing else 0)
+    t["elementwise"] = act_moved * passes / (profile.hbm_gbps * 1e9)
+
+    # CP communication per layer (ring steps overlap their compute; the all-gather overlaps one slice)
+    cpb = cp_bytes_per_layer(spec, cfg, tokens, es)
+    cp_exposed = 0.0
+    if n_cp > 1:
+        af, ab = a_f / L, a_b / L
+        if cfg.cp_impl in ("ring", "usp"):
+            u = cfg.head_parallel_size
+            r = n_cp // u
+            if r > 1:
+                bw, lat = _link(profile, topo, r, tp * u)
+                steps = r - 1
+                cf = cpb["fwd_p2p"] / steps / bw + lat
+                cb = cpb["bwd_p2p"] / steps / bw + 2 * lat
+                fwd_ring = steps * max(af / r, cf) + af / r
+                bwd_ring = steps * max(ab / r, cb) + ab / r
+                cp_exposed += (fwd_ring - af) * (2 if activation_checkpointing else 1) + (bwd_ring - ab)
+        if cfg.cp_impl == "allgather":
+            bw, lat = _link(profile, topo, n_cp, tp)
+            ns = 2 if spec.num_kv_heads // tp >= 2 else 1
+            g_f = cpb["fwd_ag"] / bw + ns * lat
+            g_b = (cpb["bwd_ag"] + cpb["bwd_rs"]) / bw + 2 * ns * lat
+            fwd_x = g_f / ns + max(0.0, g_f * (ns - 1) / ns - af * (ns - 1) / ns)
+            bwd_x = g_b / ns + max(0.0, g_b * (ns - 1) / ns - ab * (ns - 1) / ns)
+            cp_exposed += fwd_x * (2 if activation_checkpointing else 1) + bwd_x
+        if cfg.cp_impl in ("ulysses", "usp"):
+            u = cfg.head_parallel_size
+            bw, lat = _link(profile, topo, u, tp)
+            cp_exposed += ((cpb["fwd_a2a"] / bw + 2 * lat) * (2 if activation_checkpointing else 1)
+                           + cpb["bwd_a2a"] / bw + 2 * lat)
+        cp_exposed *= L
+    t["cp_comm"] = cp_exposed
+
+    # TP: two all-reduces of [tokens, hidden] per layer forward (o_proj, down_proj), two backward
+    if tp > 1:
+        bw, lat = _link(profile, topo, tp, 1)
+        ar = 2 * (tp - 1) / tp * tokens * spec.hidden_size * es / bw + 2 * lat
+        t["tp_comm"] = ar * L * (4 + (2 if activation_checkpointing else 0))
+    else:
+        t["tp_comm"] = 0.0
+
+    compute = t["matmul"] + t["attention"] + t["elementwise"]
+    micro = compute + t["cp_comm"] + t["tp_comm"]
+
+    # FSDP2: all-gathers each micro-batch (forward and again in backward), reduce-scatter (fp32) on the last
+    # micro-batch, HSDP all-reduce over dp_replicate; prefetch hides them behind compute but the first block.
+    fsdp_exposed = 0.0
+    if fsdp_on:
+        pes = es
+        ag = rs = hs = 0.0
+        if shard > 1:
+            bw, lat = _link(profile, topo, shard, tp)
+            full = pn["block_tp"] * L + pn["root_tp"]
+            ag = 2 * (shard - 1) / shard * pes * full / bw + 2 * (L + 1) * lat
+            rs = (shard - 1) / shard * 4 * full / bw + (L + 1) * lat
+        if cfg.dp_replicate_size > 1:
+            R = cfg.dp_replicate_size
+            bw, lat = _link(profile, topo, R, tp * shard)
+            hs = 2 * (R - 1) / R * 4 * pn["total"] / bw + (L + 1) * lat
+        first = (ag + rs + hs) / (L + 1)
+        per_micro = max(0.0, ag - compute) + ag / (L + 1)
+        last = max(0.0, ag + rs + hs - compute) + first
+        fsdp_exposed = (grad_accum - 1) * per_micro + last
+        t["fsdp_comm"] = fsdp_exposed
+    else:
+        t["fsdp_comm"] = 0.0
+    # AdamW (foreach=False: ~12 kernels per tensor) + grad-norm: memory-bound over the fp32 shards
+    t["optimizer"] = (32.0 * pn["total"] / (profile.hbm_gbps * 1e9)
+                      + pn["tensors"] * 12 * profile.launch_us * 1e-6)
+    step = grad_accum * micro + fsdp_exposed + t["optimizer"]
+    for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm"):
+        t[k] *= grad_accum
+    est.time = t
+    est.step_s = step
+
+    gpus = cfg.world_size
+    global_tokens = batch_size * seq_len
+    mm_total = spec.block_matmul_params * L + head_mm
+    attn_total = 3.5 * 4 * spec.head_dim * spec.num_heads * spec.attn_pairs(seq_len) * L * batch_size
+    est.model_flops = 6 * mm_total * global_tokens + attn_total
+    est.tokens_per_s = global_tokens / step / gpus
+    peak = profile.peak_tflops if es == 2 else profile.peak_fp32_tflops
+    est.mfu = est.model_flops / step / gpus / (peak * 1e12)
+    return est

@@ -101,7 +101,9 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     if out_acc is None and len(pieces) == 1 and pieces[0].q0 == 0 and pieces[0].q1 == sq:
         q, k, v, causal, mask = _piece_args(pieces[0], q4, k4, v4)
         o, lse = _FWD(q, k, v, 0.0, causal, attn_mask=mask, scale=softmax_scale)
-        return o.transpose(1, 2).to(dtype).contiguous(), lse.to(acc_dtype(dtype))
+        # The kernel writes its output in the memory order of q: for [B, S, H, D] inputs the transpose is
+        # already contiguous, for heads-first inputs (HF) a copy here would only be repeated by the caller.
+        return o.transpose(1, 2).to(dtype), lse.to(acc_dtype(dtype))
     own = out_acc is None
     if own:
         adt = acc_dtype(dtype)
@@ -137,7 +139,7 @@ def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_a
             q, k, v, causal, mask = _piece_args(p, q4, k4, v4)
             dq, dk, dv = _BWD(_heads_first(dout4), q, k, v, _heads_first(out4), lse_safe.contiguous(), 0.0, causal,
                               attn_mask=mask, scale=softmax_scale)
-            return tuple(g.transpose(1, 2).to(dtype).contiguous() for g in (dq, dk, dv))
+            return tuple(g.transpose(1, 2).to(dtype) for g in (dq, dk, dv))
     if own:
         adt = acc_dtype(dtype)
         dq_acc, dk_acc, dv_acc = (torch.zeros(x.shape, dtype=adt, device=x.device) for x in (q4, k4, v4))

@@ -58,6 +58,7 @@ def collect() -> dict:
         backends = {"error": {"available": False, "why": f"ndp.ops failed to import: {type(exc).__name__}: {exc}"}}
 
     engines = _engine_report(device)
+    kernel_table = _kernel_table_report(device)
 
     ops = {}
     cuda_why = ""
@@ -82,7 +83,25 @@ def collect() -> dict:
             ops[op] = {"CPU": cpu, "CUDA": cu, "why": why}
     compiled = {"loaded": _ops.load_error is None, "why": _ops.load_error or "", "with_cuda": _ops.WITH_CUDA,
                 "cuda_why": cuda_why, "ops": ops}
-    return {"versions": versions, "cuda": cuda, "backends": backends, "engines": engines, "compiled_ops": compiled}
+    return {"versions": versions, "cuda": cuda, "backends": backends, "engines": engines,
+            "kernel_configs": kernel_table, "compiled_ops": compiled}
+
+
+def _kernel_table_report(device: str) -> dict:
+    """Where the Triton kernels' launch configurations come from on `device`: a tuned table or the static one."""
+    try:
+        from ndp_kernels import configs, tuning
+
+        dev = torch.device(device)
+        path = tuning.table_path("kernels", tuning.device_key(dev))
+        rows = configs.tuned_table(dev, reload=True) if dev.type == "cuda" else {}
+        if rows:
+            return {"source": str(path), "rows": len(rows), "why": "tuned on this GPU model"}
+        return {"source": "static tables (ndp_kernels/configs.py)", "rows": 0,
+                "why": ("no tuned table for this GPU; run `python -m ndp_kernels.tune` to measure one"
+                        if dev.type == "cuda" else "no GPU here: launch configurations matter only on a GPU")}
+    except Exception as exc:  # report, do not crash
+        return {"source": "?", "rows": 0, "why": f"{type(exc).__name__}: {exc}"}
 
 
 def _engine_report(device: str) -> dict:
@@ -128,6 +147,9 @@ def format_report(info: dict) -> str:
     for key, r in e.get("rows", {}).items():
         times = "  ".join(f"{n} {t:.1f} ms" for n, t in sorted(r["ms"].items(), key=lambda x: x[1]))
         lines.append(f"  {key:<22} -> {r['auto'] or 'none':<11} {times}")
+    kt = info.get("kernel_configs", {})
+    lines += ["", f"Triton launch configurations: {kt.get('source', '?')}"
+                  + (f" ({kt['rows']} rows)" if kt.get("rows") else "") + (f"; {kt['why']}" if kt.get("why") else "")]
     co = info["compiled_ops"]
     lines += ["", "compiled ops (torch.ops.ndp.*): " + ("loaded" if co["loaded"] else "NOT loaded: " + co["why"])]
     if co["loaded"]:

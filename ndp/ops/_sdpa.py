@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ndp import _ops
 from ndp_kernels import reference
 from ndp_kernels._segments import acc_dtype
 
@@ -82,7 +83,7 @@ def _merge(out_acc, lse_acc, piece, o, lse):
     oa = out_acc[:, piece.q0:piece.q1]
     la = lse_acc[:, :, piece.q0:piece.q1]
     blk = o.transpose(1, 2)
-    if out_acc.dtype == torch.float32 and hasattr(torch.ops, "ndp") and hasattr(torch.ops.ndp, "merge_attn_states_"):
+    if out_acc.dtype == torch.float32 and _ops.available():
         torch.ops.ndp.merge_attn_states_(oa, la, blk, lse.float())
     else:
         reference.merge_attn_states_ref(oa, la, blk, lse.to(lse_acc.dtype))

@@ -264,3 +264,17 @@ def test_tune_checks_before_timing_and_rejects_a_wrong_engine(monkeypatch):
     assert set(table["rows"]) == {f"{c}/float32/32" for c in engines.CLASSES}
     for row in table["rows"].values():
         assert row["order"][0] == "sdpa" and set(row["ms"]) >= {"sdpa", "torch"} and "torch" not in row["order"]
+
+
+def test_info_shows_the_engine_table_and_the_kernel_configs(tmp_path, monkeypatch):
+    from ndp import info
+
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    report = info.collect()
+    eng = report["engines"]
+    assert eng["source"].endswith("engines-cpu.json") and eng["rows"]["causal/float32/64"]["auto"] == "sdpa"
+    assert report["kernel_configs"]["source"].startswith("static tables")
+    text = info.format_report(report)
+    assert "backend='auto' engine table" in text and "causal/float32/64      -> sdpa" in text
+    assert "Triton launch configurations: static tables" in text
+    engines.engine_table("cpu", reload=True)

@@ -40,6 +40,14 @@ def _bad_cases(rank):
         # disagreement in a field after an agreeing call (the cached path used to skip the check)
         "causal": (lambda: (_qkv(8), dict(causal=not odd)), (ValueError, "different arguments.*causal"),
                    "different arguments.*causal: rank 0=True, rank 1=False"),
+        "window": (lambda: (_qkv(8), dict(window_size=(3, 0) if odd else (-1, -1))),
+                   (ValueError, "different arguments.*window"), r"different arguments.*window: rank 0=\(-1, -1\), "
+                                                                 r"rank 1=\(3, 0\)"),
+        "layout": (lambda: (_qkv(8), dict(layout="striped" if odd else "zigzag")),
+                   (ValueError, "different arguments.*layout"), "different arguments.*layout: rank 0='zigzag', "
+                                                                "rank 1='striped'"),
+        "deterministic": (lambda: (_qkv(8), dict(deterministic=odd)), (ValueError, "different arguments.*deterministic"),
+                          "different arguments.*deterministic: rank 0=False, rank 1=True"),
         "seqlen": (lambda: (_qkv(10 if odd else 8), {}), (ValueError, "different arguments.*q_shape"),
                    r"different arguments.*q_shape: rank 0=\(1, 8, 4, 16\), rank 1=\(1, 10, 4, 16\)"),
         # one rank's bad input: that rank gets its own error, the others a ValueError naming it

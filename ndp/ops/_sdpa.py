@@ -64,10 +64,16 @@ def _mask(piece, dtype, device):
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
-def _kernel_dtype(x):
-    """fp16 runs in fp32 on CPU: the CPU kernel has no fast fp16 path (measured 3x slower than fp32 at
-    S=1024, `python -m ndp.ops.tune`), and fp32 math only adds precision."""
-    return x.float() if x.dtype == torch.float16 and x.device.type == "cpu" else x
+def _kernel_dtype(x, accumulate: bool):
+    """The dtype a CPU piece runs in. fp16 runs in fp32: the CPU kernel has no fast fp16 path (measured 3x
+    slower than fp32 at S=1024 before this, `python -m ndp.ops.tune`). bf16 runs in fp32 when the block
+    feeds fp32 accumulators (ring steps): the kernel would round each block's result to bf16 before the
+    fp32 merge, where the Triton path merges unrounded; fp32 math only adds precision."""
+    if x.device.type != "cpu":
+        return x
+    if x.dtype == torch.float16 or (accumulate and x.dtype == torch.bfloat16):
+        return x.float()
+    return x
 
 
 def _piece_args(piece, q4, k4, v4):
@@ -97,7 +103,7 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     """
     b, sq, h, d = q4.shape
     dtype = q4.dtype
-    q4, k4, v4 = (_kernel_dtype(x) for x in (q4, k4, v4))
+    q4, k4, v4 = (_kernel_dtype(x, out_acc is not None) for x in (q4, k4, v4))
     pieces = pieces_of(segs, sq, k4.shape[1])
     if out_acc is None and len(pieces) == 1 and pieces[0].q0 == 0 and pieces[0].q1 == sq:
         q, k, v, causal, mask = _piece_args(pieces[0], q4, k4, v4)
@@ -127,7 +133,7 @@ def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_a
     """
     sq, sk = q4.shape[1], k4.shape[1]
     dtype = q4.dtype
-    dout4, q4, k4, v4, out4 = (_kernel_dtype(x) for x in (dout4, q4, k4, v4, out4))
+    dout4, q4, k4, v4, out4 = (_kernel_dtype(x, dq_acc is not None) for x in (dout4, q4, k4, v4, out4))
     pieces = pieces_of(segs, sq, sk)
     # lse = -inf marks a row with no key at all: +inf turns its probabilities into exact zeros.
     lse_safe = torch.where(lse3 == float("-inf"), torch.full_like(lse3, float("inf")), lse3)

@@ -119,13 +119,16 @@ def test_sdpa_segments_match_reference(name, dtype):
     assert torch.all(grads[0][:, rows_without_key] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["zigzag_diagonal", "overlapping_keys", "window_both", "causal_q_lt_k"])
-def test_sdpa_accumulators_over_key_blocks(name):
-    """Blocks merged into fp32 accumulators (what a ring step does) equal the whole attention."""
+def test_sdpa_accumulators_over_key_blocks(name, dtype):
+    """Blocks merged into fp32 accumulators (what a ring step does) equal the whole attention, to fp32
+    precision even for bf16 inputs: a block is never rounded to bf16 before its merge."""
     rows, sq, sk = TABLES[name]
     segs = Segments.from_rows(rows)
-    q, k, v, dout = _inputs(1, sq, sk, 4, 1, 32, torch.float32, seed=3)
-    out, lse = attn_fwd_segments_ref(q, k, v, segs, softmax_scale=0.2)
+    q, k, v, dout = _inputs(1, sq, sk, 4, 1, 32, dtype, seed=3)
+    out, lse = attn_fwd_segments_ref(q.double(), k.double(), v.double(), segs, softmax_scale=0.2)
+    out, lse = out.float(), lse.float()
     oa, la = torch.zeros(q.shape), torch.full((1, 4, sq), float("-inf"))
     cut = sk // 3
     parts = []
@@ -140,7 +143,9 @@ def test_sdpa_accumulators_over_key_blocks(name):
                               backend="sdpa")
     assert_close(oa, out, torch.float32)
     assert_close(torch.where(torch.isfinite(lse), la, 0), torch.where(torch.isfinite(lse), lse, 0), torch.float32)
-    want = attn_bwd_segments_ref(dout, q, k, v, out, lse, segs, softmax_scale=0.2)
+    out = out.to(dtype)  # the final out a ring backward gets is in the input dtype (the reference takes it too)
+    want = attn_bwd_segments_ref(dout.double(), q.double(), k.double(), v.double(), out.double(), lse.double(), segs,
+                                 softmax_scale=0.2)
     dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
     for a, b, part in parts:
         ndp.ops.attention_bwd(dout, q, k[:, a:b], v[:, a:b], out, lse, part, softmax_scale=0.2, dq_acc=dq,

@@ -23,14 +23,19 @@ def parallelize(model, config, mesh, **kwargs):
     A Hugging Face causal LM gets the plan of ``ndp.hf`` (its own TP plan, attention switched to
     ``ndp_<cp_impl>``); any other ``nn.Module`` goes to ``ndp.parallel.parallelize`` with its plan.
     ``ndp.hf`` is imported only here, on use, so the lower layers never depend on transformers.
+    A model on the meta device is parallelized as it is and then only this rank's shards are allocated and
+    initialized (``init_seed=``, ``init_device=``; see ``ndp.parallel.init``): the same values as building it
+    in full, initializing it with ``ndp.hf.init_weights(model, seed=init_seed)`` and parallelizing that.
 
     Args:
-        model: the model to parallelize in place.  config: ``ParallelismConfig``.
-        mesh: the DeviceMesh from ``config.build_device_mesh(...)``.
+        model: the model to parallelize in place (materialized, or on the meta device).
+        config: ``ParallelismConfig``.  mesh: the DeviceMesh from ``config.build_device_mesh(...)``.
+        kwargs: see ``ndp.parallel.parallelize``.
     Returns:
         the parallelized model.
     Raises:
-        ValueError: config and mesh disagree, or the model cannot be split as configured.
+        ValueError: config and mesh disagree, the model cannot be split as configured, or (meta) its init
+            leaves a parameter or buffer unset.
     """
     if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
         from .hf import parallelize as impl

@@ -53,7 +53,28 @@ def hf_plan(model: nn.Module) -> ModelPlan:
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
 
     return ModelPlan(tp_plan=tp_plan, blocks=(f"{prefix}layers.*",), attention=(f"{prefix}layers.*.self_attn",),
-                     enable_cp=enable_cp)
+                     enable_cp=enable_cp, init_module=model._init_weights)
+
+
+def init_weights(model: nn.Module, *, seed: int) -> nn.Module:
+    """Initialize a materialized transformers model with ndp's seeded per-module scheme (``ndp.parallel.init``).
+
+    Each module's own parameters and buffers are set by the model's own ``_init_weights`` (its distributions,
+    norms to one, RoPE ``inv_freq`` recomputed from the config) after seeding the CPU generator from
+    ``(seed, module name)``: a meta-device model given to :func:`parallelize` with ``init_seed=seed`` gets
+    exactly this model's shards. Tied weights (``lm_head`` = ``embed_tokens``) stay one tensor, set once.
+
+    Args:
+        model: a transformers model, materialized (e.g. built on meta, then ``to_empty(device="cpu")``).
+        seed: the run seed.
+    Returns:
+        the model, initialized in place.
+    Raises:
+        ValueError: a parameter or buffer the model's ``_init_weights`` does not set.
+    """
+    from ndp.parallel import init_weights as _init_weights
+
+    return _init_weights(model, seed=seed, init_module=model._init_weights)
 
 
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> nn.Module:
@@ -63,7 +84,9 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
         model: e.g. ``LlamaForCausalLM`` built identically on every rank.
         config, mesh: the ParallelismConfig and its ``build_device_mesh`` mesh.
         kwargs: passed on (plan to override :func:`hf_plan`, mp_policy, activation_checkpointing, compile,
-            reshard_after_forward). A model that is not a transformers model takes the generic path.
+            reshard_after_forward, init_seed, init_device). A model that is not a transformers model takes the
+            generic path. A model on the meta device is materialized shard by shard, initialized as
+            :func:`init_weights` with ``seed=init_seed`` would (see ``ndp.parallel.parallelize``).
     Returns:
         the model, parallelized in place, its attention switched to ``ndp_<cp_impl>``.
     Raises:
@@ -169,5 +192,5 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     return out
 
 
-__all__ = ["shard_batch", "loss", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
+__all__ = ["shard_batch", "loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
            "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN"]

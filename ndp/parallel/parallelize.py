@@ -7,6 +7,7 @@ the plan of a Hugging Face model.
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 import math
@@ -22,6 +23,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel, parallelize_module)
 
 from .config import ParallelismConfig
+from .init import is_meta, materialize, param_bytes, reset_parameters
 from .mesh import CPContext, cp_context, mesh_axis
 
 logger = logging.getLogger(__name__)
@@ -70,12 +72,16 @@ class ModelPlan:
         attention: fqn patterns of attention modules; each gets the rank's CPContext as ``ndp_cp``.
         enable_cp: ``fn(model, ctx)`` switching the model's attention to a CP-aware implementation
             (called for every cp_size, so cp_size=1 runs the same attention code locally).
+        init_module: ``fn(module)`` initializing one module's own parameters and buffers from the global CPU
+            generator (the model's per-module init), used to materialize a meta-device model
+            (``ndp.parallel.init``); None: ``module.reset_parameters()``.
     """
 
     tp_plan: Mapping[str, str | ParallelStyle] = field(default_factory=dict)
     blocks: Sequence[str] = ()
     attention: Sequence[str] = ()
     enable_cp: Callable[[nn.Module, CPContext], None] | None = None
+    init_module: Callable[[nn.Module], None] | None = None
 
 
 def _match(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -194,26 +200,46 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
     return model
 
 
+def _init_device(mesh: DeviceMesh | None, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | None, *,
                 plan: ModelPlan | None = None, mp_policy=None, activation_checkpointing: bool = False,
-                compile: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+                compile: bool = False, reshard_after_forward: bool = True, init_seed: int = 0,
+                init_device=None) -> nn.Module:
     """Apply TP, CP, activation checkpointing, compile and FSDP2 (in that order, as torchtitan does).
 
+    A model on the meta device (any parameter or buffer on meta) is parallelized as it is, then only this
+    rank's shards are allocated on ``init_device`` and initialized with the seeded per-module scheme of
+    ``ndp.parallel.init``: the result equals, bit for bit, building the model in full, calling
+    ``ndp.parallel.init_weights(model, seed=init_seed, init_module=plan.init_module)`` and parallelizing it.
+
     Args:
-        model: the module, fully materialized and identical on every rank (same seed).
+        model: the module, identical on every rank: fully materialized (same seed), or on the meta device.
         config: the degrees; mesh: ``config.build_device_mesh(...)`` (None only when world size is 1).
         plan: what to split (``default_plan(model)`` when None: FSDP/AC only).
         mp_policy: FSDP2 MixedPrecisionPolicy (e.g. bf16 params, fp32 reduce) or None.
         activation_checkpointing: recompute each block's activations in backward.
         compile: ``torch.compile`` each block.
+        init_seed: meta model only: the seed of the per-module initialization.
+        init_device: meta model only: where the shards are allocated (default: the mesh's device type, the
+            current CUDA device for "cuda", else CPU).
     Returns:
-        the parallelized module (same object; FSDP2 changes its class in place).
+        the parallelized module (same object; FSDP2 changes its class in place), materialized.
     Raises:
-        ValueError: a degree the plan cannot serve (e.g. tp_size > 1 without tp_plan).
+        ValueError: a degree the plan cannot serve (e.g. tp_size > 1 without tp_plan); a meta model whose
+            per-module init leaves a parameter or buffer unset.
     """
     if mesh is None and config.world_size > 1:
         raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None")
     plan = plan or default_plan(model)
+    # The unparallelized meta copy is the init source: the model's own modules and names, no data.
+    source = copy.deepcopy(model) if is_meta(model) else None
     if config.tp_size > 1:
         apply_tp(model, mesh_axis(mesh, "tp"), plan.tp_plan)
     apply_cp(model, config, mesh, plan)
@@ -226,6 +252,10 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
     if config.fsdp_size > 1:
         apply_fsdp(model, config, mesh, blocks, mp_policy=mp_policy,
                    reshard_after_forward=reshard_after_forward)
+    if source is not None:
+        materialize(model, source, device=_init_device(mesh, init_device), seed=init_seed,
+                    init_module=plan.init_module or reset_parameters)
+        logger.info("materialized the meta-device model: %d parameter bytes on this rank", param_bytes(model))
     setattr(model, PARALLEL_ATTR, Parallelized(config, mesh))
     return model
 

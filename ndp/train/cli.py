@@ -59,7 +59,8 @@ def main(argv=None) -> int:
             n = len(res.losses)
             summary = {"steps": res.start_step + n, "final_loss": res.losses[-1],
                        "mean_tokens_per_s": sum(res.tokens_per_s) / n, "wall_time_s": res.wall_time,
-                       "world_size": world, "parallel": cfg.parallel.__dict__}
+                       "world_size": world, "parallel": cfg.parallel.__dict__, "init": cfg.init,
+                       "param_bytes_per_rank": res.param_bytes_per_rank, "param_bytes_total": res.param_bytes_total}
             print("ndp-train summary: " + json.dumps(summary), flush=True)
         ok = True
     finally:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from ndp.parallel import CP_IMPLS, CP_LAYOUTS, ParallelismConfig
 
+from .presets import INITS
+
 DTYPES = ("fp32", "bf16")
 # Environment variables for the parallel degrees (as set by a launcher or a job script).
 ENV_PARALLEL = {
@@ -55,6 +57,7 @@ class TrainConfig:
     progress: bool = True
     stop_after: int | None = None
     skip_nonfinite: int = 0
+    init: str = "full"
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -76,6 +79,10 @@ class TrainConfig:
                              f"learning-rate schedule.")
         if self.stop_after is not None and not self.save_dir:
             raise ValueError("--stop-after saves a checkpoint to resume from: it needs --save-dir")
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {', '.join(INITS)} (full: build the whole model on CPU, then "
+                             f"shard it; meta: build it on the meta device and materialize only this rank's "
+                             f"shards); got init={self.init!r}")
         if self.skip_nonfinite < 0:
             raise ValueError(f"--skip-nonfinite must be >= 0 (steps with a non-finite loss or gradient that may be "
                              f"skipped before the run stops); got {self.skip_nonfinite}")
@@ -95,6 +102,9 @@ class TrainConfig:
 
         p = self.parallel
         p.check_world_size(world_size)
+        if self.init == "meta" and os.path.isdir(self.model):
+            raise ValueError(f"--init meta builds a preset's random weights shard by shard; --model {self.model!r} "
+                             f"is a model directory whose weights are loaded whole. Use --init full for it.")
         heads, kv = model_dims(self.model)
         p.check_heads(heads, kv)
         if not self.pack_docs:
@@ -146,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "schedule stays that of --steps")
     a("--skip-nonfinite", type=int, help="skip up to N steps whose loss or gradient norm is not finite "
                                          "(default 0: stop at the first)")
+    # No argparse choices: TrainConfig names the choices (the same message for flags and YAML).
+    a("--init", help=f"one of {'|'.join(INITS)}: full (default) builds the whole model on CPU and shards it; "
+                     f"meta builds it on the meta device and materializes only this rank's shards, with the "
+                     f"same values")
     return p
 
 

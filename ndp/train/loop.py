@@ -40,6 +40,8 @@ class TrainResult:
     step_times: list = field(default_factory=list)
     start_step: int = 0
     wall_time: float = 0.0
+    param_bytes_per_rank: int = 0  # largest, over ranks, of the parameter bytes a rank holds (its shards)
+    param_bytes_total: int = 0  # the whole model's parameter bytes
     state_dict: dict | None = None  # consolidated weights when train(..., return_state=True)
 
 
@@ -76,6 +78,17 @@ def _fsdp_modules(model):
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_bytes_max(model) -> int:
+    """Parameter bytes of the rank that holds the most (shards differ by padding when a dim does not divide)."""
+    from ndp.parallel import param_bytes
+
+    n = torch.tensor([param_bytes(model)], dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        # CPU int64 over the default group: gloo carries it (also in a cpu:gloo,cuda:nccl job).
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n.item())
 
 
 @contextlib.contextmanager
@@ -147,7 +160,10 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
     p = cfg.parallel
     mesh = p.build_device_mesh(device.type)
 
-    model = build_model(cfg.model, seed=cfg.seed).to(device)
+    model = build_model(cfg.model, seed=cfg.seed, init=cfg.init)
+    if cfg.init == "full":
+        model = model.to(device)
+    param_total = sum(t.numel() * t.element_size() for t in model.parameters())
     mp_policy = None
     autocast = contextlib.nullcontext()
     if cfg.dtype == "bf16":
@@ -155,7 +171,12 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing)
+    ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing,
+                       init_seed=cfg.seed, init_device=device)
+    param_bytes = _param_bytes_max(model)
+    if rank == 0:
+        logger.info("parameters: %d bytes per rank (largest rank; --init %s), %d bytes in the whole model",
+                    param_bytes, cfg.init, param_total)
     ctx = model.ndp_cp
     fsdp_mods = _fsdp_modules(model)
 
@@ -218,7 +239,7 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
 
         bar = tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}", dynamic_ncols=True)
 
-    result = TrainResult(start_step=start_step)
+    result = TrainResult(start_step=start_step, param_bytes_per_rank=param_bytes, param_bytes_total=param_total)
     skipped = 0
     model.train()
     for step in range(start_step, end_step):

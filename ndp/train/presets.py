@@ -14,6 +14,7 @@ _SIZES = {
                   num_key_value_heads=4),
 }
 _FAMILIES = ("llama", "qwen2", "mistral")
+INITS = ("full", "meta")  # how build_model materializes a preset (ndp-train --init)
 PRESETS = tuple(f"{size}-{fam}" for fam in _FAMILIES for size in _SIZES)
 
 
@@ -42,29 +43,46 @@ def preset_config(name: str):
     return MistralConfig(sliding_window=32 if size == "tiny" else 256, **kw)
 
 
-def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32):
+def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str = "full"):
     """Build a causal LM from a preset (random weights from ``seed``) or load a local HF directory.
 
+    A preset is always built on the meta device first. ``init="full"`` then allocates it on CPU and initializes
+    it with ``ndp.hf.init_weights`` (the model's own ``_init_weights`` per module, each module's generator
+    seeded from ``(seed, module name)``); ``init="meta"`` returns it on meta, for ``ndp.parallelize(...,
+    init_seed=seed)`` to materialize shard by shard with the very same values. Seeding per module (not one
+    random stream over the whole model, as ``from_config`` does) is what lets a rank initialize its shards
+    without building the rest of the model: see ``ndp.parallel.init``.
+
+    Args:
+        name_or_dir: a preset name or a local HF model directory; seed: the run seed; dtype: parameter dtype.
+        init: "full" (materialized on CPU) or "meta" (presets only).
     Returns:
-        the model on CPU in ``dtype``, identical on every rank.
+        the model on CPU (or on meta) in ``dtype``, identical on every rank.
     Raises:
-        ValueError: neither a preset nor a directory.
+        ValueError: neither a preset nor a directory; ``init`` not in INITS; "meta" for a model directory.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}; got {init!r}")
     if os.path.isdir(name_or_dir):
+        if init == "meta":
+            raise ValueError(f"--init meta builds a preset's random weights shard by shard; {name_or_dir!r} is a "
+                             f"model directory whose weights are loaded whole. Use --init full for it.")
         cfg = AutoConfig.from_pretrained(name_or_dir)
         cfg._attn_implementation = "sdpa"
         return AutoModelForCausalLM.from_pretrained(name_or_dir, config=cfg, dtype=dtype)
     cfg = preset_config(name_or_dir)
     cfg._attn_implementation = "sdpa"
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model
+    if init == "meta":
+        return model
+    import ndp.hf
+    from ndp.parallel import to_empty
+
+    to_empty(model, device="cpu")
+    return ndp.hf.init_weights(model, seed=seed)
 
 
 def model_dims(name_or_dir: str) -> tuple[int, int]:

@@ -86,9 +86,13 @@ def current_arch(device: torch.device) -> str:
 
 
 # (arch, head_dim bucket) -> config. Chosen from the AOT static report (README), fp16/bf16.
+# sm_90 head_dim 128: M128/N64/w8/s4 tied for the best of 24 forward configs in the H100 sweep of the
+# previous forward kernel (d128 causal, S8192 B4 H16: 423 TFLOP/s against 394 for M128/N64/w8/s3;
+# GPU-RESULTS.md); not yet re-measured with the lean/masked split. M128/N128/w8/s2, the other winner,
+# spills registers with the split (AOT report).
 _FWD = {
     ("sm_90", 64): KernelConfig(128, 64, 8, 3),
-    ("sm_90", 128): KernelConfig(128, 64, 8, 3),
+    ("sm_90", 128): KernelConfig(128, 64, 8, 4),
     ("sm_90", 256): KernelConfig(64, 64, 8, 2),
     ("sm_80", 64): KernelConfig(128, 64, 8, 3),
     ("sm_80", 128): KernelConfig(128, 64, 8, 3),
@@ -113,12 +117,15 @@ _BWD = {
 }
 # fp32 inputs: twice the bytes per tile and IEEE dots on FMA units (no tensor cores), so smaller
 # tiles; checked by `python -m ndp_kernels.aot` (fp32 is in its default set, so CI checks them too).
+# Head_dim 80/128: an FMA dot loads a thread's rows and columns of both operands over the whole head
+# dim; without the per-block branch of the old forward, 4 warps on 32x32 tiles spill (ptxas issues
+# all of those loads ahead of the FMAs), so 8 warps (and 16-key blocks on sm_90).
 _FWD32 = {
     ("sm_90", 64): KernelConfig(64, 32, 8, 2),
-    ("sm_90", 128): KernelConfig(32, 32, 4, 2),
+    ("sm_90", 128): KernelConfig(32, 16, 8, 2),
     ("sm_90", 256): KernelConfig(32, 16, 8, 2),
     ("sm_80", 64): KernelConfig(64, 32, 8, 2),
-    ("sm_80", 128): KernelConfig(32, 32, 4, 2),
+    ("sm_80", 128): KernelConfig(32, 32, 8, 2),
     ("sm_80", 256): KernelConfig(32, 16, 8, 2),
 }
 _BWD32 = {

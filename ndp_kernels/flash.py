@@ -4,7 +4,9 @@ Masking model (SPEC, ``ndp_kernels._segments``): a segment row ``(q_start, q_len
 k_len, band_lo, band_hi)`` lets query row ``q_start + i`` see key row ``k_start + j`` iff
 ``band_lo <= j - i <= band_hi``. Dense, causal (bottom-right), sliding windows, packed
 documents and the context-parallel blocks are all tables of such rows; the kernels only
-ever read the table, and skip key (or query) blocks that lie outside a segment's band.
+ever read the table, and skip key (or query) blocks that lie outside a segment's band. Key (or
+query) blocks that a tile sees whole run a lean step without mask arithmetic; only the blocks on a
+band edge or the ragged end run the masked step (forward, split backward).
 
 Backward: ``_flash_bwd_kernel`` (one program per key block, dq by fp32 atomics) or the atomic-free
 split pair ``_flash_bwd_dkdv_kernel`` + ``_flash_bwd_dq_kernel`` (bitwise reproducible; always used
@@ -51,6 +53,56 @@ def _load_segment(seg_ptr, seg):
 
 
 @triton.jit
+def _fwd_step(
+    acc, m_i, l_i, q, k_base, v_base, start_n,
+    offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale,
+    stride_k_s, stride_v_s,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of the forward over the key block at ``start_n``; returns (acc, m, l).
+
+    Lean blocks (MASKED=False) are visible to every valid row of the tile and lie inside k_len:
+    no mask on the loads (but the padded head-dim columns when not EVEN_D), none on the scores,
+    and the running max is finite after the step, so it needs no -inf guard. Rows of the tile
+    past q_len see zero-filled q (finite scores) and are never stored. Edge blocks mask the band
+    and the keys past k_len; a row with no visible key so far keeps m = -inf and l = 0.
+    """
+    cols = start_n + offs_n
+    k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :]
+    v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :]
+    if MASKED:
+        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Row i sees keys [i + band_lo, min(i + band_hi, k_len - 1)]: two compares per score.
+        visible = (cols[None, :] >= (offs_m + band_lo)[:, None]) & (cols[None, :] <= col_hi[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # A row with no visible key so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _flash_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_ptr,
     qk_scale,
@@ -69,9 +121,12 @@ def _flash_fwd_kernel(
     Program (pid_m, b * num_segments + seg, h) owns query rows [pid_m*BLOCK_M, +BLOCK_M) of
     segment ``seg``. ``qk_scale = softmax_scale * log2(e)``: the running max ``m`` and sum ``l``
     are kept in base 2, ``lse = (m + log2 l) * ln 2``. Only key blocks that intersect the
-    band of some row of the tile are visited. With ACCUMULATE the tile result is merged into
-    the fp32 accumulators (out_ptr, lse_ptr) in place:
-    ``new = logaddexp(lse_acc, lse); out_acc = out_acc*exp(lse_acc-new) + out*exp(lse-new)``,
+    band of some row of the tile are visited: first the interior blocks that every row of the
+    tile sees whole (the lean step, no mask arithmetic), then the edge blocks (band edges, the
+    ragged key end) with the masked step. The online softmax is order-independent:
+    ``m' = max(m, rowmax s)``, ``l' = l 2^(m - m') + rowsum 2^(s - m')``, likewise for the output.
+    With ACCUMULATE the tile result is merged into the fp32 accumulators (out_ptr, lse_ptr) in
+    place: ``new = logaddexp(lse_acc, lse); out_acc = out_acc*exp(lse_acc-new) + out*exp(lse-new)``,
     and a row with both lse -inf is left unchanged.
     """
     pid_m = tl.program_id(0)
@@ -101,44 +156,41 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_q_s + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Key range [j_lo, j_hi) seen by at least one row of this tile.
+    # Key range [n_begin, j_hi) seen by at least one row of this tile (empty for a tile past q_len).
     m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
     j_lo = tl.maximum(m0 + band_lo, 0)
     n_begin = (j_lo // BLOCK_N) * BLOCK_N
     j_hi = tl.minimum(m_last + band_hi + 1, k_len)
-    j_hi = tl.where(m0 < q_len, j_hi, n_begin)
-    # Key blocks [full_lo, full_hi) are visible to every row of the tile and skip the band mask;
-    # the blocks before and after them (band edges, ragged end) are masked element-wise.
+    j_hi = tl.where(m0 < q_len, tl.maximum(j_hi, n_begin), n_begin)
+    # Key blocks [full_lo, full_hi) are seen whole by every valid row of the tile: first key
+    # >= m_last + band_lo, last key <= m0 + band_hi and < k_len. Rows past q_len need no mask
+    # (zero q, finite scores, never stored), so the ragged query end is not an edge.
     full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(full_lo, j_hi)
     n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
     full_hi = tl.where(n_max >= full_lo,
                        full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
+    full_hi = tl.minimum(full_hi, j_hi)
+    num_lo_edge = tl.cdiv(full_lo - n_begin, BLOCK_N)  # full_lo may be j_hi, off the block grid
+    num_edge = num_lo_edge + tl.cdiv(j_hi - full_hi, BLOCK_N)
 
+    col_hi = tl.minimum(offs_m + band_hi, k_len - 1)  # last key of each row (edge blocks)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(n_begin, j_hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if (start_n < full_lo) | (start_n >= full_hi):  # uniform per program: edge blocks only
-            diff = cols[None, :] - offs_m[:, None]
-            visible = (cols < k_len)[None, :] & (diff >= band_lo) & (diff <= band_hi)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no visible key so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
+            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s,
+            MASKED=False, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION)
+    for e in range(0, num_edge):
+        # Edge blocks: the ones before the interior (lower band edge), then the ones after it
+        # (upper band edge, ragged key end).
+        start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
+        acc, m_i, l_i = _fwd_step(
+            acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
+            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s,
+            MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)

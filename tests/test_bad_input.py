@@ -39,6 +39,42 @@ def _kernel_fwd(**kw):
     return reference.flash_attn_fwd_ref(q, k, v, **kw)
 
 
+def _train_config(**kw):
+    from ndp.train.config import TrainConfig
+
+    return TrainConfig(**kw)
+
+
+def _yaml(text):
+    import tempfile
+
+    from ndp.train.config import parse_config
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    return parse_config(["--config", f.name], env={})
+
+
+def _parallelize_mismatched_mesh():
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = ndp.ParallelismConfig().build_device_mesh("cpu")
+        ndp.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), ndp.ParallelismConfig(tp_size=2), mesh)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _load(path):
+    from ndp.train.data import load_documents
+
+    return load_documents(path)
+
+
 q0, k0, v0 = _qkv()
 
 # (id, callable, exception type, regex that names the constraint, the values and the fix)
@@ -131,6 +167,22 @@ CASES = [
      r"cp_layout must be one of .*got cp_layout='zz'"),
     ("ulysses not dividing cp", lambda: ndp.ParallelismConfig(cp_size=4, cp_impl="usp", ulysses_size=3), ValueError,
      r"ulysses_size must divide cp_size; got ulysses_size=3"),
+    # ---- training config, CLI/YAML, data, parallelize
+    ("unknown preset", lambda: _train_config(model="huge-llama").check(1), ValueError,
+     r"unknown model preset 'huge-llama'; choose one of \['tiny-llama'.*or pass a local HF model directory"),
+    ("yaml unknown key", lambda: _yaml("sq_len: 3\n"), ValueError,
+     r"unknown option 'sq_len'; did you mean 'seq_len'\? Valid options: .*batch_size"),
+    ("yaml not a mapping", lambda: _yaml("- a\n- b\n"), ValueError, r"expected a mapping of options, got list"),
+    ("batch not divisible", lambda: _train_config(seq_len=64, batch_size=3,
+                                                  parallel=ndp.ParallelismConfig(dp_shard_size=2)).check(2),
+     ValueError, r"--batch-size .* must be divisible .*batch_size=3.*Use a multiple of 2"),
+    ("unreadable data file", lambda: _load("/nonexistent/corpus.txt"), ValueError,
+     r"--data '/nonexistent/corpus.txt' cannot be read as UTF-8 text .*leave --data out for the shipped corpus"),
+    ("mesh of another config", _parallelize_mismatched_mesh, ValueError,
+     r"DeviceMesh does not match the ParallelismConfig \(tp: config 2, mesh 1\).*config.build_device_mesh"),
+    ("resume without save dir", lambda: _train_config(resume=True), ValueError, r"--resume needs --save-dir"),
+    ("stop-after out of range", lambda: _train_config(steps=2, stop_after=5, save_dir="x"), ValueError,
+     r"--stop-after must be in \[1, steps\]; got stop_after=5, steps=2"),
     ("degrees vs world", lambda: ndp.ParallelismConfig(dp_shard_size=2, cp_size=2).check_world_size(8), ValueError,
      r"must equal the world size; got .* = 4, world_size=8. Change the degrees or launch 4 processes"),
 ]
@@ -143,4 +195,4 @@ def test_bad_input_raises_a_clear_error(name, fn, exc, match):
 
 
 def test_there_are_at_least_forty_cases():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 50

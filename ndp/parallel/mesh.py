@@ -41,6 +41,26 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
     return mesh
 
 
+def check_mesh(config, mesh: DeviceMesh | None) -> None:
+    """Refuses a mesh whose axis sizes differ from the config's degrees (a mesh built from another config).
+
+    Raises:
+        ValueError: names every differing axis with both sizes and the fix.
+    """
+    if mesh is None:
+        return
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    diff = []
+    for axis in MESH_AXES:
+        want = getattr(config, f"{axis}_size")
+        got = mesh[axis].size() if axis in names else None
+        if got != want:
+            diff.append(f"{axis}: config {want}, mesh {got}")
+    if diff:
+        raise ValueError(f"the DeviceMesh does not match the ParallelismConfig ({'; '.join(diff)}). Build the mesh "
+                         f"from the same config: mesh = config.build_device_mesh(device_type).")
+
+
 def mesh_axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """The 1-D mesh of axis ``name``: one of MESH_AXES or a flattened axis (dp, dp_shard_cp, dp_cp)."""
     flat = getattr(mesh, "ndp_flat", {})

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from .config import ParallelismConfig
 from .init import is_meta, materialize, param_bytes, reset_parameters
-from .mesh import CPContext, cp_context, mesh_axis
+from .mesh import CPContext, check_mesh, cp_context, mesh_axis
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
     """
     if mesh is None and config.world_size > 1:
         raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None")
+    check_mesh(config, mesh)
     plan = plan or default_plan(model)
     # The unparallelized meta copy is the init source: the model's own modules and names, no data.
     source = copy.deepcopy(model) if is_meta(model) else None

@@ -201,7 +201,12 @@ def parse_config(argv=None, env=None) -> TrainConfig:
                     parallel[_FLAG_TO_PARALLEL.get(pk, pk)] = pv
                 continue
             if k not in known:
-                raise ValueError(f"{args['config']}: unknown option {k!r}")
+                import difflib
+
+                close = difflib.get_close_matches(k, sorted(known), n=1)
+                raise ValueError(f"{args['config']}: unknown option {k!r}"
+                                 + (f"; did you mean {close[0]!r}?" if close else "")
+                                 + f" Valid options: {', '.join(sorted(known))}.")
             if k in _FLAG_TO_PARALLEL or k in _FLAG_TO_PARALLEL.values():
                 parallel[_FLAG_TO_PARALLEL.get(k, k)] = v
             else:

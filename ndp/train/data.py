@@ -33,14 +33,18 @@ def load_documents(path: str | None = None) -> list[str]:
     """Documents of a text file: paragraphs separated by blank lines (default: the shipped corpus).
 
     Raises:
-        ValueError: the file holds no text.
+        ValueError: the file cannot be read as text, or holds no text.
     """
     path = path or DEFAULT_CORPUS
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--data {path!r} cannot be read as UTF-8 text ({type(e).__name__}: {e}). Pass a text file "
+                         f"with documents separated by blank lines, or leave --data out for the shipped corpus.") from None
     docs = [d.strip() for d in text.split("\n\n") if d.strip()]
     if not docs:
-        raise ValueError(f"data file {path!r} holds no text")
+        raise ValueError(f"data file {path!r} holds no text; pass a file with at least one paragraph of text")
     return docs
 
 

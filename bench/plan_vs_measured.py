@@ -97,7 +97,7 @@ def _bytes_worker(rank, world, tmp, model, names, seq_len, batch, out_file):
                             for k, v in s.items() if torch.is_tensor(v) and k != "step")
             res[name] = dict(params=params, optimizer=opt_bytes, saved=sum(seen.values()),
                              tokens=b["input_ids"].numel())
-            del m, opt, logits
+            m = opt = logits = None  # free this config before the next one
         allres = [None] * world
         dist.all_gather_object(allres, res)
         if rank == 0:

@@ -865,7 +865,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
     """
     _check_runnable(q4)
     B, Sq, H, D = q4.shape
-    Sk, Hkv = k4.shape[1], k4.shape[2]
+    Sk = k4.shape[1]
     for name, t in (("dout", dout4), ("out", out4)):
         if tuple(t.shape) != (B, Sq, H, D):
             raise ValueError(f"{name} must have q's shape {(B, Sq, H, D)}, got {tuple(t.shape)}")

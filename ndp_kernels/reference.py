@@ -163,8 +163,9 @@ def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-
 
 def flash_attn_bwd_ref(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dq_acc=None,
-                       dk_acc=None, dv_acc=None, upcast=True):
-    """Reference of ``ndp_kernels.flash_attn_bwd`` (same signature, plus ``upcast``).
+                       dk_acc=None, dv_acc=None, deterministic=False, upcast=True):
+    """Reference of ``ndp_kernels.flash_attn_bwd`` (same signature, plus ``upcast``). Plain PyTorch matmuls are
+    reproducible run to run, so ``deterministic`` changes nothing here.
 
     Returns:
         (dq, dk, dv) in the input dtypes, or the fp32 accumulators with the gradients added.

@@ -161,3 +161,16 @@ def test_softmax_scale_type():
     want = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 0.1, -1)
     want = torch.einsum("bhqk,bkhd->bqhd", want, v.repeat_interleave(2, dim=2))
     assert_close(out, want, torch.float32)
+
+
+def test_reference_has_the_kernel_signatures():
+    """STYLE.md: the reference functions take the launchers' arguments (plus ``upcast``)."""
+    import inspect
+
+    import ndp_kernels
+    from ndp_kernels import reference
+
+    for kern, ref in ((ndp_kernels.flash_attn_fwd, reference.flash_attn_fwd_ref),
+                      (ndp_kernels.flash_attn_bwd, reference.flash_attn_bwd_ref)):
+        want = list(inspect.signature(kern).parameters)
+        assert list(inspect.signature(ref).parameters) == want + ["upcast"], (kern.__name__, want)

@@ -335,7 +335,7 @@ def _single_time(cfg):
 
 def timing(worlds=(2, 4), device="cpu", s=1024):
     cfg = dict(b=1, s=s, h=8, hk=2, d=64, dtype="float32" if device == "cpu" else "bfloat16",
-               backend="torch" if device == "cpu" else "auto", warmup=1, iters=3, device=device)
+               backend="auto", warmup=1, iters=3, device=device)
     t1 = _single_time(cfg)
     rows = []
     for n in worlds:

@@ -43,6 +43,8 @@ for p in (ROOT, os.path.join(ROOT, "tests")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import bench_cp  # noqa: E402  (the machine/commit facts every benchmark CSV row carries)
+
 
 def _stats(times):
     t = np.asarray(times) * 1e3
@@ -291,17 +293,6 @@ def hf(seqlen, steps, dev):
 
 # ---------------------------------------------------------------------------------------------- report
 
-def _git_sha():
-    try:
-        head = open(os.path.join(ROOT, ".git", "HEAD")).read().strip()
-        if head.startswith("ref: "):
-            ref = os.path.join(ROOT, ".git", head[5:])
-            return open(ref).read().strip() if os.path.exists(ref) else "unknown"
-        return head
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -317,7 +308,7 @@ def main(argv=None) -> int:
     parts = set(args.only or ["single", "ring", "hf"])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-                cpus=os.cpu_count(), threads=torch.get_num_threads(), git_sha=_git_sha(),
+                cpus=os.cpu_count(), threads=torch.get_num_threads(), git_sha=bench_cp._git_sha(),
                 gpu=torch.cuda.get_device_name(0) if dev.type == "cuda" else "none",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat())
     rows = []

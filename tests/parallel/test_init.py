@@ -5,34 +5,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from _nets import PLAN, Net
 from dist import spawn
 from ndp.parallel import ModelPlan, ParallelismConfig, init_weights, module_seed, param_bytes, parallelize
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, d=16, n=2):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).sum()
-
-
-PLAN = ModelPlan(tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}, blocks=("blocks.*",))
 NET_BYTES = 4 * (2 * (16 * 64 + 64 + 64 * 16 + 16 + 2 * 16) + 16 + 1)
 
 

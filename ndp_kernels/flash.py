@@ -45,11 +45,63 @@ LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _load_segment(seg_ptr, seg):
-    """Row ``seg`` of the int32 segment table: (q_start, q_len, k_start, k_len, band_lo, band_hi)."""
-    row_ptr = seg_ptr + seg * 6
-    return (tl.load(row_ptr + 0), tl.load(row_ptr + 1), tl.load(row_ptr + 2), tl.load(row_ptr + 3),
-            tl.load(row_ptr + 4), tl.load(row_ptr + 5))
+def _tile_program(seg_ptr, num_segments):
+    """Decode the program id ``(tile, b * num_segments + seg, head)`` and read row ``seg`` of the table.
+
+    Returns (tile, head, b, q_start, q_len, k_start, k_len, band_lo, band_hi): program ids 0 and 2 (a
+    query or key tile; a query or kv head), the batch index ``b`` in int64 (it scales batch strides),
+    and row ``seg`` of the int32 segment table.
+    """
+    pid_0 = tl.program_id(0)
+    pid_bs = tl.program_id(1)
+    pid_2 = tl.program_id(2)
+    b = (pid_bs // num_segments).to(tl.int64)
+    row_ptr = seg_ptr + (pid_bs % num_segments) * 6
+    return (pid_0, pid_2, b, tl.load(row_ptr + 0), tl.load(row_ptr + 1), tl.load(row_ptr + 2),
+            tl.load(row_ptr + 3), tl.load(row_ptr + 4), tl.load(row_ptr + 5))
+
+
+@triton.jit
+def _key_blocks(m0, q_len, k_len, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks of the query tile [m0, m0 + BLOCK_M): (n_begin, full_lo, full_hi, num_lo_edge, num_edge).
+
+    The key range [n_begin, j_hi) is seen by at least one row of the tile (empty for a tile past
+    q_len); n_begin is on the block grid. Key blocks [full_lo, full_hi) are seen whole by every valid
+    row of the tile (the lean step): first key >= m_last + band_lo, last key <= m0 + band_hi and
+    < k_len. Rows past q_len need no mask (zero-filled inputs, finite scores or P = 0, never stored),
+    so the ragged query end is not an edge. The edge blocks (masked step) are the ``num_lo_edge``
+    blocks from n_begin (lower band edge), then the ones from full_hi to j_hi (upper band edge,
+    ragged key end): ``num_edge`` in all. A tile without rows has no blocks.
+    """
+    m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+    j_lo = tl.maximum(m0 + band_lo, 0)
+    n_begin = (j_lo // BLOCK_N) * BLOCK_N
+    j_hi = tl.minimum(m_last + band_hi + 1, k_len)
+    j_hi = tl.where(m0 < q_len, tl.maximum(j_hi, n_begin), n_begin)
+    full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, j_hi)
+    n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
+    full_hi = tl.where(n_max >= full_lo,
+                       full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
+    full_hi = tl.minimum(full_hi, j_hi)
+    num_lo_edge = tl.cdiv(full_lo - n_begin, BLOCK_N)  # full_lo may be j_hi, off the block grid
+    num_edge = num_lo_edge + tl.cdiv(j_hi - full_hi, BLOCK_N)
+    return n_begin, full_lo, full_hi, num_lo_edge, num_edge
+
+
+@triton.jit
+def _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query rows of the key tile [n0, n0 + BLOCK_N): returns (n_last, i_lo, i_hi, m_begin).
+
+    Rows [i_lo, i_hi) see at least one key of the tile, whose last key below k_len is n_last; the
+    query blocks of BLOCK_M rows start at m_begin, the block of i_lo. i_hi is not clipped for a tile
+    past k_len (n0 >= k_len): the caller does that.
+    """
+    n_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
+    i_lo = tl.maximum(n0 - band_hi, 0)
+    i_hi = tl.minimum(n_last - band_lo + 1, q_len)
+    m_begin = (i_lo // BLOCK_M) * BLOCK_M
+    return n_last, i_lo, i_hi, m_begin
 
 
 @triton.jit
@@ -129,12 +181,7 @@ def _flash_fwd_kernel(
     place: ``new = logaddexp(lse_acc, lse); out_acc = out_acc*exp(lse_acc-new) + out*exp(lse-new)``,
     and a row with both lse -inf is left unchanged.
     """
-    pid_m = tl.program_id(0)
-    pid_bs = tl.program_id(1)
-    h = tl.program_id(2)
-    b = (pid_bs // num_segments).to(tl.int64)
-    seg = pid_bs % num_segments
-    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+    pid_m, h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
     hk = h // group_size
 
     m0 = pid_m * BLOCK_M
@@ -156,23 +203,9 @@ def _flash_fwd_kernel(
     q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_q_s + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Key range [n_begin, j_hi) seen by at least one row of this tile (empty for a tile past q_len).
-    m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    j_lo = tl.maximum(m0 + band_lo, 0)
-    n_begin = (j_lo // BLOCK_N) * BLOCK_N
-    j_hi = tl.minimum(m_last + band_hi + 1, k_len)
-    j_hi = tl.where(m0 < q_len, tl.maximum(j_hi, n_begin), n_begin)
-    # Key blocks [full_lo, full_hi) are seen whole by every valid row of the tile: first key
-    # >= m_last + band_lo, last key <= m0 + band_hi and < k_len. Rows past q_len need no mask
-    # (zero q, finite scores, never stored), so the ragged query end is not an edge.
-    full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(full_lo, j_hi)
-    n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
-    full_hi = tl.where(n_max >= full_lo,
-                       full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
-    full_hi = tl.minimum(full_hi, j_hi)
-    num_lo_edge = tl.cdiv(full_lo - n_begin, BLOCK_N)  # full_lo may be j_hi, off the block grid
-    num_edge = num_lo_edge + tl.cdiv(j_hi - full_hi, BLOCK_N)
+    # Lean key blocks [full_lo, full_hi) and the masked edge blocks around them (see _key_blocks).
+    n_begin, full_lo, full_hi, num_lo_edge, num_edge = _key_blocks(m0, q_len, k_len, band_lo, band_hi,
+                                                                   BLOCK_M, BLOCK_N)
 
     col_hi = tl.minimum(offs_m + band_hi, k_len - 1)  # last key of each row (edge blocks)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -294,12 +327,7 @@ def _flash_bwd_kernel(
     atomics when segments share key rows (ATOMIC_KV), else with a plain read-add-write.
     lse = -inf (row sees no key) gives P = 0, hence zero gradients.
     """
-    pid_n = tl.program_id(0)
-    pid_bs = tl.program_id(1)
-    hk = tl.program_id(2)
-    b = (pid_bs // num_segments).to(tl.int64)
-    seg = pid_bs % num_segments
-    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+    pid_n, hk, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -322,12 +350,9 @@ def _flash_bwd_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query range [i_lo, i_hi) that sees at least one key of this block.
-    n_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
-    i_lo = tl.maximum(n0 - band_hi, 0)
-    i_hi = tl.minimum(n_last - band_lo + 1, q_len)
+    # Query blocks from m_begin up to i_hi see at least one key of this block (see _query_range).
+    n_last, i_lo, i_hi, m_begin = _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M, BLOCK_N)
     i_hi = tl.where(n0 < k_len, i_hi, i_lo)
-    m_begin = (i_lo // BLOCK_M) * BLOCK_M
     q_row0 = q_start.to(tl.int64)
 
     for g in range(0, group_size):
@@ -447,12 +472,7 @@ def _flash_bwd_dkdv_kernel(
     dk/dv with a plain read-add-write: the caller launches only segments whose key ranges are
     disjoint, so no other program of the launch touches these rows.
     """
-    pid_n = tl.program_id(0)
-    pid_bs = tl.program_id(1)
-    hk = tl.program_id(2)
-    b = (pid_bs // num_segments).to(tl.int64)
-    seg = pid_bs % num_segments
-    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+    pid_n, hk, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -473,10 +493,7 @@ def _flash_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Query rows [i_lo, i_hi) see at least one key of the block; blocks of BLOCK_M rows from m_begin.
-    n_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
-    i_lo = tl.maximum(n0 - band_hi, 0)
-    i_hi = tl.minimum(n_last - band_lo + 1, q_len)
-    m_begin = (i_lo // BLOCK_M) * BLOCK_M
+    n_last, i_lo, i_hi, m_begin = _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M, BLOCK_N)
     num_blocks = tl.where((n0 < k_len) & (i_hi > m_begin), tl.cdiv(i_hi - m_begin, BLOCK_M), 0)
     # Query blocks [full_a, full_b) (indices from m_begin) have every (row, key) pair in the band:
     # first row >= n_last - band_hi and last row <= n0 - band_lo. Rows past q_len and keys past
@@ -604,12 +621,7 @@ def _flash_bwd_dq_kernel(
     [pid_m*BLOCK_M, +BLOCK_M) of segment ``seg``; query ranges of segments are disjoint, so the
     read-add-write into dq needs no atomics. lse = -inf (row sees no key) gives P = 0, hence dq = 0.
     """
-    pid_m = tl.program_id(0)
-    pid_bs = tl.program_id(1)
-    h = tl.program_id(2)
-    b = (pid_bs // num_segments).to(tl.int64)
-    seg = pid_bs % num_segments
-    q_start, q_len, k_start, k_len, band_lo, band_hi = _load_segment(seg_ptr, seg)
+    pid_m, h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
     hk = h // group_size
 
     m0 = pid_m * BLOCK_M
@@ -635,20 +647,9 @@ def _flash_bwd_dq_kernel(
     k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
     v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
 
-    # Key range and the unmasked interior blocks [full_lo, full_hi), as in _flash_fwd_kernel.
-    m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
-    j_lo = tl.maximum(m0 + band_lo, 0)
-    n_begin = (j_lo // BLOCK_N) * BLOCK_N
-    j_hi = tl.minimum(m_last + band_hi + 1, k_len)
-    j_hi = tl.where(m0 < q_len, tl.maximum(j_hi, n_begin), n_begin)
-    full_lo = n_begin + tl.cdiv(tl.maximum(m_last + band_lo - n_begin, 0), BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(full_lo, j_hi)
-    n_max = tl.minimum(m0 + band_hi, k_len - 1) - BLOCK_N + 1  # last start of a full block
-    full_hi = tl.where(n_max >= full_lo,
-                       full_lo + (tl.maximum(n_max - full_lo, 0) // BLOCK_N + 1) * BLOCK_N, full_lo)
-    full_hi = tl.minimum(full_hi, tl.maximum(j_hi, full_lo))  # a program without rows has no blocks
-    num_lo_edge = tl.cdiv(full_lo - n_begin, BLOCK_N)
-    num_edge = num_lo_edge + tl.cdiv(tl.maximum(j_hi - full_hi, 0), BLOCK_N)
+    # Unmasked interior key blocks [full_lo, full_hi) and the edge blocks, as in _flash_fwd_kernel.
+    n_begin, full_lo, full_hi, num_lo_edge, num_edge = _key_blocks(m0, q_len, k_len, band_lo, band_hi,
+                                                                   BLOCK_M, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(full_lo, full_hi, BLOCK_N):

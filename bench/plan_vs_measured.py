@@ -2,6 +2,7 @@
 
     python bench/plan_vs_measured.py                       # exact bytes + timed ndp-train runs
     python bench/plan_vs_measured.py --only bytes          # only the in-process byte counts (quick)
+    python bench/plan_vs_measured.py --only terms          # one process, step time per planner term
 
 1. Bytes per rank, exact: each config is set up the way ``ndp.train`` does it (fp32 model from the preset,
    ``ndp.hf.parallelize``, AdamW foreach=False) in a gloo job; per rank we count the parameter bytes (local
@@ -12,6 +13,8 @@
    (median of the steps after the first) and peak RSS are set against the planner's prediction with a CPU
    profile measured here (matmul and attention rates of one thread, memory bandwidth, gloo bandwidth).
    RSS includes the Python/torch baseline, so the comparison is of the increase over a 1-step baseline run.
+3. Time per term: one process runs ndp-train's step; the profiler splits it into the planner's matmul,
+   attention, optimizer and elementwise (the rest) terms, set against ``estimate`` with the CPU profile.
 Results: a printed table and <out>/plan_vs_measured.json.
 """
 from __future__ import annotations
@@ -144,8 +147,18 @@ def _dummy_profile():
 
 # ---------------------------------------------------------------------------------------------- CPU profile
 
-def cpu_profile(block=512, heads=8, head_dim=32) -> GpuProfile:
-    """A GpuProfile of this CPU, one thread per rank: measured fp32 matmul and attention rates, copy bandwidth."""
+def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=688,
+                link=(1.0, 100.0)) -> GpuProfile:
+    """A GpuProfile of this CPU, one thread per rank, every rate measured here.
+
+    matmul: fp32 [512, 256] x [256, 688]; attention: ``ndp.ops.attention`` causal fwd and fwd+bwd at
+    ``block`` tokens (GQA 2:1); hbm_gbps: a 64 MB copy; elementwise_gbps: forward+backward of the elementwise part of a
+    Llama layer (RMSNorm, SiLU gate, residual add) on [tokens, hidden] / [tokens, width] fp32 activations,
+    in the planner's unit: the bytes autograd saves times ``elementwise_passes``, per second (on one CPU
+    thread these ops run far below copy bandwidth: SiLU's backward is bound by its exp, not by memory);
+    launch_us: the fixed cost of one op (a 1-element add); link: (GB/s, latency us) of the process
+    group (``gloo_link()``; the default is a placeholder for runs without communication).
+    """
     import ndp
 
     torch.set_num_threads(1)
@@ -166,17 +179,108 @@ def cpu_profile(block=512, heads=8, head_dim=32) -> GpuProfile:
     v = torch.randn(1, block, heads // 2, head_dim, requires_grad=True)
     flops = 4 * heads * head_dim * block * (block + 1) / 2
     tf = med(lambda: ndp.ops.attention(q, k, v, causal=True))
-    out = ndp.ops.attention(q, k, v, causal=True)
     tfb = med(lambda: torch.autograd.grad(ndp.ops.attention(q, k, v, causal=True).sum(), (q, k, v)))
     x = torch.empty(2**24)
     y = torch.empty_like(x)
     hbm = 2 * x.numel() * 4 / med(lambda: y.copy_(x)) / 1e9
-    del out
+    del x, y
+    ew = _elementwise_rate(tokens, hidden, width, med)
+    one = torch.ones(1)
+    launch = med(lambda: [torch.add(one, one) for _ in range(1000)]) / 1000 * 1e6
     return GpuProfile(name="this CPU (1 thread/rank)", peak_tflops=mm, peak_fp32_tflops=mm, matmul_tflops=mm,
                       matmul_fp32_tflops=mm, attn_fwd_tflops=flops / tf / 1e12,
                       attn_bwd_tflops=2.5 * flops / max(tfb - tf, 1e-9) / 1e12, attn_fwd_half_block=0,
-                      attn_bwd_half_block=0, hbm_gbps=hbm, memory_gib=24, reserved_gib=1, nvlink_gbps=1.0,
-                      network_gbps=1.0, nvlink_latency_us=100, network_latency_us=100, launch_us=2)
+                      attn_bwd_half_block=0, hbm_gbps=hbm, elementwise_gbps=ew, memory_gib=24, reserved_gib=1,
+                      nvlink_gbps=link[0], network_gbps=link[0], nvlink_latency_us=link[1],
+                      network_latency_us=link[1], launch_us=launch)
+
+
+def _gloo_worker(rank, world, tmp, out_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        def med(x, n):
+            dist.all_reduce(x)
+            ts = []
+            for _ in range(n):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                ts.append(time.perf_counter() - t0)
+            return sorted(ts)[n // 2]
+
+        tiny, big = torch.ones(1), torch.ones(4 << 20)   # 4 B, 16 MB
+        t_tiny, t_big = med(tiny, 50), med(big, 7)
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(dict(tiny_s=t_tiny, big_s=t_big, big_bytes=big.numel() * 4), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_link(world=2) -> tuple[float, float]:
+    """(GB/s, latency us) of a gloo all-reduce on this machine in the planner's terms.
+
+    The planner charges an all-reduce of N bytes 2 (n-1)/n N / bw + 2 latency; a 4-byte all-reduce gives
+    the latency, a 16 MB one the bandwidth.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gloo.json")
+        mp.spawn(_gloo_worker, args=(world, tmp, out), nprocs=world, join=True)
+        with open(out) as f:
+            r = json.load(f)
+    lat = r["tiny_s"] / 2
+    bw = 2 * (world - 1) / world * r["big_bytes"] / max(r["big_s"] - 2 * lat, 1e-9)
+    return bw / 1e9, lat * 1e6
+
+
+def _elementwise_rate(tokens, hidden, width, med) -> float:
+    """elementwise_gbps of cpu_profile: saved bytes x passes / time of a Llama layer's elementwise ops.
+
+    RMSNorm + residual on [tokens, hidden], SiLU gate on [tokens, width], forward and backward, over a pool
+    of independent copies of 128 MB or more so their data come from memory, as in a training step.
+    """
+    import torch.nn.functional as F
+
+    passes = GpuProfile.__dataclass_fields__["elementwise_passes"].default
+
+    def make():
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        w = torch.ones(hidden, requires_grad=True)
+        g = torch.randn(tokens, width, requires_grad=True)
+        u = torch.randn(tokens, width, requires_grad=True)
+        return x, w, g, u, torch.randn(tokens, hidden), torch.randn(tokens, width)
+
+    def block(x, w, g, u, gy, gz):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w + x
+        z = F.silu(g) * u
+        torch.autograd.backward((h, z), (gy, gz))
+
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    one = make()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(*one)
+    per_block = sum(saved.values())
+    size = sum(t.numel() * t.element_size() for t in one)
+    pool = [one] + [make() for _ in range(max(1, (128 << 20) // size) - 1)]
+
+    def run():
+        for args in pool:
+            for t in args[:4]:
+                t.grad = None
+            block(*args)
+
+    return per_block * len(pool) * passes / med(run, n=3) / 1e9
 
 
 # ---------------------------------------------------------------------------------------------- timed runs
@@ -202,7 +306,8 @@ def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp
                  batch=4, steps=4):
     """Measured (ndp-train, gloo) vs predicted (CPU profile) step time. Returns (profile, rows)."""
     spec = load_model_spec(model)
-    prof = cpu_profile(block=seq_len // 2, heads=spec.num_heads, head_dim=spec.head_dim)
+    prof = cpu_profile(block=seq_len // 2, heads=spec.num_heads, head_dim=spec.head_dim, tokens=batch * seq_len // 2,
+                       hidden=spec.hidden_size, width=spec.intermediate_size, link=gloo_link(2))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -216,10 +321,83 @@ def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp
     return prof, rows
 
 
+# ---------------------------------------------------------------------------------------------- time per term
+
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv"})
+ATTENTION_SCOPES = ("AttentionFunction", "AttnFunction")  # ndp.ops and every CP autograd Function (fwd, bwd)
+OPTIMIZER_SCOPES = ("Optimizer.step", "Optimizer.zero_grad", "ndp.clip_grad_norm_")
+
+
+def _term_of(event) -> str:
+    """The planner term an op's self time belongs to: optimizer, attention, matmul or elementwise."""
+    scopes = []
+    e = event
+    while e is not None:
+        scopes.append(e.name)
+        e = e.cpu_parent
+    if any(n.startswith(OPTIMIZER_SCOPES) for n in scopes):
+        return "optimizer"
+    if any(k in n for n in scopes for k in ATTENTION_SCOPES):
+        return "attention"
+    return "matmul" if event.name in MATMUL_OPS else "elementwise"
+
+
+def measure_terms(model="small-llama", seq_len=1024, batch=2, windows=3, warmup=2):
+    """One process, ndp-train's step (fp32, AdamW foreach=False, grad clip) timed per planner term.
+
+    ``ndp.train``'s step hook runs at the same point of every step (after backward), so hook to hook is
+    one whole step (clip, optimizer, zero_grad, data, forward, loss, backward). After ``warmup`` steps
+    (first-touch page faults, lazy init), ``windows`` steps run under the profiler: each op's self time
+    goes to the term of its scope (``_term_of``), the step's time outside any op (Python) to elementwise;
+    then ``windows`` steps run without it for the wall time, and each term is its profiled share of that
+    (the profiler's own cost is spread in proportion). Medians over the windows.
+    Returns ``(measured, predicted, profile)``: dicts of seconds per step for matmul, attention,
+    elementwise, optimizer and step, and the CPU profile the prediction used.
+    """
+    from ndp.train.config import TrainConfig
+    from ndp.train.loop import train
+
+    spec = load_model_spec(model)
+    runs, walls = [], []
+    state = {}
+
+    def hook(step, _model):
+        now = time.perf_counter()
+        if "prof" in state:
+            state.pop("prof").stop()
+            terms = dict.fromkeys(("matmul", "attention", "elementwise", "optimizer"), 0.0)
+            for e in state.pop("events")():
+                terms[_term_of(e)] += e.self_cpu_time_total / 1e6
+            terms["elementwise"] += max(0.0, now - state["t0"] - sum(terms.values()))
+            runs.append({k: v / sum(terms.values()) for k, v in terms.items()})
+        elif step > warmup + windows:
+            walls.append(now - state["t0"])
+        if warmup <= step < warmup + windows:
+            p = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            state["prof"], state["events"] = p, p.events
+            p.start()
+        state["t0"] = time.perf_counter()
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(model=model, seq_len=seq_len, batch_size=batch, steps=warmup + 2 * windows + 1,
+                      device="cpu", dtype="fp32", progress=False)
+    train(cfg, step_hook=hook)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    step = med(walls)
+    measured = {k: med([r[k] for r in runs]) * step for k in runs[0]}
+    measured["step"] = step
+    prof = cpu_profile(block=seq_len, heads=spec.num_heads, head_dim=spec.head_dim, tokens=batch * seq_len,
+                       hidden=spec.hidden_size, width=spec.intermediate_size)
+    e = estimate(spec, ParallelismConfig(), prof, Topology(1, 1), seq_len=seq_len, batch_size=batch, dtype="fp32")
+    predicted = {k: e.time[k] for k in ("matmul", "attention", "elementwise", "optimizer")}
+    predicted["step"] = e.step_s
+    return measured, predicted, prof
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--only", choices=("bytes", "time"))
+    ap.add_argument("--only", choices=("bytes", "time", "terms"))
     ap.add_argument("--model", default="small-llama")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -247,6 +425,18 @@ def main(argv=None):
             print(f"{r['config']:<16} predicted {r['step_predicted']:.3f} s, measured {r['step_measured']:.3f} s, "
                   f"ratio {r['step_predicted'] / r['step_measured']:.2f}; terms {r['time_terms']}; "
                   f"peak RSS {r['peak_rss_mb']:.0f} MB (predicted tensors {r['predicted_peak_mb']:.0f} MB)")
+    if args.only in (None, "terms"):
+        meas, pred, prof = measure_terms(args.model)
+        result["terms"] = dict(measured=meas, predicted=pred, cpu_profile={
+            k: getattr(prof, k) for k in ("matmul_tflops", "attn_fwd_tflops", "attn_bwd_tflops", "hbm_gbps",
+                                          "elementwise_gbps", "launch_us")})
+        print(f"\nstep time per term, {args.model}, 1 process, S=1024, batch 2, fp32 (ndp-train's step; CPU "
+              f"profile: matmul {prof.matmul_tflops * 1e3:.1f} GFLOP/s, attention fwd {prof.attn_fwd_tflops * 1e3:.1f}"
+              f" / bwd {prof.attn_bwd_tflops * 1e3:.1f} GFLOP/s, copy {prof.hbm_gbps:.1f} GB/s, elementwise "
+              f"{prof.elementwise_gbps:.1f} GB/s, {prof.launch_us:.2f} us/op)")
+        print(f"{'term':<12} {'predicted s':>12} {'measured s':>12} {'ratio':>6}")
+        for k in ("matmul", "attention", "elementwise", "optimizer", "step"):
+            print(f"{k:<12} {pred[k]:12.4f} {meas[k]:12.4f} {pred[k] / meas[k]:6.2f}")
     with open(os.path.join(args.out, "plan_vs_measured.json"), "w") as f:
         json.dump(result, f, indent=1)
 

@@ -262,6 +262,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
 
 
 @torch.no_grad()
+@torch.profiler.record_function("ndp.clip_grad_norm_")
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *, foreach=None) -> torch.Tensor:
     """Clip gradients by their global 2-norm, correct for any mix of FSDP and TP sharded DTensors.
 

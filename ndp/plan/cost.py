@@ -30,6 +30,8 @@ from .spec import GpuProfile, ModelSpec
 
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_BYTES_PER_PARAM = 104.0  # grad clip + AdamW step, see estimate()
+OPTIMIZER_OPS_PER_TENSOR = 14
 MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "activations", "attention", "logits")
 
 
@@ -328,7 +330,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     t["attention"] = a_f * (2 if activation_checkpointing else 1) + a_b
     act_moved = tokens * (L * layer + root) + m["logits"]
     passes = profile.elementwise_passes + (2 if activation_checkpointing else 0)
-    t["elementwise"] = act_moved * passes / (profile.hbm_gbps * 1e9)
+    t["elementwise"] = act_moved * passes / profile.elementwise_rate
 
     # CP communication per layer (ring steps overlap their compute; the all-gather overlaps one slice)
     cpb = cp_bytes_per_layer(spec, cfg, tokens, es)
@@ -395,9 +397,12 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         t["fsdp_comm"] = fsdp_exposed
     else:
         t["fsdp_comm"] = 0.0
-    # AdamW (foreach=False: ~12 kernels per tensor) + grad-norm: memory-bound over the fp32 shards
-    t["optimizer"] = (32.0 * pn["total"] / (profile.hbm_gbps * 1e9)
-                      + pn["tensors"] * 12 * profile.launch_us * 1e-6)
+    # Grad clip + AdamW (foreach=False, as ndp-train runs it): memory-bound over the fp32 shards. Bytes per
+    # parameter, reads + writes of 4 bytes: clip pow 2, sum 1, scale 2; decay mul_ 2, exp_avg lerp_ 3,
+    # exp_avg_sq mul_ 2 + addcmul_ 4, denom sqrt 2 + div 2 + add_ 2, param addcdiv_ 4 = 26 accesses = 104
+    # bytes; 14 ops per tensor (clip 4, AdamW 10). Both counted in torch by tests/plan/test_plan.py.
+    t["optimizer"] = (OPTIMIZER_BYTES_PER_PARAM * pn["total"] / (profile.hbm_gbps * 1e9)
+                      + pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * profile.launch_us * 1e-6)
     step = grad_accum * micro + fsdp_exposed + t["optimizer"]
     for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm"):
         t[k] *= grad_accum

@@ -184,6 +184,7 @@ class GpuProfile:
     network_latency_us: float = 20.0
     launch_us: float = 5.0
     elementwise_passes: float = 4.0
+    elementwise_gbps: float = 0.0   # memory-bound elementwise ops on activations; 0: hbm_gbps
     cp_overhead: dict = field(default_factory=lambda: {"ring": 1.0, "allgather": 1.0, "ulysses": 1.0, "usp": 1.0})
     measured: tuple = ()
     source: str = ""
@@ -195,7 +196,7 @@ class GpuProfile:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number > 0; got {f}={v!r}")
         for f in ("attn_fwd_half_block", "attn_bwd_half_block", "reserved_gib", "nvlink_latency_us",
-                  "network_latency_us", "launch_us", "elementwise_passes"):
+                  "network_latency_us", "launch_us", "elementwise_passes", "elementwise_gbps"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number >= 0; got {f}={v!r}")
@@ -210,6 +211,11 @@ class GpuProfile:
         object.__setattr__(self, "cp_overhead", {**{"ring": 1.0, "allgather": 1.0, "ulysses": 1.0, "usp": 1.0},
                                                  **over})
         object.__setattr__(self, "measured", tuple(self.measured))
+
+    @property
+    def elementwise_rate(self) -> float:
+        """Bytes/s of the memory-bound elementwise ops (``elementwise_gbps``, else ``hbm_gbps``)."""
+        return (self.elementwise_gbps or self.hbm_gbps) * 1e9
 
     @property
     def usable_bytes(self) -> float:

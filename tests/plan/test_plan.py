@@ -63,6 +63,47 @@ def test_compute_time_by_hand_one_gpu_8k():
     assert e.time["cp_comm"] == e.time["tp_comm"] == e.time["fsdp_comm"] == 0
 
 
+def test_optimizer_bytes_and_ops_per_parameter_counted_in_torch():
+    # Every element read and written by ndp-train's clip + AdamW(foreach=False) step, counted op by op
+    # under a dispatch mode (tensors of the parameter's size only: scalars and the 0-d norm are free), and
+    # the ops per parameter tensor (difference between a 3-tensor and a 1-tensor step, fixed costs cancel).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ndp.parallel import clip_grad_norm_
+    from ndp.plan.cost import OPTIMIZER_BYTES_PER_PARAM, OPTIMIZER_OPS_PER_TENSOR
+
+    n = 4096
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.accesses = self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not str(func).startswith("profiler."):
+                self.ops += 1
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}, out))
+                self.accesses += sum(isinstance(t, torch.Tensor) and t.numel() == n for t in leaves)
+            return out
+
+    counts = []
+    for k in (1, 3):
+        ps = [torch.nn.Parameter(torch.randn(n)) for _ in range(k)]
+        for p in ps:
+            p.grad = torch.randn(n)
+        opt = torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+        opt.step()  # the state is allocated (zeros_like) on the first step only
+        with Count() as c:
+            clip_grad_norm_(ps, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        counts.append(c)
+    assert counts[0].accesses * 4 == OPTIMIZER_BYTES_PER_PARAM
+    assert counts[1].accesses == 3 * counts[0].accesses
+    assert (counts[1].ops - counts[0].ops) / 2 == OPTIMIZER_OPS_PER_TENSOR
+
+
 def test_cp_bytes_are_bench_theory():
     # bench_cp._theory (the minimum CommStats measures, ratio 1.000 in the README), B=1, S=256, H=8, D=64, fp32
     spec = L8B.replace(name="t", num_heads=8, num_kv_heads=2, head_dim=64)
@@ -218,6 +259,19 @@ def test_profile_override(tmp_path):
     f.write_text("memroy_gib: 1\n")
     with pytest.raises(ValueError, match="unknown field.*memroy_gib"):
         load_gpu_profile("h100", str(f))
+
+
+def test_elementwise_rate_defaults_to_hbm_and_scales_its_term():
+    import dataclasses
+
+    cfg, kw = ParallelismConfig(), dict(seq_len=8192, batch_size=1, dtype="bf16")
+    base = estimate(L8B, cfg, H100, Topology(1, 8), **kw)
+    assert H100.elementwise_gbps == 0 and H100.elementwise_rate == H100.hbm_gbps * 1e9
+    slow = estimate(L8B, cfg, dataclasses.replace(H100, elementwise_gbps=H100.hbm_gbps / 4), Topology(1, 8), **kw)
+    assert slow.time["elementwise"] == pytest.approx(4 * base.time["elementwise"], rel=1e-12)
+    assert slow.time["matmul"] == base.time["matmul"] and slow.time["optimizer"] == base.time["optimizer"]
+    with pytest.raises(ValueError, match="elementwise_gbps must be a number >= 0; got elementwise_gbps=-1"):
+        dataclasses.replace(H100, elementwise_gbps=-1)
 
 
 def test_hf_directory_model(tmp_path):

@@ -20,6 +20,7 @@ Results: a printed table and <out>/plan_vs_measured.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -147,23 +148,60 @@ def _dummy_profile():
 
 # ---------------------------------------------------------------------------------------------- CPU profile
 
-def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=688,
-                link=(1.0, 100.0)) -> GpuProfile:
+def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=688, ranks=1,
+                link=(1.0, 100.0, 1.0)) -> GpuProfile:
     """A GpuProfile of this CPU, one thread per rank, every rate measured here.
 
-    matmul: fp32 [512, 256] x [256, 688]; attention: ``ndp.ops.attention`` causal fwd and fwd+bwd at
-    ``block`` tokens (GQA 2:1); hbm_gbps: a 64 MB copy; elementwise_gbps: forward+backward of the elementwise part of a
-    Llama layer (RMSNorm, SiLU gate, residual add) on [tokens, hidden] / [tokens, width] fp32 activations,
-    in the planner's unit: the bytes autograd saves times ``elementwise_passes``, per second (on one CPU
-    thread these ops run far below copy bandwidth: SiLU's backward is bound by its exp, not by memory);
-    launch_us: the fixed cost of one op (a 1-element add); link: (GB/s, latency us) of the process
-    group (``gloo_link()``; the default is a placeholder for runs without communication).
+    matmul: fp32 [tokens, hidden] x [hidden, width]; attention: ``ndp.ops.attention`` causal fwd and fwd+bwd
+    at ``block`` tokens (GQA 2:1); hbm_gbps: a 64 MB copy; elementwise_gbps: forward+backward of the
+    elementwise part of a Llama layer (RMSNorm, SiLU gate, residual add) on [tokens, hidden] / [tokens,
+    width] fp32 activations, in the planner's unit: the bytes autograd saves times ``elementwise_passes``,
+    per second (on one CPU thread these ops run far below copy bandwidth: SiLU's backward is bound by its
+    exp, not by memory); launch_us: the fixed cost of one op (a 1-element add). ``ranks`` > 1: the
+    memory-bound rates (hbm, elementwise) are measured in that many processes at once, each measurement
+    started together, as the ranks of a job stream memory at once (they share the memory bus, GPUs do not);
+    the compute-bound ones (matmul, attention) alone, as one rank's core runs them. link: (GB/s, latency us, reduce-scatter efficiency) of the process group
+    (``gloo_link()``; the
+    default is a placeholder for runs without communication); comm_overlap 0: with one thread per rank, a
+    gloo collective blocks the rank's compute.
     """
+    args = (block, heads, head_dim, tokens, hidden, width)
+    r = _cpu_rates(*args)
+    if ranks > 1:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rates.json")
+            mp.spawn(_rates_worker, args=(mp.get_context("spawn").Barrier(ranks), args, out), nprocs=ranks,
+                     join=True)
+            with open(out) as f:
+                together = json.load(f)
+        r.update({k: together[k] for k in ("hbm", "ew")})
+    return GpuProfile(name="this CPU (1 thread/rank)", peak_tflops=r["mm"], peak_fp32_tflops=r["mm"],
+                      matmul_tflops=r["mm"], matmul_fp32_tflops=r["mm"], attn_fwd_tflops=r["attn_fwd"],
+                      attn_bwd_tflops=r["attn_bwd"], attn_fwd_half_block=0, attn_bwd_half_block=0,
+                      hbm_gbps=r["hbm"], elementwise_gbps=r["ew"], memory_gib=24, reserved_gib=1,
+                      nvlink_gbps=link[0], network_gbps=link[0], nvlink_latency_us=link[1],
+                      network_latency_us=link[1], reduce_scatter_efficiency=link[2], launch_us=r["launch"],
+                      comm_overlap=0.0)
+
+
+def _rates_worker(rank, barrier, args, out_file):
+    r = _cpu_rates(*args, sync=barrier.wait)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(r, f)
+    barrier.wait()
+
+
+def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None) -> dict:
+    """The rates of cpu_profile; ``sync`` (a barrier of all measuring processes) starts each one together."""
     import ndp
 
     torch.set_num_threads(1)
 
     def med(fn, n=5):
+        sync()
         fn()
         ts = []
         for _ in range(n):
@@ -172,8 +210,8 @@ def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=
             ts.append(time.perf_counter() - t0)
         return sorted(ts)[len(ts) // 2]
 
-    a, b = torch.randn(512, 256), torch.randn(256, 688)
-    mm = 2 * 512 * 256 * 688 / med(lambda: a @ b) / 1e12
+    a, b = torch.randn(tokens, hidden), torch.randn(hidden, width)
+    mm = 2 * tokens * hidden * width / med(lambda: a @ b) / 1e12
     q = torch.randn(1, block, heads, head_dim, requires_grad=True)
     k = torch.randn(1, block, heads // 2, head_dim, requires_grad=True)
     v = torch.randn(1, block, heads // 2, head_dim, requires_grad=True)
@@ -187,56 +225,60 @@ def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=
     ew = _elementwise_rate(tokens, hidden, width, med)
     one = torch.ones(1)
     launch = med(lambda: [torch.add(one, one) for _ in range(1000)]) / 1000 * 1e6
-    return GpuProfile(name="this CPU (1 thread/rank)", peak_tflops=mm, peak_fp32_tflops=mm, matmul_tflops=mm,
-                      matmul_fp32_tflops=mm, attn_fwd_tflops=flops / tf / 1e12,
-                      attn_bwd_tflops=2.5 * flops / max(tfb - tf, 1e-9) / 1e12, attn_fwd_half_block=0,
-                      attn_bwd_half_block=0, hbm_gbps=hbm, elementwise_gbps=ew, memory_gib=24, reserved_gib=1,
-                      nvlink_gbps=link[0], network_gbps=link[0], nvlink_latency_us=link[1],
-                      network_latency_us=link[1], launch_us=launch)
+    return dict(mm=mm, attn_fwd=flops / tf / 1e12, attn_bwd=2.5 * flops / max(tfb - tf, 1e-9) / 1e12, hbm=hbm,
+                ew=ew, launch=launch)
 
 
-def _gloo_worker(rank, world, tmp, out_file):
+def _gloo_worker(rank, world, tmp, nbytes, out_file):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        def med(x, n):
-            dist.all_reduce(x)
+        def med(fn, n):
+            fn()
             ts = []
             for _ in range(n):
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                fn()
                 ts.append(time.perf_counter() - t0)
             return sorted(ts)[n // 2]
 
-        tiny, big = torch.ones(1), torch.ones(4 << 20)   # 4 B, 16 MB
-        t_tiny, t_big = med(tiny, 50), med(big, 7)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # torch < 2.13
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        n = max(world, nbytes // 4 // world * world)
+        full, part = torch.ones(n), torch.ones(n // world)
+        tiny, tiny_part = torch.ones(world), torch.ones(1)
+        r = dict(tiny_s=med(lambda: gather(tiny, tiny_part), 50), ag_s=med(lambda: gather(full, part), 9),
+                 rs_s=med(lambda: scatter(part, full), 9), bytes=n * 4)
         if rank == 0:
             with open(out_file, "w") as f:
-                json.dump(dict(tiny_s=t_tiny, big_s=t_big, big_bytes=big.numel() * 4), f)
+                json.dump(r, f)
     finally:
         dist.destroy_process_group()
 
 
-def gloo_link(world=2) -> tuple[float, float]:
-    """(GB/s, latency us) of a gloo all-reduce on this machine in the planner's terms.
+def gloo_link(world=2, nbytes=4 << 20) -> tuple[float, float, float]:
+    """(GB/s, latency us, reduce-scatter efficiency) of gloo collectives on this machine, in the planner's terms.
 
-    The planner charges an all-reduce of N bytes 2 (n-1)/n N / bw + 2 latency; a 4-byte all-reduce gives
-    the latency, a 16 MB one the bandwidth.
+    The planner charges an all-gather of N bytes (n-1)/n N / bw + latency and a reduce-scatter the same at
+    bw * efficiency. Measured with all-gathers of 4 bytes per rank (latency) and of ``nbytes`` (about one
+    FSDP unit of the small presets), and a reduce-scatter of ``nbytes``.
     """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "gloo.json")
-        mp.spawn(_gloo_worker, args=(world, tmp, out), nprocs=world, join=True)
+        mp.spawn(_gloo_worker, args=(world, tmp, nbytes, out), nprocs=world, join=True)
         with open(out) as f:
             r = json.load(f)
-    lat = r["tiny_s"] / 2
-    bw = 2 * (world - 1) / world * r["big_bytes"] / max(r["big_s"] - 2 * lat, 1e-9)
-    return bw / 1e9, lat * 1e6
+    lat = r["tiny_s"]
+    moved = (world - 1) / world * r["bytes"]
+    bw = moved / max(r["ag_s"] - lat, 1e-9)
+    rs_bw = moved / max(r["rs_s"] - lat, 1e-9)
+    return bw / 1e9, lat * 1e6, min(1.0, rs_bw / bw)
 
 
 def _elementwise_rate(tokens, hidden, width, med) -> float:
@@ -307,7 +349,7 @@ def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp
     """Measured (ndp-train, gloo) vs predicted (CPU profile) step time. Returns (profile, rows)."""
     spec = load_model_spec(model)
     prof = cpu_profile(block=seq_len // 2, heads=spec.num_heads, head_dim=spec.head_dim, tokens=batch * seq_len // 2,
-                       hidden=spec.hidden_size, width=spec.intermediate_size, link=gloo_link(2))
+                       hidden=spec.hidden_size, width=spec.intermediate_size, ranks=2, link=gloo_link(2))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -326,15 +368,20 @@ def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv"})
 ATTENTION_SCOPES = ("AttentionFunction", "AttnFunction")  # ndp.ops and every CP autograd Function (fwd, bwd)
 OPTIMIZER_SCOPES = ("Optimizer.step", "Optimizer.zero_grad", "ndp.clip_grad_norm_")
+# collectives (c10d, functional ones as DTensor/TP issue them, and their waits), FSDP2 gather/scatter
+COMM_SCOPES = ("c10d::", "_c10d_functional::", "gloo:", "record_param_comms", "FSDP::")
+TERMS = ("matmul", "attention", "elementwise", "comm", "optimizer")
 
 
 def _term_of(event) -> str:
-    """The planner term an op's self time belongs to: optimizer, attention, matmul or elementwise."""
+    """The planner term an op's self time belongs to: comm, optimizer, attention, matmul or elementwise."""
     scopes = []
     e = event
     while e is not None:
         scopes.append(e.name)
         e = e.cpu_parent
+    if any(n.startswith(COMM_SCOPES) for n in scopes):
+        return "comm"
     if any(n.startswith(OPTIMIZER_SCOPES) for n in scopes):
         return "optimizer"
     if any(k in n for n in scopes for k in ATTENTION_SCOPES):
@@ -342,22 +389,18 @@ def _term_of(event) -> str:
     return "matmul" if event.name in MATMUL_OPS else "elementwise"
 
 
-def measure_terms(model="small-llama", seq_len=1024, batch=2, windows=3, warmup=2):
-    """One process, ndp-train's step (fp32, AdamW foreach=False, grad clip) timed per planner term.
+def step_terms(cfg, windows=3, warmup=2) -> dict:
+    """Seconds per planner term of ndp-train's step with TrainConfig ``cfg`` (this rank; runs ``train``).
 
     ``ndp.train``'s step hook runs at the same point of every step (after backward), so hook to hook is
     one whole step (clip, optimizer, zero_grad, data, forward, loss, backward). After ``warmup`` steps
     (first-touch page faults, lazy init), ``windows`` steps run under the profiler: each op's self time
     goes to the term of its scope (``_term_of``), the step's time outside any op (Python) to elementwise;
-    then ``windows`` steps run without it for the wall time, and each term is its profiled share of that
-    (the profiler's own cost is spread in proportion). Medians over the windows.
-    Returns ``(measured, predicted, profile)``: dicts of seconds per step for matmul, attention,
-    elementwise, optimizer and step, and the CPU profile the prediction used.
+    then ``windows`` steps run without it for the wall time ("step"), and each term is its profiled share
+    of that (the profiler's own cost is spread in proportion). Medians over the windows.
     """
-    from ndp.train.config import TrainConfig
     from ndp.train.loop import train
 
-    spec = load_model_spec(model)
     runs, walls = [], []
     state = {}
 
@@ -365,7 +408,7 @@ def measure_terms(model="small-llama", seq_len=1024, batch=2, windows=3, warmup=
         now = time.perf_counter()
         if "prof" in state:
             state.pop("prof").stop()
-            terms = dict.fromkeys(("matmul", "attention", "elementwise", "optimizer"), 0.0)
+            terms = dict.fromkeys(TERMS, 0.0)
             for e in state.pop("events")():
                 terms[_term_of(e)] += e.self_cpu_time_total / 1e6
             terms["elementwise"] += max(0.0, now - state["t0"] - sum(terms.values()))
@@ -379,19 +422,90 @@ def measure_terms(model="small-llama", seq_len=1024, batch=2, windows=3, warmup=
         state["t0"] = time.perf_counter()
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(model=model, seq_len=seq_len, batch_size=batch, steps=warmup + 2 * windows + 1,
-                      device="cpu", dtype="fp32", progress=False)
-    train(cfg, step_hook=hook)
+    train(dataclasses.replace(cfg, steps=warmup + 2 * windows + 1, progress=False), step_hook=hook)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     step = med(walls)
-    measured = {k: med([r[k] for r in runs]) * step for k in runs[0]}
-    measured["step"] = step
-    prof = cpu_profile(block=seq_len, heads=spec.num_heads, head_dim=spec.head_dim, tokens=batch * seq_len,
-                       hidden=spec.hidden_size, width=spec.intermediate_size)
-    e = estimate(spec, ParallelismConfig(), prof, Topology(1, 1), seq_len=seq_len, batch_size=batch, dtype="fp32")
-    predicted = {k: e.time[k] for k in ("matmul", "attention", "elementwise", "optimizer")}
-    predicted["step"] = e.step_s
+    out = {k: med([r[k] for r in runs]) * step for k in TERMS}
+    out["step"] = step
+    return out
+
+
+def measure_terms(model="small-llama", name="single", seq_len=1024, batch=2, base_seq_len=32):
+    """ndp-train's step per planner term, measured (this machine) and predicted (``estimate``, CPU profile).
+
+    ``name``: "single" (one process, in this process) or a key of CONFIGS (a torchrun job of this script in
+    ``--terms-worker`` mode; the terms of the rank that waits least in collectives, the critical path).
+    Each term is compared by its size-dependent part: the step at ``seq_len`` minus the step at
+    ``base_seq_len``, measured and predicted alike. The rest is the step's fixed host cost (Python, dispatch,
+    FSDP2 hooks, DTensor, collective latencies on one CPU thread): the planner's device model leaves it out
+    (on a GPU the host runs ahead of the device), so it is measured at ``base_seq_len`` and added to the
+    predicted whole step. Returns ``(measured, predicted, profile)``: dicts of seconds per step for matmul,
+    attention, elementwise, comm (CP + TP + FSDP, exposed; differences), optimizer (whole, it does not
+    depend on the size), "fixed" (the step at ``base_seq_len``) and "step" (whole steps at ``seq_len``).
+    """
+    from ndp.train.config import TrainConfig
+
+    spec = load_model_spec(model)
+    pc = ParallelismConfig(**CONFIGS.get(name, {}))
+    if pc.world_size == 1:
+        full, base = (step_terms(TrainConfig(model=model, seq_len=s, batch_size=batch, device="cpu", dtype="fp32"))
+                      for s in (seq_len, base_seq_len))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "terms.json")
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(pc.world_size), os.path.abspath(__file__), "--terms-worker", name, "--model", model,
+                   "--seq-len", str(seq_len), "--base-seq-len", str(base_seq_len), "--batch", str(batch),
+                   "--out", out]
+            subprocess.run(cmd, check=True, env=env, cwd=tmp, capture_output=True, timeout=900)
+            with open(out) as f:
+                full, base = json.load(f)
+    # The rates at this rank's shapes: its tokens, its attention block, its TP share of the MLP width.
+    prof = cpu_profile(block=seq_len // pc.cp_size if pc.cp_impl != "ulysses" else seq_len, heads=spec.num_heads,
+                       head_dim=spec.head_dim, tokens=batch // pc.dp_size * seq_len // pc.cp_size,
+                       hidden=spec.hidden_size, width=spec.intermediate_size // pc.tp_size, ranks=pc.world_size,
+                       link=gloo_link(pc.world_size) if pc.world_size > 1 else (1.0, 100.0, 1.0))
+    est = []
+    for s in (seq_len, base_seq_len):
+        e = estimate(spec, pc, prof, Topology(pc.world_size, pc.world_size), seq_len=s, batch_size=batch,
+                     dtype="fp32")
+        t = {k: e.time[k] for k in ("matmul", "attention", "elementwise", "optimizer")}
+        t["comm"] = e.time["cp_comm"] + e.time["tp_comm"] + e.time["fsdp_comm"]
+        t["step"] = e.step_s
+        est.append(t)
+    terms = ("matmul", "attention", "elementwise", "comm")
+    measured = {k: full[k] - base[k] for k in terms}
+    predicted = {k: est[0][k] - est[1][k] for k in terms}
+    measured["optimizer"], predicted["optimizer"] = full["optimizer"], est[0]["optimizer"]  # size-independent
+    measured["fixed"] = predicted["fixed"] = base["step"]
+    measured["step"] = full["step"]
+    predicted["step"] = est[0]["step"] + base["step"] - est[1]["step"]
     return measured, predicted, prof
+
+
+def _terms_worker(args):
+    import torch.distributed as dist
+
+    from ndp.train.config import TrainConfig
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    pc = ParallelismConfig(**CONFIGS[args.terms_worker])
+    cfg = TrainConfig(model=args.model, parallel=pc, seq_len=args.seq_len, batch_size=args.batch, device="cpu",
+                      dtype="fp32")
+    both = []
+    for s in (args.seq_len, args.base_seq_len):
+        res = step_terms(dataclasses.replace(cfg, seq_len=s))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, res)
+        # The critical path: the rank that waits least in collectives is the one the others wait for; its
+        # comm is the transfers themselves, the others' also holds the skew between ranks.
+        both.append(dict(min(every, key=lambda r: r["comm"]), ranks=every))
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(both, f)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main(argv=None):
@@ -399,7 +513,13 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--only", choices=("bytes", "time", "terms"))
     ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--terms-worker", help=argparse.SUPPRESS)   # internal: one rank of measure_terms' job
+    ap.add_argument("--seq-len", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--base-seq-len", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.terms_worker:
+        return _terms_worker(args)
     os.makedirs(args.out, exist_ok=True)
     result = {}
     if args.only in (None, "bytes"):
@@ -426,17 +546,28 @@ def main(argv=None):
                   f"ratio {r['step_predicted'] / r['step_measured']:.2f}; terms {r['time_terms']}; "
                   f"peak RSS {r['peak_rss_mb']:.0f} MB (predicted tensors {r['predicted_peak_mb']:.0f} MB)")
     if args.only in (None, "terms"):
-        meas, pred, prof = measure_terms(args.model)
-        result["terms"] = dict(measured=meas, predicted=pred, cpu_profile={
-            k: getattr(prof, k) for k in ("matmul_tflops", "attn_fwd_tflops", "attn_bwd_tflops", "hbm_gbps",
-                                          "elementwise_gbps", "launch_us")})
-        print(f"\nstep time per term, {args.model}, 1 process, S=1024, batch 2, fp32 (ndp-train's step; CPU "
-              f"profile: matmul {prof.matmul_tflops * 1e3:.1f} GFLOP/s, attention fwd {prof.attn_fwd_tflops * 1e3:.1f}"
-              f" / bwd {prof.attn_bwd_tflops * 1e3:.1f} GFLOP/s, copy {prof.hbm_gbps:.1f} GB/s, elementwise "
-              f"{prof.elementwise_gbps:.1f} GB/s, {prof.launch_us:.2f} us/op)")
-        print(f"{'term':<12} {'predicted s':>12} {'measured s':>12} {'ratio':>6}")
-        for k in ("matmul", "attention", "elementwise", "optimizer", "step"):
-            print(f"{k:<12} {pred[k]:12.4f} {meas[k]:12.4f} {pred[k] / meas[k]:6.2f}")
+        result["terms"] = {}
+        print(f"\nstep time per term, {args.model}, batch 2, fp32, ndp-train's step on the critical-path rank: "
+              f"predicted / measured s (ratio) of the size-dependent part (S=1024 minus S=32; optimizer: whole); "
+              f"comm = CP + TP + "
+              f"FSDP2 collectives; fixed = the measured step at S=32 (host cost); step = whole step at S=1024, "
+              f"predicted = model + fixed")
+        cols = ("matmul", "attention", "elementwise", "comm", "optimizer", "fixed", "step")
+        print(f"{'config':<12}" + "".join(f"{k:>23}" for k in cols))
+        for name in ("single", "dp_shard2", "tp2", "cp2_ring", "cp2_ulysses"):
+            meas, pred, prof = measure_terms(args.model, name)
+            result["terms"][name] = dict(measured=meas, predicted=pred, cpu_profile={
+                k: getattr(prof, k) for k in ("matmul_tflops", "attn_fwd_tflops", "attn_bwd_tflops", "hbm_gbps",
+                                              "elementwise_gbps", "launch_us", "nvlink_gbps", "nvlink_latency_us",
+                                              "reduce_scatter_efficiency")})
+            cells = []
+            for k in cols:
+                if k == "fixed":
+                    cells.append(f"{meas[k]:.3f}")
+                    continue
+                r = f"({pred[k] / meas[k]:.2f})" if abs(meas[k]) > 1e-4 else "(-)"
+                cells.append(f"{pred[k]:.3f}/{meas[k]:.3f} {r:>6}")
+            print(f"{name:<12}" + "".join(f"{c:>23}" for c in cells))
     with open(os.path.join(args.out, "plan_vs_measured.json"), "w") as f:
         json.dump(result, f, indent=1)
 

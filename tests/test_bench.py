@@ -34,3 +34,37 @@ def test_bench_engines_cpu_mode_runs_and_checks(tmp_path):
             ("ring", "torch context-parallel ring"), ("hf", "HF ndp_ring (auto)")} <= providers
     assert all(r["ms"] > 0 for r in rows)
     assert "reference check" in out.stdout and "MISMATCH" not in out.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["single", "cp2_ring"])
+def test_plan_vs_measured_terms_split_the_step(name):
+    # The per-term check of ndp.plan runs (tiny sizes) and its split is right: each term lands where it should,
+    # a single process has no communication, and a CP job's collectives are found.
+    import plan_vs_measured
+
+    meas, pred, prof = plan_vs_measured.measure_terms("tiny-llama", name, seq_len=128, batch=2, base_seq_len=16)
+    assert set(meas) == set(pred) == {"matmul", "attention", "elementwise", "comm", "optimizer", "fixed", "step"}
+    assert meas["step"] > meas["fixed"] > 0 and pred["step"] > pred["fixed"]
+    assert meas["optimizer"] > 0 and pred["optimizer"] > 0 and prof.elementwise_gbps > 0
+    if name == "single":
+        assert meas["comm"] == pred["comm"] == 0
+    else:
+        assert prof.comm_overlap == 0 and 0 < prof.reduce_scatter_efficiency <= 1
+
+
+def test_term_of_assigns_scopes():
+    import plan_vs_measured
+
+    class Ev:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    attn = Ev("_AttentionFunction")
+    opt = Ev("Optimizer.step#AdamW.step")
+    cases = {("aten::mm", None): "matmul", ("aten::mm", attn): "attention", ("aten::mul", None): "elementwise",
+             ("aten::mul_", opt): "optimizer", ("aten::pow", Ev("ndp.clip_grad_norm_")): "optimizer",
+             ("c10d::send", attn): "comm", ("_c10d_functional::wait_tensor", None): "comm",
+             ("aten::copy_", Ev("FSDP::all_gather_copy_in")): "comm"}
+    for (name, parent), term in cases.items():
+        assert plan_vs_measured._term_of(Ev(name, parent)) == term, (name, term)

@@ -238,6 +238,19 @@ class Estimate:
                 f"(over by {over:.1f} GiB; largest: {terms} GiB)")
 
 
+def _overlap(compute: float, comm: float, overlap: float) -> float:
+    """Time of ``compute`` with ``comm`` issued beside it: max() when they overlap fully (GPU streams), the
+    sum when they cannot (one CPU thread per rank blocks in gloo), in between by the profile's fraction."""
+    return overlap * max(compute, comm) + (1.0 - overlap) * (compute + comm)
+
+
+def _all_reduce_s(n: int, nbytes: float, bw: float, profile: GpuProfile) -> float:
+    """Transfer time of a ring all-reduce of ``nbytes`` over ``n`` ranks: a reduce-scatter then an all-gather,
+    each moving (n-1)/n of the bytes (the reduce-scatter at the profile's reduce_scatter_efficiency)."""
+    part = (n - 1) / n * nbytes / bw
+    return part / profile.reduce_scatter_efficiency + part
+
+
 def _rate(peak: float, half: float, block: float) -> float:
     return peak * block / (block + half) if half > 0 else peak
 
@@ -334,6 +347,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
 
     # CP communication per layer (ring steps overlap their compute; the all-gather overlaps one slice)
     cpb = cp_bytes_per_layer(spec, cfg, tokens, es)
+    ov = profile.comm_overlap
     cp_exposed = 0.0
     if n_cp > 1:
         af, ab = a_f / L, a_b / L
@@ -345,16 +359,16 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
                 steps = r - 1
                 cf = cpb["fwd_p2p"] / steps / bw + lat
                 cb = cpb["bwd_p2p"] / steps / bw + 2 * lat
-                fwd_ring = steps * max(af / r, cf) + af / r
-                bwd_ring = steps * max(ab / r, cb) + ab / r
+                fwd_ring = steps * _overlap(af / r, cf, ov) + af / r
+                bwd_ring = steps * _overlap(ab / r, cb, ov) + ab / r
                 cp_exposed += (fwd_ring - af) * (2 if activation_checkpointing else 1) + (bwd_ring - ab)
         if cfg.cp_impl == "allgather":
             bw, lat = _link(profile, topo, n_cp, tp)
             ns = 2 if spec.num_kv_heads // tp >= 2 else 1
             g_f = cpb["fwd_ag"] / bw + ns * lat
-            g_b = (cpb["bwd_ag"] + cpb["bwd_rs"]) / bw + 2 * ns * lat
-            fwd_x = g_f / ns + max(0.0, g_f * (ns - 1) / ns - af * (ns - 1) / ns)
-            bwd_x = g_b / ns + max(0.0, g_b * (ns - 1) / ns - ab * (ns - 1) / ns)
+            g_b = (cpb["bwd_ag"] + cpb["bwd_rs"] / profile.reduce_scatter_efficiency) / bw + 2 * ns * lat
+            fwd_x = g_f / ns + _overlap(af * (ns - 1) / ns, g_f * (ns - 1) / ns, ov) - af * (ns - 1) / ns
+            bwd_x = g_b / ns + _overlap(ab * (ns - 1) / ns, g_b * (ns - 1) / ns, ov) - ab * (ns - 1) / ns
             cp_exposed += fwd_x * (2 if activation_checkpointing else 1) + bwd_x
         if cfg.cp_impl in ("ulysses", "usp"):
             u = cfg.head_parallel_size
@@ -367,7 +381,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     # TP: two all-reduces of [tokens, hidden] per layer forward (o_proj, down_proj), two backward
     if tp > 1:
         bw, lat = _link(profile, topo, tp, 1)
-        ar = 2 * (tp - 1) / tp * tokens * spec.hidden_size * es / bw + 2 * lat
+        ar = _all_reduce_s(tp, tokens * spec.hidden_size * es, bw, profile) + 2 * lat
         t["tp_comm"] = ar * L * (4 + (2 if activation_checkpointing else 0))
     else:
         t["tp_comm"] = 0.0
@@ -385,14 +399,14 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
             bw, lat = _link(profile, topo, shard, tp)
             full = pn["block_tp"] * L + pn["root_tp"]
             ag = 2 * (shard - 1) / shard * pes * full / bw + 2 * (L + 1) * lat
-            rs = (shard - 1) / shard * 4 * full / bw + (L + 1) * lat
+            rs = (shard - 1) / shard * 4 * full / (bw * profile.reduce_scatter_efficiency) + (L + 1) * lat
         if cfg.dp_replicate_size > 1:
             R = cfg.dp_replicate_size
             bw, lat = _link(profile, topo, R, tp * shard)
-            hs = 2 * (R - 1) / R * 4 * pn["total"] / bw + (L + 1) * lat
+            hs = _all_reduce_s(R, 4 * pn["total"], bw, profile) + (L + 1) * lat
         first = (ag + rs + hs) / (L + 1)
-        per_micro = max(0.0, ag - compute) + ag / (L + 1)
-        last = max(0.0, ag + rs + hs - compute) + first
+        per_micro = _overlap(compute, ag, ov) - compute + ag / (L + 1)
+        last = _overlap(compute, ag + rs + hs, ov) - compute + first
         fsdp_exposed = (grad_accum - 1) * per_micro + last
         t["fsdp_comm"] = fsdp_exposed
     else:

@@ -185,6 +185,8 @@ class GpuProfile:
     launch_us: float = 5.0
     elementwise_passes: float = 4.0
     elementwise_gbps: float = 0.0   # memory-bound elementwise ops on activations; 0: hbm_gbps
+    comm_overlap: float = 1.0       # share of a collective hidden behind compute issued beside it (0..1)
+    reduce_scatter_efficiency: float = 1.0   # reduce-scatter bandwidth / all-gather bandwidth (0..1]
     cp_overhead: dict = field(default_factory=lambda: {"ring": 1.0, "allgather": 1.0, "ulysses": 1.0, "usp": 1.0})
     measured: tuple = ()
     source: str = ""
@@ -200,6 +202,13 @@ class GpuProfile:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number >= 0; got {f}={v!r}")
+        if not (isinstance(self.comm_overlap, (int, float)) and 0.0 <= self.comm_overlap <= 1.0):
+            raise ValueError(f"GPU profile {self.name!r}: comm_overlap must be a number in [0, 1] (1: collectives "
+                             f"run beside compute, 0: they block it); got comm_overlap={self.comm_overlap!r}")
+        if not (isinstance(self.reduce_scatter_efficiency, (int, float)) and 0.0 < self.reduce_scatter_efficiency <= 1):
+            raise ValueError(f"GPU profile {self.name!r}: reduce_scatter_efficiency must be a number in (0, 1] "
+                             f"(reduce-scatter bandwidth / all-gather bandwidth); got reduce_scatter_efficiency="
+                             f"{self.reduce_scatter_efficiency!r}")
         if self.reserved_gib >= self.memory_gib:
             raise ValueError(f"GPU profile {self.name!r}: reserved_gib must be < memory_gib; got "
                              f"reserved_gib={self.reserved_gib}, memory_gib={self.memory_gib}")

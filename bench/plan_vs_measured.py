@@ -1,20 +1,22 @@
 """ndp.plan's predictions against measured gloo runs on this machine (CPU, fp32).
 
-    python bench/plan_vs_measured.py                       # exact bytes + timed ndp-train runs
+    python bench/plan_vs_measured.py                       # all three parts below
     python bench/plan_vs_measured.py --only bytes          # only the in-process byte counts (quick)
-    python bench/plan_vs_measured.py --only terms          # one process, step time per planner term
+    python bench/plan_vs_measured.py --only time           # whole steps of ndp-train under torchrun
+    python bench/plan_vs_measured.py --only terms          # the step split into the planner's terms
 
 1. Bytes per rank, exact: each config is set up the way ``ndp.train`` does it (fp32 model from the preset,
    ``ndp.hf.parallelize``, AdamW foreach=False) in a gloo job; per rank we count the parameter bytes (local
    shards), AdamW state bytes after one step, and the bytes autograd saves during one forward
    (``torch.autograd.graph.saved_tensors_hooks``, parameter storages excluded), and compare them with
    ``ndp.plan``'s params, optimizer and activations (+ root) terms.
-2. Time and peak memory, loosely: ``ndp-train`` runs under torchrun with ``--metrics``; the measured step time
-   (median of the steps after the first) and peak RSS are set against the planner's prediction with a CPU
-   profile measured here (matmul and attention rates of one thread, memory bandwidth, gloo bandwidth).
-   RSS includes the Python/torch baseline, so the comparison is of the increase over a 1-step baseline run.
-3. Time per term: one process runs ndp-train's step; the profiler splits it into the planner's matmul,
-   attention, optimizer and elementwise (the rest) terms, set against ``estimate`` with the CPU profile.
+2. Whole steps: ``ndp-train`` runs under torchrun with ``--metrics``; the measured step time (median of the
+   steps after the first) is set against ``estimate`` with a CPU profile of the config (``config_profile``:
+   rates of one thread at the rank's shapes, memory rates with every rank streaming, the gloo link, the
+   simulator's CP efficiency) plus the step's fixed host cost (measured at S=32). Peak RSS is printed beside
+   the predicted tensor bytes (RSS also holds the Python/torch baseline).
+3. Time per term: the profiler splits ndp-train's step on the critical-path rank into the planner's matmul,
+   attention, elementwise, comm and optimizer terms (``measure_terms``), for one process and 2-rank configs.
 Results: a printed table and <out>/plan_vs_measured.json.
 """
 from __future__ import annotations
@@ -157,7 +159,8 @@ def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=
     elementwise part of a Llama layer (RMSNorm, SiLU gate, residual add) on [tokens, hidden] / [tokens,
     width] fp32 activations, in the planner's unit: the bytes autograd saves times ``elementwise_passes``,
     per second (on one CPU thread these ops run far below copy bandwidth: SiLU's backward is bound by its
-    exp, not by memory); launch_us: the fixed cost of one op (a 1-element add). ``ranks`` > 1: the
+    exp, not by memory); launch_us: host time per op of ndp-train's AdamW step on tiny parameters
+    (dtensor_launch_us: the same on DTensors sharded over ``ranks``). ``ranks`` > 1: the
     memory-bound rates (hbm, elementwise) are measured in that many processes at once, each measurement
     started together, as the ranks of a job stream memory at once (they share the memory bus, GPUs do not);
     the compute-bound ones (matmul, attention) alone, as one rank's core runs them. link: (GB/s, latency us, reduce-scatter efficiency) of the process group
@@ -172,22 +175,35 @@ def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rates.json")
-            mp.spawn(_rates_worker, args=(mp.get_context("spawn").Barrier(ranks), args, out), nprocs=ranks,
+            mp.spawn(_rates_worker, args=(mp.get_context("spawn").Barrier(ranks), args, out, tmp), nprocs=ranks,
                      join=True)
             with open(out) as f:
                 together = json.load(f)
-        r.update({k: together[k] for k in ("hbm", "ew")})
+        r.update({k: together[k] for k in ("hbm", "ew", "dtensor_launch")})
     return GpuProfile(name="this CPU (1 thread/rank)", peak_tflops=r["mm"], peak_fp32_tflops=r["mm"],
                       matmul_tflops=r["mm"], matmul_fp32_tflops=r["mm"], attn_fwd_tflops=r["attn_fwd"],
                       attn_bwd_tflops=r["attn_bwd"], attn_fwd_half_block=0, attn_bwd_half_block=0,
                       hbm_gbps=r["hbm"], elementwise_gbps=r["ew"], memory_gib=24, reserved_gib=1,
                       nvlink_gbps=link[0], network_gbps=link[0], nvlink_latency_us=link[1],
                       network_latency_us=link[1], reduce_scatter_efficiency=link[2], launch_us=r["launch"],
-                      comm_overlap=0.0)
+                      dtensor_launch_us=r.get("dtensor_launch", 0.0), comm_overlap=0.0)
 
 
-def _rates_worker(rank, barrier, args, out_file):
+def _rates_worker(rank, barrier, args, out_file, tmp):
+    import torch.distributed as dist
+
     r = _cpu_rates(*args, sync=barrier.wait)
+    world = barrier.parties
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        r["dtensor_launch"] = _optimizer_op_us(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+    finally:
+        dist.destroy_process_group()
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(r, f)
@@ -223,8 +239,7 @@ def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None)
     hbm = 2 * x.numel() * 4 / med(lambda: y.copy_(x)) / 1e9
     del x, y
     ew = _elementwise_rate(tokens, hidden, width, med)
-    one = torch.ones(1)
-    launch = med(lambda: [torch.add(one, one) for _ in range(1000)]) / 1000 * 1e6
+    launch = _optimizer_op_us(lambda t: t)
     return dict(mm=mm, attn_fwd=flops / tf / 1e12, attn_bwd=2.5 * flops / max(tfb - tf, 1e-9) / 1e12, hbm=hbm,
                 ew=ew, launch=launch)
 
@@ -279,6 +294,25 @@ def gloo_link(world=2, nbytes=4 << 20) -> tuple[float, float, float]:
     bw = moved / max(r["ag_s"] - lat, 1e-9)
     rs_bw = moved / max(r["rs_s"] - lat, 1e-9)
     return bw / 1e9, lat * 1e6, min(1.0, rs_bw / bw)
+
+
+def _optimizer_op_us(wrap) -> float:
+    """Host time of one AdamW (foreach=False, as ndp-train runs it) op on 32 tiny parameters made by ``wrap``
+    (plain tensors, or DTensors sharded over a mesh), per parameter and op. The step alone: grad clip's
+    all-reduce is a collective, which the planner charges as communication."""
+    from ndp.plan.cost import ADAMW_OPS_PER_TENSOR
+
+    params = [torch.nn.Parameter(wrap(torch.ones(64, 16))) for _ in range(32)]
+    for p in params:
+        p.grad = wrap(torch.full((64, 16), 1e-3))
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    opt.step()
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[2] / (len(params) * ADAMW_OPS_PER_TENSOR) * 1e6
 
 
 def _elementwise_rate(tokens, hidden, width, med) -> float:
@@ -345,22 +379,26 @@ def _train_run(model, name, seq_len, batch, steps, tmp):
 
 
 def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp2_ulysses"), seq_len=1024,
-                 batch=4, steps=4):
-    """Measured (ndp-train, gloo) vs predicted (CPU profile) step time. Returns (profile, rows)."""
+                 batch=4, steps=4, base_seq_len=32):
+    """Measured (ndp-train under torchrun, gloo) vs predicted step time and peak memory, per config.
+
+    The prediction is ``estimate`` with the config's CPU profile (``config_profile``) plus the step's fixed
+    host cost, which the planner's device model leaves out: measured as the ndp-train step at
+    ``base_seq_len`` minus its prediction there (see measure_terms). Returns a list of rows.
+    """
     spec = load_model_spec(model)
-    prof = cpu_profile(block=seq_len // 2, heads=spec.num_heads, head_dim=spec.head_dim, tokens=batch * seq_len // 2,
-                       hidden=spec.hidden_size, width=spec.intermediate_size, ranks=2, link=gloo_link(2))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             pc = ParallelismConfig(**CONFIGS[name])
             step, rss = _train_run(model, name, seq_len, batch, steps, tmp)
-            e = estimate(spec, pc, prof, Topology(pc.world_size, pc.world_size), seq_len=seq_len, batch_size=batch,
-                         dtype="fp32")
-            rows.append(dict(config=name, step_measured=step, step_predicted=e.step_s,
-                             time_terms={k: round(v, 4) for k, v in e.time.items()}, peak_rss_mb=rss,
-                             predicted_peak_mb=e.peak_bytes / 2**20))
-    return prof, rows
+            base, _ = _train_run(model, name, base_seq_len, batch, steps, tmp)
+            prof = config_profile(spec, pc, seq_len, batch)
+            full, small = (predict_terms(spec, pc, prof, s, batch) for s in (seq_len, base_seq_len))
+            rows.append(dict(config=name, step_measured=step, step_predicted=full["step"] + base - small["step"],
+                             fixed_measured=base, time_terms={k: round(v, 4) for k, v in full.items()},
+                             peak_rss_mb=rss, predicted_peak_mb=full["peak_mb"]))
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- time per term
@@ -430,6 +468,56 @@ def step_terms(cfg, windows=3, warmup=2) -> dict:
     return out
 
 
+def _simulate_worker(_i, kw, out_file):
+    from simulate_cp import simulate
+
+    torch.set_num_threads(1)
+    with open(out_file, "w") as f:
+        json.dump(simulate(**kw), f)
+
+
+def cp_overhead(spec, pc, seq_len, batch) -> dict:
+    """The CPU profile's cp_overhead for ``pc``'s CP algorithm: the per-rank efficiency that
+    ``bench/simulate_cp.py`` measures (one rank under torch's fake process group against 1/N of the
+    whole-sequence attention), in a fresh process (the simulation owns its process group)."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    kw = dict(world=pc.cp_size, seq_len=seq_len, heads=spec.num_heads // pc.tp_size,
+              kv_heads=spec.num_kv_heads // pc.tp_size, head_dim=spec.head_dim, batch=batch // pc.dp_size,
+              impls=(pc.cp_impl,), ulysses=pc.ulysses_size, device="cpu", iters=5)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "sim.json")
+        mp.spawn(_simulate_worker, args=(kw, out), nprocs=1, join=True)
+        with open(out) as f:
+            sim = json.load(f)
+    return {pc.cp_impl: sim[pc.cp_impl]["eff_fwd_bwd"]}
+
+
+def config_profile(spec, pc, seq_len, batch) -> GpuProfile:
+    """The CPU profile for one config, measured at its rank's shapes: its tokens, its TP share of the MLP width,
+    attention at the whole sequence and, with CP, the simulator's per-rank efficiency against it
+    (``cp_overhead``); with several ranks, memory rates and the link measured with all of them running."""
+    prof = cpu_profile(block=seq_len, heads=spec.num_heads, head_dim=spec.head_dim,
+                       tokens=batch // pc.dp_size * seq_len // pc.cp_size, hidden=spec.hidden_size,
+                       width=spec.intermediate_size // pc.tp_size, ranks=pc.world_size,
+                       link=gloo_link(pc.world_size) if pc.world_size > 1 else (1.0, 100.0, 1.0))
+    if pc.cp_size > 1:
+        prof = prof.replace(cp_overhead=cp_overhead(spec, pc, seq_len, batch))
+    return prof
+
+
+def predict_terms(spec, pc, prof, seq_len, batch) -> dict:
+    """``estimate``'s seconds per step as the terms measure_terms splits: comm = CP + TP + FSDP2."""
+    e = estimate(spec, pc, prof, Topology(pc.world_size, pc.world_size), seq_len=seq_len, batch_size=batch,
+                 dtype="fp32")
+    t = {k: e.time[k] for k in ("matmul", "attention", "elementwise", "optimizer")}
+    t["comm"] = e.time["cp_comm"] + e.time["tp_comm"] + e.time["fsdp_comm"]
+    t["step"] = e.step_s
+    t["peak_mb"] = e.peak_bytes / 2**20
+    return t
+
+
 def measure_terms(model="small-llama", name="single", seq_len=1024, batch=2, base_seq_len=32):
     """ndp-train's step per planner term, measured (this machine) and predicted (``estimate``, CPU profile).
 
@@ -461,19 +549,8 @@ def measure_terms(model="small-llama", name="single", seq_len=1024, batch=2, bas
             subprocess.run(cmd, check=True, env=env, cwd=tmp, capture_output=True, timeout=900)
             with open(out) as f:
                 full, base = json.load(f)
-    # The rates at this rank's shapes: its tokens, its attention block, its TP share of the MLP width.
-    prof = cpu_profile(block=seq_len // pc.cp_size if pc.cp_impl != "ulysses" else seq_len, heads=spec.num_heads,
-                       head_dim=spec.head_dim, tokens=batch // pc.dp_size * seq_len // pc.cp_size,
-                       hidden=spec.hidden_size, width=spec.intermediate_size // pc.tp_size, ranks=pc.world_size,
-                       link=gloo_link(pc.world_size) if pc.world_size > 1 else (1.0, 100.0, 1.0))
-    est = []
-    for s in (seq_len, base_seq_len):
-        e = estimate(spec, pc, prof, Topology(pc.world_size, pc.world_size), seq_len=s, batch_size=batch,
-                     dtype="fp32")
-        t = {k: e.time[k] for k in ("matmul", "attention", "elementwise", "optimizer")}
-        t["comm"] = e.time["cp_comm"] + e.time["tp_comm"] + e.time["fsdp_comm"]
-        t["step"] = e.step_s
-        est.append(t)
+    prof = config_profile(spec, pc, seq_len, batch)
+    est = [predict_terms(spec, pc, prof, s, batch) for s in (seq_len, base_seq_len)]
     terms = ("matmul", "attention", "elementwise", "comm")
     measured = {k: full[k] - base[k] for k in terms}
     predicted = {k: est[0][k] - est[1][k] for k in terms}
@@ -534,17 +611,15 @@ def main(argv=None):
                 cells.append(f"{p / 1e6:8.3f}/{m / 1e6:8.3f} MB {p / m:5.3f}")
             print(f"{r['config']:<16} " + " ".join(cells))
     if args.only in (None, "time"):
-        prof, rows = measure_time(args.model)
-        result["cpu_profile"] = {k: getattr(prof, k) for k in ("matmul_tflops", "attn_fwd_tflops", "attn_bwd_tflops",
-                                                               "hbm_gbps")}
+        rows = measure_time(args.model)
         result["time"] = rows
-        print(f"\nstep time, {args.model}, S=1024, batch 4, fp32, ndp-train under torchrun (gloo); CPU profile: "
-              f"matmul {prof.matmul_tflops * 1e3:.1f} GFLOP/s, attention fwd {prof.attn_fwd_tflops * 1e3:.1f} / "
-              f"bwd {prof.attn_bwd_tflops * 1e3:.1f} GFLOP/s, copy {prof.hbm_gbps:.1f} GB/s")
+        print(f"\nstep time, {args.model}, S=1024, batch 4, fp32, ndp-train under torchrun (gloo), predicted = model "
+              f"with the config's CPU profile + fixed host cost (the measured step at S=32 minus its prediction)")
         for r in rows:
             print(f"{r['config']:<16} predicted {r['step_predicted']:.3f} s, measured {r['step_measured']:.3f} s, "
-                  f"ratio {r['step_predicted'] / r['step_measured']:.2f}; terms {r['time_terms']}; "
-                  f"peak RSS {r['peak_rss_mb']:.0f} MB (predicted tensors {r['predicted_peak_mb']:.0f} MB)")
+                  f"ratio {r['step_predicted'] / r['step_measured']:.2f} (fixed {r['fixed_measured']:.3f} s); "
+                  f"terms {r['time_terms']}; peak RSS {r['peak_rss_mb']:.0f} MB (predicted tensors "
+                  f"{r['predicted_peak_mb']:.0f} MB)")
     if args.only in (None, "terms"):
         result["terms"] = {}
         print(f"\nstep time per term, {args.model}, batch 2, fp32, ndp-train's step on the critical-path rank: "

@@ -31,7 +31,8 @@ from .spec import GpuProfile, ModelSpec
 GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 OPTIMIZER_BYTES_PER_PARAM = 104.0  # grad clip + AdamW step, see estimate()
-OPTIMIZER_OPS_PER_TENSOR = 14
+CLIP_OPS_PER_TENSOR, ADAMW_OPS_PER_TENSOR = 4, 10
+OPTIMIZER_OPS_PER_TENSOR = CLIP_OPS_PER_TENSOR + ADAMW_OPS_PER_TENSOR
 MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "activations", "attention", "logits")
 
 
@@ -415,8 +416,9 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     # parameter, reads + writes of 4 bytes: clip pow 2, sum 1, scale 2; decay mul_ 2, exp_avg lerp_ 3,
     # exp_avg_sq mul_ 2 + addcmul_ 4, denom sqrt 2 + div 2 + add_ 2, param addcdiv_ 4 = 26 accesses = 104
     # bytes; 14 ops per tensor (clip 4, AdamW 10). Both counted in torch by tests/plan/test_plan.py.
+    op_us = (profile.dtensor_launch_us or profile.launch_us) if (fsdp_on or tp > 1) else profile.launch_us
     t["optimizer"] = (OPTIMIZER_BYTES_PER_PARAM * pn["total"] / (profile.hbm_gbps * 1e9)
-                      + pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * profile.launch_us * 1e-6)
+                      + pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * op_us * 1e-6)
     step = grad_accum * micro + fsdp_exposed + t["optimizer"]
     for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm"):
         t[k] *= grad_accum

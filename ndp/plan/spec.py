@@ -186,6 +186,7 @@ class GpuProfile:
     elementwise_passes: float = 4.0
     elementwise_gbps: float = 0.0   # memory-bound elementwise ops on activations; 0: hbm_gbps
     comm_overlap: float = 1.0       # share of a collective hidden behind compute issued beside it (0..1)
+    dtensor_launch_us: float = 0.0  # host cost of one optimizer op on a DTensor (FSDP2 / TP) param; 0: launch_us
     reduce_scatter_efficiency: float = 1.0   # reduce-scatter bandwidth / all-gather bandwidth (0..1]
     cp_overhead: dict = field(default_factory=lambda: {"ring": 1.0, "allgather": 1.0, "ulysses": 1.0, "usp": 1.0})
     measured: tuple = ()
@@ -198,7 +199,8 @@ class GpuProfile:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number > 0; got {f}={v!r}")
         for f in ("attn_fwd_half_block", "attn_bwd_half_block", "reserved_gib", "nvlink_latency_us",
-                  "network_latency_us", "launch_us", "elementwise_passes", "elementwise_gbps"):
+                  "network_latency_us", "launch_us", "elementwise_passes", "elementwise_gbps",
+                  "dtensor_launch_us"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number >= 0; got {f}={v!r}")

@@ -32,6 +32,7 @@ GiB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 OPTIMIZER_BYTES_PER_PARAM = 104.0  # grad clip + AdamW step, see estimate()
 CLIP_OPS_PER_TENSOR, ADAMW_OPS_PER_TENSOR = 4, 10
+TP_FWD_ALL_REDUCES, TP_BWD_ALL_REDUCES = 2, 5    # per layer, see estimate()
 OPTIMIZER_OPS_PER_TENSOR = CLIP_OPS_PER_TENSOR + ADAMW_OPS_PER_TENSOR
 MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "activations", "attention", "logits")
 
@@ -245,11 +246,11 @@ def _overlap(compute: float, comm: float, overlap: float) -> float:
     return overlap * max(compute, comm) + (1.0 - overlap) * (compute + comm)
 
 
-def _all_reduce_s(n: int, nbytes: float, bw: float, profile: GpuProfile) -> float:
-    """Transfer time of a ring all-reduce of ``nbytes`` over ``n`` ranks: a reduce-scatter then an all-gather,
-    each moving (n-1)/n of the bytes (the reduce-scatter at the profile's reduce_scatter_efficiency)."""
-    part = (n - 1) / n * nbytes / bw
-    return part / profile.reduce_scatter_efficiency + part
+def _all_reduce_s(n: int, nbytes: float, bw: float) -> float:
+    """Transfer time of a ring all-reduce of ``nbytes`` over ``n`` ranks: 2 (n-1)/n of the bytes at the link's
+    bandwidth (NCCL's ring; gloo's all-reduce measures at its all-gather bandwidth too, unlike its
+    reduce-scatter, see reduce_scatter_efficiency)."""
+    return 2 * (n - 1) / n * nbytes / bw
 
 
 def _rate(peak: float, half: float, block: float) -> float:
@@ -379,11 +380,14 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         cp_exposed *= L
     t["cp_comm"] = cp_exposed
 
-    # TP: two all-reduces of [tokens, hidden] per layer forward (o_proj, down_proj), two backward
+    # TP (torch's Colwise/RowwiseParallel, as ndp.hf applies them): all-reduces of [tokens, hidden] per layer,
+    # two forward (the rowwise o_proj and down_proj outputs) and five backward (the gradient of the replicated
+    # input of each colwise q, k, v, gate and up projection); counted in a tp2 profile of ndp-train: 28
+    # per step for 4 layers, plus the grad norm's.
     if tp > 1:
         bw, lat = _link(profile, topo, tp, 1)
-        ar = _all_reduce_s(tp, tokens * spec.hidden_size * es, bw, profile) + 2 * lat
-        t["tp_comm"] = ar * L * (4 + (2 if activation_checkpointing else 0))
+        ar = _all_reduce_s(tp, tokens * spec.hidden_size * es, bw) + 2 * lat
+        t["tp_comm"] = ar * L * (TP_FWD_ALL_REDUCES * (2 if activation_checkpointing else 1) + TP_BWD_ALL_REDUCES)
     else:
         t["tp_comm"] = 0.0
 
@@ -404,7 +408,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         if cfg.dp_replicate_size > 1:
             R = cfg.dp_replicate_size
             bw, lat = _link(profile, topo, R, tp * shard)
-            hs = _all_reduce_s(R, 4 * pn["total"], bw, profile) + (L + 1) * lat
+            hs = _all_reduce_s(R, 4 * pn["total"], bw) + (L + 1) * lat
         first = (ag + rs + hs) / (L + 1)
         per_micro = _overlap(compute, ag, ov) - compute + ag / (L + 1)
         last = _overlap(compute, ag + rs + hs, ov) - compute + first

@@ -104,6 +104,17 @@ def test_optimizer_bytes_and_ops_per_parameter_counted_in_torch():
     assert (counts[1].ops - counts[0].ops) / 2 == OPTIMIZER_OPS_PER_TENSOR
 
 
+def test_tp_all_reduces_by_hand():
+    # tp 2 inside a node: per layer 2 forward all-reduces (o_proj, down_proj outputs) and 5 backward (inputs of
+    # q, k, v, gate, up), each 2*(n-1)/n of [8192, 4096] bf16 at NVLink 360 GB/s plus 2 latencies of 10 us;
+    # activation checkpointing recomputes the forward ones.
+    one = 2 * (1 / 2) * 8192 * 4096 * 2 / 360e9 + 2 * 10e-6
+    for ac, n in ((False, 7), (True, 9)):
+        e = estimate(L8B, ParallelismConfig(tp_size=2), H100, Topology(2, 8), seq_len=8192, batch_size=1,
+                     dtype="bf16", activation_checkpointing=ac)
+        assert e.time["tp_comm"] == pytest.approx(32 * n * one, rel=1e-12)
+
+
 def test_cp_bytes_are_bench_theory():
     # bench_cp._theory (the minimum CommStats measures, ratio 1.000 in the README), B=1, S=256, H=8, D=64, fp32
     spec = L8B.replace(name="t", num_heads=8, num_kv_heads=2, head_dim=64)

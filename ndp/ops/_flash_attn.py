@@ -1,10 +1,14 @@
-"""flash-attn backend (GPU only; no machine of this project has a GPU, so no test reaches this file).
+"""flash-attn engines: FlashAttention-2 (``flash_attn``) and, on Hopper, FlashAttention-3 (``flash_attn3``,
+the ``flash_attn_interface`` module that flash-attention's hopper/ directory builds). GPU only; no machine of
+this project has a GPU, so the CPU tests reach this file through a stand-in module with FA3's signatures
+(tests/ops/test_flash_attn_engines.py) and the real libraries are tested where they are installed.
 
 Kept deliberately small: segment tables that flash-attn's varlen API can express (query and key ranges
 laid out back to back from row 0, every segment bottom-right aligned with one shared (causal, window))
 run on flash-attn; ``engines.capable`` refuses anything else, so ``auto`` sends those blocks to another
 engine and a forced ``backend="flash_attn"`` gets a clear error. The fused accumulator is emulated with
-the compiled merge op, since flash-attn has no accumulator epilogue.
+the compiled merge op, since flash-attn has no accumulator epilogue. Both versions' private entry points
+changed signature between releases: arguments are passed by name, filled from the signature in use.
 """
 from __future__ import annotations
 
@@ -29,6 +33,20 @@ def available() -> tuple[bool, str]:
     if cap < (8, 0):
         # flash-attn 2 kernels are built for Ampere (sm_80) and newer only.
         return False, f"flash-attn 2 needs compute capability >= 8.0; this GPU has {cap[0]}.{cap[1]}"
+    return True, ""
+
+
+def available3() -> tuple[bool, str]:
+    try:
+        import flash_attn_interface  # noqa: F401
+    except Exception as e:
+        return False, (f"FlashAttention-3 (flash_attn_interface) does not import ({e}); build it from flash-attention's "
+                       f"hopper/ directory on a Hopper machine")
+    if not torch.cuda.is_available():
+        return False, "FlashAttention-3 needs a CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return False, f"FlashAttention-3 runs on Hopper (compute capability 9.x); this GPU has {cap[0]}.{cap[1]}"
     return True, ""
 
 
@@ -67,14 +85,22 @@ def _flat(x):
     return x.reshape(-1, *x.shape[2:])
 
 
-def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
+def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=2):
+    """One block's forward on FlashAttention-``version`` (2 or 3); out [1, T, H, D], lse [1, H, T]."""
     args = _varlen_args(q4, k4, segs)
     assert args is not None, "engines.capable admits only flash-attn expressible blocks"
-    from flash_attn import flash_attn_varlen_func
     cu_q, cu_k, mq, mk, causal, (left, right) = args
-    out, lse, _ = flash_attn_varlen_func(_flat(q4), _flat(k4), _flat(v4), cu_q, cu_k, mq, mk,
-                                         softmax_scale=softmax_scale, causal=causal,
-                                         window_size=(left, right), return_attn_probs=True)
+    if version == 3:
+        from flash_attn_interface import _flash_attn_forward as fn
+        res = _call(fn, "flash_attn_interface._flash_attn_forward", q=_flat(q4), k=_flat(k4), v=_flat(v4),
+                    cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
+                    softmax_scale=softmax_scale, causal=causal, window=(left, right))
+        out, lse = res[0], res[1]
+    else:
+        from flash_attn import flash_attn_varlen_func
+        out, lse, _ = flash_attn_varlen_func(_flat(q4), _flat(k4), _flat(v4), cu_q, cu_k, mq, mk,
+                                             softmax_scale=softmax_scale, causal=causal,
+                                             window_size=(left, right), return_attn_probs=True)
     # flash-attn writes lse = +inf for a row that sees no key; ndp's contract (and the merge) needs -inf.
     lse = lse.masked_fill(lse == float("inf"), float("-inf"))
     out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, T, H, D], [1, H, T]
@@ -84,41 +110,49 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     return out_acc, lse_acc
 
 
-def _varlen_backward(*, window, deterministic=False, **kwargs):
-    """Call flash-attn's private varlen backward, whose signature changed between releases.
-
-    2.6.x takes ``window_size=(left, right)``; 2.7 and 2.8 take ``window_size_left``/``window_size_right``
-    (and wrap the function as a torch custom op, whose Python signature is ``_init_fn``'s).
-    """
-    import flash_attn
-    from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
+def _call(fn, name, *, window, causal, deterministic=None, **kwargs):
+    """Call a flash-attn entry point with keywords filled from its signature (which changed between releases:
+    ``window_size=(l, r)`` or ``window_size_left``/``_right``, ``causal`` or ``is_causal``; custom ops expose
+    their Python signature as ``_init_fn``). Keywords it does not take are dropped; a required one that ndp
+    cannot fill raises, naming the versions ndp supports."""
     params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     if "window_size_left" in params and "window_size_right" in params:
         kwargs.update(window_size_left=window[0], window_size_right=window[1])
     elif "window_size" in params:
         kwargs["window_size"] = window
-    kwargs.update(softcap=0.0, alibi_slopes=None, deterministic=bool(deterministic), rng_state=None)
+    kwargs["is_causal" if "is_causal" in params else "causal"] = causal
+    kwargs.update(softcap=0.0, alibi_slopes=None, rng_state=None, dropout_p=0.0)
+    if deterministic is not None:
+        kwargs["deterministic"] = bool(deterministic)
     kwargs = {k: v for k, v in kwargs.items() if k in params}
     missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in kwargs]
     if missing or not any(n.startswith("window_size") for n in kwargs):
         raise RuntimeError(
-            f"flash-attn {getattr(flash_attn, '__version__', '?')} has an unsupported "
-            f"_flash_attn_varlen_backward signature (cannot fill {missing or ['window_size']}); ndp supports "
-            f"flash-attn 2.6-2.8. Install one of those or use backend='triton'.")
+            f"{name} has a signature ndp cannot fill ({missing or ['window_size']} missing); ndp supports "
+            f"flash-attn 2.6-2.8 and FlashAttention-3 with window_size_left/right. Install one of those or use "
+            f"backend='triton'.")
     return fn(**kwargs)
 
 
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
-        deterministic=False):
+        deterministic=False, version=2):
+    """One block's backward on FlashAttention-``version`` (2 or 3), given the rows' final out and lse."""
     args = _varlen_args(q4, k4, segs)
     assert args is not None, "engines.capable admits only flash-attn expressible blocks"
-    cu_q, cu_k, mq, mk, causal, (left, right) = args
+    cu_q, cu_k, mq, mk, causal, window = args
     dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
-    _varlen_backward(
-        dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4),
-        softmax_lse=lse3[0].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
-        window=(left, right), deterministic=deterministic)
+    # A row that sees no key has lse -inf in ndp and +inf in flash-attn, whose backward takes P = exp(s - lse):
+    # +inf gives P = 0 (zero gradients), -inf would give exp(+inf - inf) = NaN.
+    lse = lse3[0].masked_fill(lse3[0] == float("-inf"), float("inf")).contiguous()
+    if version == 3:
+        from flash_attn_interface import _flash_attn_backward as fn
+        name = "flash_attn_interface._flash_attn_backward"
+    else:
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
+        name = "flash_attn.flash_attn_interface._flash_attn_varlen_backward"
+    _call(fn, name, dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4), softmax_lse=lse,
+          dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
+          softmax_scale=softmax_scale, causal=causal, window=window, deterministic=deterministic)
     dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
     if dq_acc is None:
         return dq, dk, dv

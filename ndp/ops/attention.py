@@ -87,7 +87,7 @@ def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None
         return _sdpa.fwd(q4, k4, v4, segs, **kw)
     if be == "triton":
         return ndp_kernels.attn_fwd_segments(q4, k4, v4, segs, **kw)
-    return _flash_attn.fwd(q4, k4, v4, segs, **kw)
+    return _flash_attn.fwd(q4, k4, v4, segs, version=3 if be == "flash_attn3" else 2, **kw)
 
 
 def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
@@ -109,7 +109,8 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
         if deterministic:
             kw["deterministic"] = True
         return ndp_kernels.attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, **kw)
-    return _flash_attn.bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic, **kw)
+    return _flash_attn.bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic,
+                           version=3 if be == "flash_attn3" else 2, **kw)
 
 
 class _AttentionFunction(torch.autograd.Function):

@@ -39,7 +39,7 @@ __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
 ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
-AUTO_ENGINES = ("flash_attn", "sdpa", "triton")  # the engines auto may pick (never the reference)
+AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines auto may pick (never the reference)
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
 # Used only where no measured table has a row for the block (printed as such by ndp.info).
@@ -107,8 +107,7 @@ def engine_available(engine: str, device) -> tuple[bool, str]:
     if engine == "flash_attn":
         return _flash_attn.available() if device.type == "cuda" else (False, "flash-attn needs a CUDA device")
     if engine == "flash_attn3":
-        return False, ("FlashAttention-3 (flash_attn_interface) is not wired into ndp yet: it needs a Hopper GPU "
-                       "to verify; use 'flash_attn', 'triton' or 'sdpa'")
+        return _flash_attn.available3() if device.type == "cuda" else (False, "FlashAttention-3 needs a CUDA device")
     raise ValueError(f"unknown attention engine {engine!r}; engines are {ENGINES}")
 
 
@@ -119,7 +118,7 @@ def capable(engine: str, segs, q4, k4, *, deterministic: bool = False) -> tuple[
         return False, f"{engine} has no float64 kernels"
     if engine == "triton" and deterministic and not _triton_has_deterministic():
         return False, "this build's Triton backward has no deterministic mode"
-    if engine == "flash_attn":
+    if engine in ("flash_attn", "flash_attn3"):
         if _flash_attn._varlen_args(q4, k4, segs) is None:
             return False, ("flash-attn's varlen API cannot express this block (it needs fp16/bf16, head_dim % 8 == 0 "
                            "and back-to-back bottom-right aligned segments with one shared window)")

@@ -290,6 +290,18 @@ def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
     return _shrink_for_small_smem(static[(arch, head_dim_bucket(head_dim))], device)
 
 
+def static_config(kind: str, arch: str, head_dim: int, dtype: torch.dtype = torch.float16,
+                  device: torch.device | None = None) -> KernelConfig:
+    """The shipped (static-table) configuration of `kind`, ignoring tuned tables and overrides: the
+    baseline the tuner must beat."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    fp32 = dtype == torch.float32 and arch != "interpreter"
+    table = {"fwd": _FWD32 if fp32 else _FWD, "bwd": _BWD32 if fp32 else _BWD,
+             "bwd_dkdv": _BWD_DKDV32 if fp32 else _BWD_DKDV, "bwd_dq": _BWD_DQ32 if fp32 else _BWD_DQ}[kind]
+    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+
+
 def fwd_config(arch: str, head_dim: int, device: torch.device | None = None,
                dtype: torch.dtype = torch.float16) -> KernelConfig:
     """Forward-kernel configuration for ``arch`` ("sm_80", "sm_90" or "interpreter"), ``head_dim``, ``dtype``."""

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from . import tuning
-from .configs import KINDS, KernelConfig, current_arch, override, tuned_key
+from .configs import KINDS, KernelConfig, current_arch, override, static_config, tuned_key
 
 __all__ = ["candidates", "check_candidate", "tune_kind", "main"]
 
@@ -133,7 +133,12 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
 
         out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
     results, best = {}, None
-    for cfg in cands or candidates(kind, quick):
+    static = None
+    if cands is None:
+        # The shipped configuration is always a candidate: a tuned table never does worse than no table.
+        static = static_config(kind, current_arch(device), head_dim, dtype, device)
+        cands = [static] + [c for c in candidates(kind, quick) if c != static]
+    for cfg in cands:
         ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
         if not ok:
             results[str(cfg)] = "failed to launch" if err == float("inf") else f"wrong (max error {err:.2e})"
@@ -151,8 +156,15 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
                                                   best[0].num_stages],
            "ms": None if best is None else round(best[1], 4), "candidates": results,
            "shape": f"B={batch} S={seqlen} H={heads} Hkv={kv_heads} causal+full"}
+    vs = ""
+    if static is not None:
+        # The shipped configuration's time (or why it failed here): what the table gains over no table.
+        row["static"] = {"config": [static.block_m, static.block_n, static.num_warps, static.num_stages],
+                         "ms": results.get(str(static))}
+        if isinstance(row["static"]["ms"], float) and best is not None:
+            vs = f", shipped {static} {row['static']['ms']} ms ({row['static']['ms'] / best[1]:.2f}x)"
     log(f"{kind:9s} {str(dtype)[6:]:9s} d={head_dim:3d}: best {best[0] if best else None} "
-        f"({row['ms']} ms) of {len(results)} candidates")
+        f"({row['ms']} ms) of {len(results)} candidates{vs}")
     return row
 
 

@@ -66,3 +66,25 @@ def test_configs_read_the_tuned_table_first(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("NDP_TUNING_DIR")
         configs.tuned_table(cpu, reload=True)
+
+
+@needs_interp
+def test_tune_kind_always_times_the_shipped_config(monkeypatch):
+    from ndp_kernels import configs, tune
+
+    seen = []
+    real = tune.check_candidate
+
+    def only_two(kind, cfg, *a, **kw):  # time the shipped config and one grid config, refuse the rest quickly
+        seen.append(cfg)
+        if len(seen) > 2:
+            return False, float("inf")
+        return real(kind, cfg, *a, **kw)
+
+    monkeypatch.setattr(tune, "check_candidate", only_two)
+    row = tune.tune_kind("fwd", torch.float32, 16, torch.device("cpu"), seqlen=64, batch=1, heads=2, kv_heads=2,
+                         quick=True, log=lambda *_: None)
+    static = configs.static_config("fwd", "interpreter", 16, torch.float32)
+    assert seen[0] == static and seen.count(static) == 1
+    assert row["static"]["config"] == [static.block_m, static.block_n, static.num_warps, static.num_stages]
+    assert row["static"]["ms"] > 0 and row["config"] is not None

@@ -204,13 +204,13 @@ class GpuProfile:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number >= 0; got {f}={v!r}")
-        if not (isinstance(self.comm_overlap, (int, float)) and 0.0 <= self.comm_overlap <= 1.0):
-            raise ValueError(f"GPU profile {self.name!r}: comm_overlap must be a number in [0, 1] (1: collectives "
-                             f"run beside compute, 0: they block it); got comm_overlap={self.comm_overlap!r}")
-        if not (isinstance(self.reduce_scatter_efficiency, (int, float)) and 0.0 < self.reduce_scatter_efficiency <= 1):
-            raise ValueError(f"GPU profile {self.name!r}: reduce_scatter_efficiency must be a number in (0, 1] "
-                             f"(reduce-scatter bandwidth / all-gather bandwidth); got reduce_scatter_efficiency="
-                             f"{self.reduce_scatter_efficiency!r}")
+        for f, zero_ok, what in (("comm_overlap", True, "1: collectives run beside compute, 0: they block it"),
+                                 ("reduce_scatter_efficiency", False, "reduce-scatter / all-gather bandwidth")):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
+                    and v <= 1):
+                raise ValueError(f"GPU profile {self.name!r}: {f} must be a number in {'[' if zero_ok else '('}0, 1] "
+                                 f"({what}); got {f}={v!r}")
         if self.reserved_gib >= self.memory_gib:
             raise ValueError(f"GPU profile {self.name!r}: reserved_gib must be < memory_gib; got "
                              f"reserved_gib={self.reserved_gib}, memory_gib={self.memory_gib}")

@@ -283,6 +283,27 @@ def test_elementwise_rate_defaults_to_hbm_and_scales_its_term():
     assert slow.time["matmul"] == base.time["matmul"] and slow.time["optimizer"] == base.time["optimizer"]
     with pytest.raises(ValueError, match="elementwise_gbps must be a number >= 0; got elementwise_gbps=-1"):
         dataclasses.replace(H100, elementwise_gbps=-1)
+    with pytest.raises(ValueError, match=r"comm_overlap must be a number in \[0, 1\].*got comm_overlap=2"):
+        dataclasses.replace(H100, comm_overlap=2)
+    with pytest.raises(ValueError, match=r"reduce_scatter_efficiency must be a number in \(0, 1\].*got "
+                                         r"reduce_scatter_efficiency=0"):
+        dataclasses.replace(H100, reduce_scatter_efficiency=0)
+
+
+def test_gloo_like_profile_adds_transfers_to_compute():
+    # comm_overlap 0 (one CPU thread per rank): FSDP's gathers and the ring's transfers add to the compute they
+    # would hide behind on a GPU; reduce_scatter_efficiency slows only the reduce-scatters.
+    import dataclasses
+
+    kw = dict(seq_len=131072, batch_size=8, dtype="bf16", activation_checkpointing=True)
+    cfg = ParallelismConfig(dp_shard_size=2, cp_size=8)
+    gpu = estimate(L8B, cfg, H100, Topology(16, 8), **kw)
+    cpu = estimate(L8B, cfg, dataclasses.replace(H100, comm_overlap=0.0), Topology(16, 8), **kw)
+    assert cpu.time["fsdp_comm"] > gpu.time["fsdp_comm"] and cpu.time["cp_comm"] > gpu.time["cp_comm"]
+    assert cpu.time["matmul"] == gpu.time["matmul"]
+    slow_rs = estimate(L8B, cfg, dataclasses.replace(H100, reduce_scatter_efficiency=0.5, comm_overlap=0.0),
+                       Topology(16, 8), **kw)
+    assert slow_rs.time["fsdp_comm"] > cpu.time["fsdp_comm"] and slow_rs.time["cp_comm"] == cpu.time["cp_comm"]
 
 
 def test_hf_directory_model(tmp_path):

@@ -163,10 +163,10 @@ def cpu_profile(block=512, heads=8, head_dim=32, tokens=2048, hidden=256, width=
     (dtensor_launch_us: the same on DTensors sharded over ``ranks``). ``ranks`` > 1: the
     memory-bound rates (hbm, elementwise) are measured in that many processes at once, each measurement
     started together, as the ranks of a job stream memory at once (they share the memory bus, GPUs do not);
-    the compute-bound ones (matmul, attention) alone, as one rank's core runs them. link: (GB/s, latency us, reduce-scatter efficiency) of the process group
-    (``gloo_link()``; the
-    default is a placeholder for runs without communication); comm_overlap 0: with one thread per rank, a
-    gloo collective blocks the rank's compute.
+    the compute-bound ones (matmul, attention) alone, as one rank's core runs them. link: (GB/s, latency
+    us, reduce-scatter efficiency) of the process group (``gloo_link()``; the default is a placeholder for
+    runs without communication); comm_overlap 0: with one thread per rank, a gloo collective blocks the
+    rank's compute.
     """
     args = (block, heads, head_dim, tokens, hidden, width)
     r = _cpu_rates(*args)
@@ -237,7 +237,7 @@ def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None)
     x = torch.empty(2**24)
     y = torch.empty_like(x)
     hbm = 2 * x.numel() * 4 / med(lambda: y.copy_(x)) / 1e9
-    del x, y
+    x = y = None  # free 128 MB before the elementwise pool (not del: the lambda above closes over them)
     ew = _elementwise_rate(tokens, hidden, width, med)
     launch = _optimizer_op_us(lambda t: t)
     return dict(mm=mm, attn_fwd=flops / tf / 1e12, attn_bwd=2.5 * flops / max(tfb - tf, 1e-9) / 1e12, hbm=hbm,

@@ -40,8 +40,8 @@ def available3() -> tuple[bool, str]:
     try:
         import flash_attn_interface  # noqa: F401
     except Exception as e:
-        return False, (f"FlashAttention-3 (flash_attn_interface) does not import ({e}); build it from flash-attention's "
-                       f"hopper/ directory on a Hopper machine")
+        return False, (f"FlashAttention-3 (flash_attn_interface) does not import ({e}); build it from "
+                       f"flash-attention's hopper/ directory on a Hopper machine")
     if not torch.cuda.is_available():
         return False, "FlashAttention-3 needs a CUDA device"
     cap = torch.cuda.get_device_capability()

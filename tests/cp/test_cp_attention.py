@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from _cp_checks import PACKED_CASES, WINDOW_CASES, cases_dense, run_all, run_case
 from dist import spawn
-from ndp.cp import (CommStats, allgather_attention, ring_attention, split_cp_group, ulysses_attention,
+from ndp.cp import (allgather_attention, ring_attention, split_cp_group, ulysses_attention,
                     usp_attention)
 from ndp.cp.schedule import Mask, Placement, RingSchedule
 

@@ -221,9 +221,10 @@ def comm_bytes(worlds=(2, 4), shapes=None):
 
 # ---------------------------------------------------------------------------------------------- time
 
-def _timed(step, dev, warmup, iters, barrier=None):
-    """Median seconds of step() (docs/design.md, benchmarks): warm-up runs, then each timed run starts after
-    `barrier` (distributed) and is timed with CUDA events on GPU, perf_counter only on CPU."""
+def _samples(step, dev, warmup, iters, barrier=None):
+    """Seconds of each timed run of step() (docs/design.md, benchmarks): warm-up runs, then each timed run
+    starts after `barrier` (distributed) and is timed with CUDA events on GPU, perf_counter only on CPU.
+    The one timer of the benchmarks (bench_engines, simulate_cp and plan_vs_measured call it too)."""
     for _ in range(warmup):
         step()
     times = []
@@ -242,7 +243,12 @@ def _timed(step, dev, warmup, iters, barrier=None):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return times
+
+
+def _timed(step, dev, warmup, iters, barrier=None):
+    """Median seconds of step() over ``_samples``."""
+    return float(np.median(_samples(step, dev, warmup, iters, barrier)))
 
 
 def _reference_shard(q, k, v, dtype):

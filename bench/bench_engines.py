@@ -51,23 +51,6 @@ def _stats(times):
     return dict(ms=float(np.median(t)), p20=float(np.percentile(t, 20)), p80=float(np.percentile(t, 80)))
 
 
-def _time(fn, dev, warmup=1, iters=5, barrier=None):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if barrier is not None:
-            barrier()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _check(name, got, want, dtype):
     from tolerances import tol
 
@@ -93,7 +76,7 @@ def _interleaved(providers, dev, iters, warmup=1):
     times = {name: [] for name in providers}
     for _ in range(iters):
         for name, fn in providers.items():
-            times[name] += _time(fn, dev, warmup=0, iters=1)
+            times[name] += bench_cp._samples(fn, dev, warmup=0, iters=1)
     return times
 
 

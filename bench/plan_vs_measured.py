@@ -37,10 +37,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_cp  # noqa: E402  (the benchmarks' one timer)
 from ndp.parallel import ParallelismConfig  # noqa: E402
 from ndp.plan import Topology, estimate, load_model_spec  # noqa: E402
 from ndp.plan.spec import GpuProfile  # noqa: E402
 
+CPU = torch.device("cpu")
 CONFIGS = {   # name -> ParallelismConfig fields (world 2 and 4)
     "dp_shard2": dict(dp_shard_size=2),
     "tp2": dict(tp_size=2),
@@ -218,13 +223,7 @@ def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None)
 
     def med(fn, n=5):
         sync()
-        fn()
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2]
+        return bench_cp._timed(fn, CPU, 1, n)
 
     a, b = torch.randn(tokens, hidden), torch.randn(hidden, width)
     mm = 2 * tokens * hidden * width / med(lambda: a @ b) / 1e12
@@ -252,14 +251,7 @@ def _gloo_worker(rank, world, tmp, nbytes, out_file):
                             timeout=datetime.timedelta(seconds=120))
     try:
         def med(fn, n):
-            fn()
-            ts = []
-            for _ in range(n):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            return sorted(ts)[n // 2]
+            return bench_cp._timed(fn, CPU, 1, n, dist.barrier)
 
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # torch < 2.13
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -306,13 +298,7 @@ def _optimizer_op_us(wrap) -> float:
     for p in params:
         p.grad = wrap(torch.full((64, 16), 1e-3))
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
-    opt.step()
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        opt.step()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[2] / (len(params) * ADAMW_OPS_PER_TENSOR) * 1e6
+    return bench_cp._timed(opt.step, CPU, 1, 5) / (len(params) * ADAMW_OPS_PER_TENSOR) * 1e6
 
 
 def _elementwise_rate(tokens, hidden, width, med) -> float:
@@ -482,7 +468,6 @@ def cp_overhead(spec, pc, seq_len, batch) -> dict:
     whole-sequence attention), in a fresh process (the simulation owns its process group)."""
     import torch.multiprocessing as mp
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
     kw = dict(world=pc.cp_size, seq_len=seq_len, heads=spec.num_heads // pc.tp_size,
               kv_heads=spec.num_kv_heads // pc.tp_size, head_dim=spec.head_dim, batch=batch // pc.dp_size,
               impls=(pc.cp_impl,), ulysses=pc.ulysses_size, device="cpu", iters=5)

@@ -22,38 +22,19 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_cp  # noqa: E402  (the benchmarks' one timer)
 
 IMPLS = ("ring", "allgather", "ulysses", "usp")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _timer(dev):
-    def run(fn, warmup=1, iters=3):
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2]
-    return run
 
 
 def _fwd_bwd(fn, q, k, v):
@@ -96,7 +77,7 @@ def simulate(world, seq_len, heads, kv_heads, head_dim, *, dtype="fp32", batch=1
     if dev.type == "cpu":
         torch.set_flush_denormal(True)
     dt = DTYPES[dtype]
-    timed = _timer(dev)
+    timed = lambda fn, iters: bench_cp._timed(fn, dev, 1, iters)  # noqa: E731
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(s, h, grad=True):

@@ -275,6 +275,18 @@ def _merge_tile(o_base, acc, offs_m, offs_d, row_ok, w_old, w_blk, stride_o_s, H
 
 
 @triton.jit
+def _load_kv_block(k_ptr, v_ptr, b, k_row0, hk, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+                   stride_v_h, offs_c, offs_d, kv_mask):
+    """K and V of the key block whose first row is ``k_row0`` (int64), kv head ``hk``: the base pointer is
+    advanced to that row and ``offs_c`` (rows inside the block) stay small int32 offsets."""
+    k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
+                + offs_c[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
+                + offs_c[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _flash_bwd_preprocess_kernel(
     out_ptr, dout_ptr, delta_ptr, seqlen,
     stride_o_b, stride_o_s, stride_o_h,
@@ -343,10 +355,8 @@ def _flash_bwd_kernel(
     # q/do advance a scalar base by start_m and dq/lse widen their rows per element (the forms that
     # keep registers and spills at the int32 kernel's level; `python -m ndp_kernels.aot`).
     k_row0 = (k_start + n0).to(tl.int64)
-    k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
-                + offs_c[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
-                + offs_c[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv_block(k_ptr, v_ptr, b, k_row0, hk, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+                          stride_v_h, offs_c, offs_d, kv_mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -485,10 +495,8 @@ def _flash_bwd_dkdv_kernel(
     # int64 row offsets as in _flash_bwd_kernel: k/v/dk/dv advance their base to the block's first
     # row, q/do advance a scalar base per query block (the forms that keep registers down).
     k_row0 = (k_start + n0).to(tl.int64)
-    k = tl.load(k_ptr + b * stride_k_b + k_row0 * stride_k_s + hk * stride_k_h
-                + offs_c[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_v_b + k_row0 * stride_v_s + hk * stride_v_h
-                + offs_c[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv_block(k_ptr, v_ptr, b, k_row0, hk, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s,
+                          stride_v_h, offs_c, offs_d, kv_mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 

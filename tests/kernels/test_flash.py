@@ -8,20 +8,9 @@ import torch
 
 from ndp_kernels import flash, reference
 from ndp_kernels._segments import NO_LIMIT, Segments
+from _kernel_cases import CASES, DTYPES, qkv
 from tolerances import assert_close, assert_within_lowp_bound
 
-DTYPES = [torch.float32, torch.float16]
-
-
-def _qkv(b, sq, sk, h, hk, d, dtype, seed=0, packed=False):
-    g = torch.Generator().manual_seed(seed)
-    shape_q = (sq, h, d) if packed else (b, sq, h, d)
-    shape_k = (sk, hk, d) if packed else (b, sk, hk, d)
-    q = torch.randn(shape_q, generator=g).to(dtype)
-    k = torch.randn(shape_k, generator=g).to(dtype)
-    v = torch.randn(shape_k, generator=g).to(dtype)
-    dout = torch.randn(shape_q, generator=g).to(dtype)
-    return q, k, v, dout
 
 
 def _assert_lse(lse, ref, dtype):
@@ -59,27 +48,12 @@ def _check(q, k, v, dout, dtype, **kw):
     return out, lse, grads
 
 
-# (batch, seq_q, seq_k, heads, kv_heads, head_dim, causal, window)
-CASES = [
-    pytest.param(2, 97, 97, 2, 2, 64, True, (-1, -1), id="causal-97-d64"),
-    pytest.param(1, 97, 97, 4, 1, 64, False, (-1, -1), id="full-mqa-97-d64"),
-    pytest.param(1, 17, 97, 8, 2, 80, True, (-1, -1), id="causal-gqa4-q17-k97-d80"),
-    pytest.param(1, 97, 17, 4, 2, 128, True, (-1, -1), id="causal-q97-k17-d128-nokeyrows"),
-    pytest.param(1, 257, 257, 2, 1, 64, True, (-1, -1), id="causal-mqa-257-d64"),
-    pytest.param(1, 1, 1, 2, 2, 64, False, (-1, -1), id="full-1-d64"),
-    pytest.param(1, 1, 257, 2, 1, 128, True, (-1, -1), id="causal-q1-k257-d128"),
-    pytest.param(1, 257, 257, 2, 2, 80, False, (16, 8), id="window16-8-257-d80"),
-    pytest.param(1, 65, 130, 8, 2, 64, False, (20, 5), id="window20-5-gqa4-q65-k130"),
-    pytest.param(2, 97, 97, 4, 2, 64, True, (32, -1), id="causal-window32-97"),
-    # A band wider than a block: masked edges around unmasked interior key blocks.
-    pytest.param(1, 200, 257, 2, 1, 64, False, (100, 3), id="window100-3-q200-k257"),
-]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window", CASES)
 def test_fwd_bwd_matches_reference(b, sq, sk, h, hk, d, causal, window, dtype):
-    q, k, v, dout = _qkv(b, sq, sk, h, hk, d, dtype)
+    q, k, v, dout = qkv(b, sq, sk, h, hk, d, dtype)
     _check(q, k, v, dout, dtype, causal=causal, window_size=window)
 
 
@@ -88,7 +62,7 @@ def test_fwd_bwd_matches_reference(b, sq, sk, h, hk, d, causal, window, dtype):
 def test_packed_documents(dtype, causal):
     lens = [1, 17, 64, 300]
     cu = torch.tensor([0, 1, 18, 82, 382], dtype=torch.int32)
-    q, k, v, dout = _qkv(1, sum(lens), sum(lens), 4, 2, 64, dtype, seed=1, packed=True)
+    q, k, v, dout = qkv(1, sum(lens), sum(lens), 4, 2, 64, dtype, seed=1, packed=True)
     out, lse, _ = _check(q, k, v, dout, dtype, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
                          max_seqlen_q=300, max_seqlen_k=300)
     assert out.shape == q.shape and lse.shape == (4, sum(lens))
@@ -99,13 +73,13 @@ def test_packed_documents_different_q_and_k_lengths():
     # bottom-right aligned per document, plus a document with no queries.
     cu_q = torch.tensor([0, 1, 1, 18, 50], dtype=torch.int32)
     cu_k = torch.tensor([0, 3, 10, 27, 110], dtype=torch.int32)
-    q, k, v, dout = _qkv(1, 50, 110, 2, 1, 64, torch.float32, seed=2, packed=True)
+    q, k, v, dout = qkv(1, 50, 110, 2, 1, 64, torch.float32, seed=2, packed=True)
     _check(q, k, v, dout, torch.float32, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
 def test_rows_without_keys_give_zero_and_neg_inf():
     # seq_q > seq_k with causal bottom-right alignment: the first 80 query rows see no key.
-    q, k, v, dout = _qkv(1, 97, 17, 2, 2, 64, torch.float32, seed=3)
+    q, k, v, dout = qkv(1, 97, 17, 2, 2, 64, torch.float32, seed=3)
     out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
     assert torch.all(out[:, :80] == 0) and torch.all(torch.isneginf(lse[:, :, :80]))
     assert torch.isfinite(lse[:, :, 80:]).all()
@@ -117,7 +91,7 @@ def test_rows_without_keys_give_zero_and_neg_inf():
 
 def test_rows_in_no_segment():
     # Rows 10..19 belong to no segment: out 0, lse -inf, zero dq; with accumulators they stay untouched.
-    q, k, v, dout = _qkv(1, 30, 40, 2, 1, 64, torch.float32, seed=4)
+    q, k, v, dout = qkv(1, 30, 40, 2, 1, 64, torch.float32, seed=4)
     segs = Segments.from_rows([(0, 10, 0, 40, -NO_LIMIT, NO_LIMIT), (20, 10, 5, 20, -3, 2)])
     scale = 0.125
     out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale)
@@ -139,7 +113,7 @@ def test_rows_in_no_segment():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_overlapping_key_ranges(dtype):
     # Segments that share key rows (allgather CP with packed documents): dk/dv are added atomically.
-    q, k, v, dout = _qkv(2, 40, 50, 4, 2, 64, dtype, seed=5)
+    q, k, v, dout = qkv(2, 40, 50, 4, 2, 64, dtype, seed=5)
     segs = Segments.from_rows([(0, 15, 0, 30, -NO_LIMIT, 15), (15, 25, 10, 40, -8, 15)])
     scale = 64 ** -0.5
     out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale)
@@ -165,7 +139,7 @@ def _chunk_segments(sq, sk, a, b, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_fused_accumulation_fwd_over_key_chunks(dtype, causal):
     sq, sk, bounds = 70, 150, [0, 33, 97, 150]
-    q, k, v, _ = _qkv(1, sq, sk, 4, 2, 64, dtype, seed=6)
+    q, k, v, _ = qkv(1, sq, sk, 4, 2, 64, dtype, seed=6)
     scale = 64 ** -0.5
     whole_out, whole_lse = flash.flash_attn_fwd(q, k, v, causal=causal)
     ref_out = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), causal=causal)[0]
@@ -183,7 +157,7 @@ def test_fused_accumulation_fwd_over_key_chunks(dtype, causal):
 
 def test_fused_accumulation_fwd_public_signature():
     # Ring-style: split K/V in two, the public entry point merges into the accumulators in place.
-    q, k, v, _ = _qkv(2, 33, 64, 2, 2, 128, torch.float32, seed=7)
+    q, k, v, _ = qkv(2, 33, 64, 2, 2, 128, torch.float32, seed=7)
     whole_out, whole_lse = flash.flash_attn_fwd(q, k, v)
     out_acc = torch.zeros(q.shape)
     lse_acc = torch.full(whole_lse.shape, float("-inf"))
@@ -196,7 +170,7 @@ def test_fused_accumulation_fwd_public_signature():
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_fused_accumulation_bwd_over_key_chunks(dtype):
     sq, sk, bounds = 70, 150, [0, 50, 150]
-    q, k, v, dout = _qkv(1, sq, sk, 4, 1, 64, dtype, seed=8)
+    q, k, v, dout = qkv(1, sq, sk, 4, 1, 64, dtype, seed=8)
     scale = 64 ** -0.5
     out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
     whole = flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True)
@@ -217,7 +191,7 @@ def test_fused_accumulation_bwd_over_key_chunks(dtype):
 
 def test_bwd_public_accumulators_packed():
     cu = torch.tensor([0, 17, 81], dtype=torch.int32)
-    q, k, v, dout = _qkv(1, 81, 81, 2, 1, 64, torch.float32, seed=10, packed=True)
+    q, k, v, dout = qkv(1, 81, 81, 2, 1, 64, torch.float32, seed=10, packed=True)
     kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64)
     out, lse = flash.flash_attn_fwd(q, k, v, **kw)
     dq, dk, dv = flash.flash_attn_bwd(dout, q, k, v, out, lse, **kw)
@@ -229,7 +203,7 @@ def test_bwd_public_accumulators_packed():
 
 
 def test_flash_attn_func_autograd():
-    q, k, v, dout = _qkv(1, 40, 40, 4, 2, 64, torch.float32, seed=11)
+    q, k, v, dout = qkv(1, 40, 40, 4, 2, 64, torch.float32, seed=11)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = flash.flash_attn_func(q, k, v, causal=True, window_size=(10, 0))
     out.backward(dout)
@@ -244,7 +218,7 @@ def test_flash_attn_func_autograd():
 
 def test_bwd_segments_with_fp32_out_and_dout():
     # The ring backward passes the merged fp32 output (and may pass an fp32 gradient) with fp16 q/k/v.
-    q, k, v, dout = _qkv(1, 50, 50, 2, 1, 64, torch.float16, seed=12)
+    q, k, v, dout = qkv(1, 50, 50, 2, 1, 64, torch.float16, seed=12)
     segs = Segments.dense(50, 50, causal=True)
     scale = 0.125
     out32, lse = reference.attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale,
@@ -261,7 +235,7 @@ def test_bwd_segments_with_fp32_out_and_dout():
 @pytest.mark.parametrize("d", [16, 96, 192, 256])
 def test_other_head_dims(d):
     # Non-power-of-two head dims run in a padded BLOCK_D tile with masked columns.
-    q, k, v, dout = _qkv(1, 33, 45, 2, 1, d, torch.float32, seed=13)
+    q, k, v, dout = qkv(1, 33, 45, 2, 1, d, torch.float32, seed=13)
     _check(q, k, v, dout, torch.float32, causal=True)
 
 
@@ -293,7 +267,7 @@ def test_random_segment_tables_and_tiles(seed, monkeypatch):
         hi = rng.choice([NO_LIMIT, rng.randint(max(lo, -30), 80)])
         rows.append((a, b - a, ks, kl, lo, hi))
     segs = Segments.from_rows(rows or [(0, sq, 0, sk, -NO_LIMIT, NO_LIMIT)])
-    q, k, v, dout = _qkv(2, sq, sk, h, hk, 64, torch.float32, seed=seed)
+    q, k, v, dout = qkv(2, sq, sk, h, hk, 64, torch.float32, seed=seed)
     scale = 0.125
     out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale)
     ref_out, ref_lse = reference.attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale)

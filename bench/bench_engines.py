@@ -84,7 +84,7 @@ def single(seqlens, dev, iters, engines=None):
     import ndp.ops
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    engines = engines or (["auto", "triton"] if dev.type == "cuda" else ["auto", "sdpa", "torch"])
+    engines = engines or (["auto", "sdpa", "triton"] if dev.type == "cuda" else ["auto", "sdpa", "torch"])
     rows = []
     for s in seqlens:
         for causal in (True, False):

@@ -1,6 +1,7 @@
 """Local attention backends (layer ``ndp/ops`` of docs/design.md)."""
 from .attention import (BACKENDS, attention, attention_backward, attention_bwd, attention_fwd, available_backends,
                         resolve_backend)
+from ._sdpa_cuda import set_kernel_order as set_sdpa_cuda_kernels
 
 __all__ = ["BACKENDS", "attention", "attention_fwd", "attention_bwd", "attention_backward",
-           "available_backends", "resolve_backend"]
+           "available_backends", "resolve_backend", "set_sdpa_cuda_kernels"]

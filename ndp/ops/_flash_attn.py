@@ -50,6 +50,19 @@ def available3() -> tuple[bool, str]:
     return True, ""
 
 
+def window_of(ql: int, kl: int, lo: int, hi: int):
+    """flash-attn's bottom-right (left, right) window (-1: unlimited) of a segment of ql query and kl key rows
+    with the band lo <= j - i <= hi, or None when it has none."""
+    d = kl - ql
+    left = -1 if lo <= -NO_LIMIT else d - lo
+    right = -1 if hi >= NO_LIMIT else hi - d
+    # A finite bound that maps to a negative window (e.g. the striped ring's band_hi = -1 with d = 0) is not
+    # expressible: flash-attn would read -1 as "unlimited".
+    if (lo > -NO_LIMIT and left < 0) or (hi < NO_LIMIT and right < 0):
+        return None
+    return left, right
+
+
 def _varlen_args(q4, k4, segs):
     """(cu_q, cu_k, max_q, max_k, causal, (left, right)) when segs is flash-attn expressible, else None."""
     # Only packed-style calls ([1, T, H, D]) map onto the varlen API; others use the Triton kernels.
@@ -62,15 +75,10 @@ def _varlen_args(q4, k4, segs):
     for qs, ql, ks, kl, lo, hi in rows:
         if qs != cu_q[-1] or ks != cu_k[-1]:
             return None
-        d = kl - ql
-        left = -1 if lo <= -NO_LIMIT else d - lo
-        right = -1 if hi >= NO_LIMIT else hi - d
-        # A finite bound that maps to a negative window (e.g. the striped ring's band_hi = -1 with
-        # d = 0) is not expressible: flash-attn would read -1 as "unlimited".
-        if (lo > -NO_LIMIT and left < 0) or (hi < NO_LIMIT and right < 0):
+        window = window_of(ql, kl, lo, hi)
+        if window is None or (mode is not None and mode != window):
             return None
-        if mode is not None and mode != (left, right):
-            return None
+        left, right = window
         mode = (left, right)
         cu_q.append(qs + ql)
         cu_k.append(ks + kl)

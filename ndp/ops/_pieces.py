@@ -19,11 +19,16 @@ Every piece has at least one visible key in each of its rows, so no engine ever 
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 
-from ndp_kernels._segments import NO_LIMIT
+import torch
 
-__all__ = ["Piece", "plan_pieces", "MASK_TILE_ROWS"]
+from ndp import _ops
+from ndp_kernels import reference
+from ndp_kernels._segments import NO_LIMIT, acc_dtype
+
+__all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_fwd", "run_bwd", "MASK_TILE_ROWS"]
 
 # Rows per masked piece: bounds a mask to MASK_TILE_ROWS x (MASK_TILE_ROWS + window) entries.
 MASK_TILE_ROWS = 1024
@@ -125,3 +130,77 @@ def plan_pieces(rows, sq: int, sk: int, mask_rows: int = MASK_TILE_ROWS) -> tupl
     for r in rows:
         out.extend(_segment_pieces(*r, mask_rows=mask_rows))
     return tuple(out)
+
+
+def pieces_of(segs, sq: int, sk: int) -> tuple[Piece, ...]:
+    """The piece plan of a Segments table for a block of sq x sk rows (cached on the table)."""
+    key = ("pieces", sq, sk)
+    hit = segs.memo.get(key)
+    if hit is None:
+        hit = segs.memo[key] = plan_pieces(segs.table.tolist(), sq, sk)
+    return hit
+
+
+Call = namedtuple("Call", "piece kernel fwd bwd")
+# A call runs one piece on one kernel: ``fwd(piece, q4, k4, v4, scale) -> (o [B, n, H, D], lse [B, H, n])`` and
+# ``bwd(piece, do4, q4, k4, v4, o4, lse3, scale) -> (dq [B, n, H, D], dk, dv [B, m, Hkv, D])``, given the whole
+# block's tensors (each call slices its rows). The engines build the list: ``_sdpa`` (CPU), ``_sdpa_cuda``.
+
+def _merge(out_acc, lse_acc, piece, o, lse):
+    """Merges a piece result (o [B, n, H, D], lse [B, H, n]) into the rows of the accumulators."""
+    oa = out_acc[:, piece.q0:piece.q1]
+    la = lse_acc[:, :, piece.q0:piece.q1]
+    if out_acc.dtype == torch.float32 and _ops.available():
+        torch.ops.ndp.merge_attn_states_(oa, la, o, lse.float())
+    else:
+        reference.merge_attn_states_ref(oa, la, o, lse.to(lse_acc.dtype))
+
+
+def _covers(piece, sq, sk=None) -> bool:
+    return piece.q0 == 0 and piece.q1 == sq and (sk is None or (piece.k0 == 0 and piece.k1 == sk))
+
+
+def run_fwd(calls, q4, k4, v4, scale, out_acc=None, lse_acc=None):
+    """Forward of a block as `calls`. Returns (out in q4's dtype, lse in its accumulator dtype), or
+    (out_acc, lse_acc) with every piece merged in; rows no piece covers see no key (0, -inf)."""
+    b, sq, h, _ = q4.shape
+    adt = acc_dtype(q4.dtype)
+    if out_acc is None and len(calls) == 1 and _covers(calls[0].piece, sq):
+        o, lse = calls[0].fwd(calls[0].piece, q4, k4, v4, scale)
+        return o, lse.to(adt)
+    own = out_acc is None
+    if own:
+        out_acc = torch.zeros(q4.shape, dtype=adt, device=q4.device)
+        lse_acc = torch.full((b, h, sq), float("-inf"), dtype=adt, device=q4.device)
+    for c in calls:
+        o, lse = c.fwd(c.piece, q4, k4, v4, scale)
+        _merge(out_acc, lse_acc, c.piece, o, lse)
+    if own:
+        return out_acc.to(q4.dtype), lse_acc
+    return out_acc, lse_acc
+
+
+def run_bwd(calls, do4, q4, k4, v4, o4, lse3, scale, dq_acc=None, dk_acc=None, dv_acc=None):
+    """Backward of a block as `calls` given the rows' final out and lse. Returns (dq, dk, dv) in the inputs'
+    dtype, or the accumulators with every piece's gradients added."""
+    # lse = -inf marks a row with no key at all: +inf turns its probabilities into exact zeros.
+    lse_safe = lse3.masked_fill(lse3 == float("-inf"), float("inf"))
+    if q4.dtype == torch.float64:
+        lse_safe = lse_safe.double()
+    own = dq_acc is None
+    if own and len(calls) == 1 and _covers(calls[0].piece, q4.shape[1], k4.shape[1]):
+        c = calls[0]
+        return tuple(g.to(x.dtype) for g, x in zip(c.bwd(c.piece, do4, q4, k4, v4, o4, lse_safe, scale),
+                                                   (q4, k4, v4)))
+    if own:
+        adt = acc_dtype(q4.dtype)
+        dq_acc, dk_acc, dv_acc = (torch.zeros(x.shape, dtype=adt, device=x.device) for x in (q4, k4, v4))
+    for c in calls:
+        p = c.piece
+        dq, dk, dv = c.bwd(p, do4, q4, k4, v4, o4, lse_safe, scale)
+        dq_acc[:, p.q0:p.q1] += dq
+        dk_acc[:, p.k0:p.k1] += dk
+        dv_acc[:, p.k0:p.k1] += dv
+    if own:
+        return dq_acc.to(q4.dtype), dk_acc.to(k4.dtype), dv_acc.to(v4.dtype)
+    return dq_acc, dk_acc, dv_acc

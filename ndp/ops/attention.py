@@ -1,7 +1,7 @@
 """Local (one-device) attention engines behind one interface.
 
-Engines: ``sdpa`` (torch's fused SDPA kernels with log-sum-exp; CPU), ``triton`` (``ndp_kernels``
-kernels; on CPU only under the Triton interpreter), ``flash_attn`` (flash-attn's CUDA kernels when
+Engines: ``sdpa`` (torch's fused SDPA kernels with log-sum-exp: CPU flash; CUDA cuDNN, flash, efficient),
+``triton`` (``ndp_kernels`` kernels; on CPU only under the Triton interpreter), ``flash_attn`` (flash-attn's CUDA kernels when
 importable), ``torch`` (plain PyTorch, ``ndp_kernels.reference``: the materialising reference, float64
 capable). ``auto`` picks per block the fastest engine that is exact for it, from measurements (see
 ``engines.py``). Every engine keeps the same conventions, including the fp32 accumulators of ring steps.
@@ -104,7 +104,7 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
     if be == "torch":
         return reference.attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, **kw)
     if be == "sdpa":
-        return _sdpa.bwd(dout4, q4, k4, v4, out4, lse3, segs, **kw)
+        return _sdpa.bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic, **kw)
     if be == "triton":
         if deterministic:
             kw["deterministic"] = True

@@ -122,8 +122,8 @@ def capable(engine: str, segs, q4, k4, *, deterministic: bool = False) -> tuple[
         if _flash_attn._varlen_args(q4, k4, segs) is None:
             return False, ("flash-attn's varlen API cannot express this block (it needs fp16/bf16, head_dim % 8 == 0 "
                            "and back-to-back bottom-right aligned segments with one shared window)")
-    if engine == "sdpa" and q4.device.type != "cpu":
-        return _sdpa.available(q4.device)
+    if engine == "sdpa":
+        return _sdpa.capable(segs, q4, k4, deterministic=deterministic)
     return True, ""
 
 

@@ -23,16 +23,12 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import NO_LIMIT, Segments, tuning
-from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
 
+from ._check import compare_to_reference
 from .attention import attention_bwd, attention_fwd
 from .engines import AUTO_ENGINES, CLASSES, ENGINES, SHIPPED_DIR, block_class, capable, engine_available
 
 __all__ = ["class_block", "check_engine", "time_engine", "tune", "main"]
-
-# atol of the correctness check per dtype (out and grads): the error must also stay within twice the
-# error of the reference computed in the dtype itself (the STYLE.md rule for fp16/bf16).
-_ATOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 def class_block(cls: str, s: int) -> tuple[Segments, int, int]:
@@ -75,24 +71,7 @@ def check_engine(engine, cls, dtype, head_dim, device, *, s=97, h=4, hk=2) -> tu
     q, k, v, dout = _inputs(sq, sk, h, hk, head_dim, dtype, device, seed=1)
     scale = head_dim ** -0.5
     got = _fwd_bwd(engine, q, k, v, dout, segs, scale)
-    q64, k64, v64, do64 = (x.double().cpu() for x in (q, k, v, dout))
-    o, lse = attn_fwd_segments_ref(q64, k64, v64, segs, softmax_scale=scale)
-    want = (o, lse) + tuple(attn_bwd_segments_ref(do64, q64, k64, v64, o, lse, segs, softmax_scale=scale))
-    lo, llse = attn_fwd_segments_ref(q64.to(dtype), k64.to(dtype), v64.to(dtype), segs, softmax_scale=scale,
-                                     upcast=False)
-    lowp = (lo, llse) + tuple(attn_bwd_segments_ref(do64.to(dtype), q64.to(dtype), k64.to(dtype), v64.to(dtype),
-                                                    lo, llse, segs, softmax_scale=scale, upcast=False))
-    worst, ok = 0.0, True
-    for a, w, lp in zip(got, want, lowp):
-        a, w, lp = (x.double().cpu() for x in (a, w, lp))
-        fin = torch.isfinite(w)
-        if not torch.equal(torch.isfinite(a), fin):
-            return False, float("inf")
-        err = (a[fin] - w[fin]).abs().max().item() if fin.any() else 0.0
-        base = (lp[fin] - w[fin]).abs().max().item() if fin.any() else 0.0
-        worst = max(worst, err)
-        ok &= err <= 2 * base + _ATOL[dtype]
-    return ok, worst
+    return compare_to_reference(got, q, k, v, dout, segs, scale)
 
 
 def time_engine(engine, cls, dtype, head_dim, device, *, s, h=8, hk=2, iters=3) -> float:

@@ -119,12 +119,16 @@ def _engine_report(device: str) -> dict:
                 avail = [e for e in row["order"] if engines.engine_available(e, device)[0]]
                 rows["/".join(str(x) for x in key)] = {
                     "auto": avail[0] if avail else None, "order": row["order"], "ms": row.get("ms", {}),
-                    "why": "fastest exact engine measured" if avail else "no measured engine is available here"}
-        default = list(engines.DEFAULT_ORDER.get(_t.device(device).type, ()))
+                    "why": ("no measured engine is available here" if not avail else
+                            "fastest exact engine measured" + (" (on first use)" if row.get("probed") else ""))}
+        dev_type = _t.device(device).type
+        default = list(engines.DEFAULT_ORDER.get(dev_type, ()))
+        probe = ("; on this device auto measures a missing row once on first use "
+                 "and adds it to the table") if dev_type in engines.AUTO_PROBE else ""
         return {"device_key": table.device_key, "source": table.source, "measured": table.meta.get("measured"),
                 "block": table.meta.get("block"), "rows": rows, "default_order": default,
                 "why": "" if rows else (f"no measured table for {table.device_key}: auto uses the default order "
-                                        f"{default}; run `python -m ndp.ops.tune` to measure this device")}
+                                        f"{default}{probe}; run `python -m ndp.ops.tune` to measure this device")}
     except Exception as exc:  # report, do not crash
         return {"error": f"{type(exc).__name__}: {exc}", "rows": {}}
 

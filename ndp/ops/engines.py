@@ -14,7 +14,8 @@ the block's dtype, with deterministic gradients when asked. ``auto`` runs, per b
 engine of a measured preference order for (device, class, dtype, head_dim bucket). The orders come from
 a table written by ``python -m ndp.ops.tune`` on the device (user cache, see ``ndp_kernels.tuning``) or
 shipped with ndp for that device; where no table has a row, ``auto`` uses a fixed default order and
-``python -m ndp.info`` says so. The ``torch`` engine (the materialising reference) is never chosen by
+``python -m ndp.info`` says so; on a GPU (``AUTO_PROBE``) such a row is measured once on first use instead and
+saved into the user's table. The ``torch`` engine (the materialising reference) is never chosen by
 ``auto``.
 """
 from __future__ import annotations
@@ -189,6 +190,42 @@ def engine_table(device, *, reload: bool = False) -> EngineTable:
     return table
 
 
+# Device types on which auto measures a missing table row on first use (``ndp.ops.tune.probe_row``) instead of
+# taking DEFAULT_ORDER. CPU ships its table; set to () to never probe.
+AUTO_PROBE = ("cuda",)
+_PROBE_FAILED: set = set()
+
+
+def _may_probe(device) -> bool:
+    if device.type not in AUTO_PROBE or torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
+    """Measures the row once (see ``tune.probe_row``), adds it to the in-memory table, returns its order; on
+    failure (logged once) the order the table had for a neighbouring row, else () (auto then takes DEFAULT_ORDER)."""
+    dt = str(dtype).replace("torch.", "")
+    key = (cls, dt, bucket)
+    if (table.device_key,) + key in _PROBE_FAILED:
+        return table.order(cls, dtype, bucket)[0]
+    from . import tune  # tune imports this module
+
+    log.info("auto: no measured engine row for %s/%s/%d on %s; measuring it once (python -m ndp.ops.tune "
+             "measures the whole table)", cls, dt, bucket, table.device_key)
+    try:
+        order = tune.probe_row(device, cls, dtype, bucket)
+    except Exception as e:
+        _PROBE_FAILED.add((table.device_key,) + key)
+        log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row or the default order %s",
+                    cls, dt, bucket, table.device_key, type(e).__name__, e, DEFAULT_ORDER.get(device.type))
+        return table.order(cls, dtype, bucket)[0]
+    table.rows[key] = {"order": list(order), "probed": True}
+    if table.source == "none":
+        table.source = str(tuning.table_path("engines", table.device_key))
+    return order
+
+
 def choose(segs, q4, k4, *, deterministic: bool = False) -> str:
     """The engine ``auto`` runs for this block (cached on the table per dtype, head_dim, device).
 
@@ -201,7 +238,11 @@ def choose(segs, q4, k4, *, deterministic: bool = False) -> str:
     if hit is not None:
         return hit
     cls = block_class(segs, sq, sk)
-    order, _ = engine_table(q4.device).order(cls, q4.dtype, head_dim_bucket(q4.shape[-1]))
+    table = engine_table(q4.device)
+    bucket = head_dim_bucket(q4.shape[-1])
+    order, how = table.order(cls, q4.dtype, bucket)
+    if how != "measured" and _may_probe(q4.device):
+        order = _probe(table, cls, q4.dtype, bucket, q4.device)
     fallback = DEFAULT_ORDER.get(q4.device.type, ("triton",))
     reasons = {}
     for e in tuple(order) + tuple(x for x in fallback if x not in order):

@@ -91,34 +91,34 @@ def time_engine(engine, cls, dtype, head_dim, device, *, s, h=8, hk=2, iters=3) 
     return statistics.median(times)
 
 
-def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, log=print) -> dict:
-    """Measures every (class, dtype, head_dim) row; returns the table as a JSON-ready dict."""
-    device = torch.device(device)
-    rows = {}
-    for cls in CLASSES:
-        for dtype in dtypes:
-            for d in head_dims:
-                segs, sq, sk = class_block(cls, 8)
-                probe = torch.empty(1, sq, 1, d, dtype=dtype, device=device)
-                assert block_class(segs, sq, sk) == cls
-                ms, rejected = {}, {}
-                names = [e for e in ENGINES if e in AUTO_ENGINES or (with_reference and e == "torch")]
-                for e in names:
-                    ok, why = engine_available(e, device)
-                    if ok:
-                        ok, why = capable(e, segs, probe, probe)
-                    if not ok:
-                        continue
-                    good, err = check_engine(e, cls, dtype, d, device)
-                    if not good:
-                        rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
-                        continue
-                    ms[e] = round(time_engine(e, cls, dtype, d, device, s=s, iters=iters), 3)
-                order = sorted((e for e in ms if e in AUTO_ENGINES), key=ms.get)
-                key = f"{cls}/{str(dtype).replace('torch.', '')}/{d}"
-                rows[key] = {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
-                log(f"{key:<24} " + "  ".join(f"{e} {t:9.2f} ms" for e, t in sorted(ms.items(), key=lambda x: x[1]))
-                    + (f"  rejected: {rejected}" if rejected else ""))
+def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True) -> dict:
+    """One table row: every engine available and exact here for a block of class `cls`, checked against the
+    float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "rejected"}``."""
+    segs, sq, sk = class_block(cls, 8)
+    probe = torch.empty(1, sq, 1, head_dim, dtype=dtype, device=device)
+    assert block_class(segs, sq, sk) == cls
+    ms, rejected = {}, {}
+    names = [e for e in ENGINES if e in AUTO_ENGINES or (with_reference and e == "torch")]
+    for e in names:
+        ok, why = engine_available(e, device)
+        if ok:
+            ok, why = capable(e, segs, probe, probe)
+        if not ok:
+            continue
+        good, err = check_engine(e, cls, dtype, head_dim, device)
+        if not good:
+            rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
+            continue
+        ms[e] = round(time_engine(e, cls, dtype, head_dim, device, s=s, iters=iters), 3)
+    order = sorted((e for e in ms if e in AUTO_ENGINES), key=ms.get)
+    return {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
+
+
+def _row_key(cls, dtype, head_dim) -> str:
+    return f"{cls}/{str(dtype).replace('torch.', '')}/{head_dim}"
+
+
+def _meta(device, s, iters) -> dict:
     return {
         "device_key": tuning.device_key(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -127,8 +127,41 @@ def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, log=print)
         "measured": datetime.date.today().isoformat(),
         "block": f"B=1 S={s} H=8 Hkv=2, forward+backward, median of {iters}",
         "threads": torch.get_num_threads(),
-        "rows": rows,
     }
+
+
+def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, log=print) -> dict:
+    """Measures every (class, dtype, head_dim) row; returns the table as a JSON-ready dict."""
+    device = torch.device(device)
+    rows = {}
+    for cls in CLASSES:
+        for dtype in dtypes:
+            for d in head_dims:
+                key = _row_key(cls, dtype, d)
+                row = rows[key] = measure_row(device, cls, dtype, d, s=s, iters=iters, with_reference=with_reference)
+                log(f"{key:<24} " + "  ".join(f"{e} {t:9.2f} ms" for e, t in sorted(row["ms"].items(),
+                                                                                   key=lambda x: x[1]))
+                    + (f"  rejected: {row['rejected']}" if "rejected" in row else ""))
+    return {**_meta(device, s, iters), "rows": rows}
+
+
+# The first-use probe: auto on a device whose table has no row for a block measures that row once (a small
+# block, the engines auto may pick) and adds it to the user's table, so later processes read it.
+PROBE_SEQLEN = 2048
+PROBE_ITERS = 3
+
+
+def probe_row(device, cls, dtype, head_dim) -> tuple[str, ...]:
+    """Measures the row (cls, dtype, head_dim bucket) on `device`, saves it into the user's engine table and
+    returns its order. The saved file keeps the rows it had (written atomically)."""
+    device = torch.device(device)
+    row = measure_row(device, cls, dtype, head_dim, s=PROBE_SEQLEN, iters=PROBE_ITERS, with_reference=False)
+    row["probed"] = True
+    path = tuning.table_path("engines", tuning.device_key(device))
+    data = tuning.load_json(path) or {**_meta(device, PROBE_SEQLEN, PROBE_ITERS), "rows": {}}
+    data["rows"][_row_key(cls, dtype, head_dim)] = row
+    tuning.save_json(path, data)
+    return tuple(row["order"])
 
 
 def _triton_version():

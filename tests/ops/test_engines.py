@@ -166,6 +166,68 @@ def test_auto_on_cpu_runs_sdpa_for_every_class_from_the_shipped_table(tmp_path, 
         assert engines.choose(segs, q[:, :sq], q[:, :sk]) == "sdpa"
 
 
+@pytest.fixture
+def probing(tmp_path, monkeypatch):
+    """No table anywhere, probing on for CPU (the GPU default), only sdpa and the reference measured."""
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(engines, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(engines, "AUTO_PROBE", ("cpu",))
+    monkeypatch.setattr(engines, "_TABLES", {})
+    monkeypatch.setattr(engines, "_PROBE_FAILED", set())
+    monkeypatch.setattr(tune, "engine_available",
+                        lambda e, d: (False, "not here") if e == "triton" else engines.engine_available(e, d))
+    timed = []
+
+    def fake_time(engine, cls, dtype, head_dim, device, *, s, iters):
+        timed.append((engine, cls, str(dtype), head_dim, s))
+        return 1.5
+    monkeypatch.setattr(tune, "time_engine", fake_time)
+    yield timed
+    engines._TABLES.clear()
+
+
+def test_auto_measures_a_missing_row_once_and_saves_it(probing, tmp_path):
+    q = torch.zeros(1, 40, 4, 80)
+    segs = Segments.dense(40, 40, causal=True)
+    assert engines.choose(segs, q, q) == "sdpa"
+    # Measured at the head_dim bucket (128), on the probe's block size, for the engines auto may pick.
+    assert probing == [("sdpa", "causal", "torch.float32", 128, tune.PROBE_SEQLEN)]
+    saved = json.loads((tmp_path / "engines-cpu.json").read_text())
+    row = saved["rows"]["causal/float32/128"]
+    assert row["order"] == ["sdpa"] and row["probed"] and row["ms"] == {"sdpa": 1.5}
+    assert engines.choose(Segments.dense(40, 40, causal=True), q, q) == "sdpa"   # a new table: no new probe
+    assert engines.choose(Segments.dense(40, 40, causal=True), q.double(), q.double()) == "sdpa"
+    assert len(probing) == 2 and probing[1][2] == "torch.float64"               # a new dtype is a new row
+    engines._TABLES.clear()                                                      # as in a new process
+    table = engines.engine_table("cpu")
+    assert table.order("causal", torch.float32, 128) == (("sdpa",), "measured")
+    assert engines.choose(Segments.dense(40, 40, causal=True), q, q) == "sdpa" and len(probing) == 2
+    assert set(json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]) == {"causal/float32/128",
+                                                                                    "causal/float64/128"}
+
+
+def test_a_failed_probe_falls_back_and_is_not_retried(probing, monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(tune, "time_engine", broken)
+    q = torch.zeros(1, 16, 2, 64)
+    with caplog.at_level("WARNING", logger="ndp.ops.engines"):
+        assert engines.choose(Segments.dense(16, 16, causal=False), q, q) == "sdpa"      # DEFAULT_ORDER on CPU
+    assert "out of memory" in caplog.text and "full/float32/64" in caplog.text
+    monkeypatch.setattr(tune, "time_engine", lambda *a, **k: pytest.fail("probed twice"))
+    assert engines.choose(Segments.dense(16, 16, causal=False), q, q) == "sdpa"
+
+
+def test_no_probe_while_compiling_or_capturing(monkeypatch):
+    monkeypatch.setattr(engines, "AUTO_PROBE", ("cpu",))
+    assert engines._may_probe(torch.device("cpu"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not engines._may_probe(torch.device("cpu"))
+    monkeypatch.setattr(engines, "AUTO_PROBE", ())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert not engines._may_probe(torch.device("cpu"))
+
+
 def test_a_tuned_table_in_the_cache_dir_takes_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
     path = tmp_path / "engines-cpu.json"

@@ -180,8 +180,11 @@ def _cudnn_fwd(causal, piece, q4, k4, v4, scale):
 def _cudnn_bwd(causal, piece, do4, q4, k4, v4, o4, lse3, scale):
     q = _heads_first(_rows(q4, piece.q0, piece.q1))
     k, v = (_heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
-    # cuDNN's backward wants dO laid out like O: both contiguous [B, n, H, D] before the transpose.
-    do, o = (_heads_first(_rows(x, piece.q0, piece.q1).contiguous()) for x in (do4, o4))
+    # cuDNN's backward wants dO with exactly O's strides: where they differ, dO is copied into O's layout.
+    do, o = (_heads_first(_rows(x, piece.q0, piece.q1)) for x in (do4, o4))
+    if do.stride() != o.stride():
+        o = o.contiguous()
+        do = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(do)
     layout = _forward_layout("cudnn", q4.device)
     lse = lse3[:, :, piece.q0:piece.q1].float().contiguous()
     if layout["lse_trailing_one"]:

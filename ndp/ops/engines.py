@@ -43,8 +43,9 @@ ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
 AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines auto may pick (never the reference)
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
-# Used only where no measured table has a row for the block (printed as such by ndp.info).
-DEFAULT_ORDER = {"cuda": ("flash_attn", "triton"), "cpu": ("sdpa",)}
+# Used only where no measured table has a row for the block and none could be measured (printed as such by
+# ndp.info). On CUDA, sdpa comes last: it runs where neither flash-attn nor triton is installed.
+DEFAULT_ORDER = {"cuda": ("flash_attn", "triton", "sdpa"), "cpu": ("sdpa",)}
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -259,11 +259,15 @@ def _whole_block(segs, q4, k4):
 
 
 def _piece_window(p: Piece):
+    """flash's window of a piece. A mask piece always has one: its last row r1 sees keys up to k_hi, at least
+    r1 + lo and at most r1 + hi, so left = k_hi - r1 - lo >= 0 and right = r1 + hi - k_hi >= 0."""
     if p.kind == "full":
         return (-1, -1)
     if p.kind == "causal":
         return (-1, 0)
-    return _flash_attn.window_of(p.rows, p.k1 - p.k0, p.lo, p.hi)
+    window = _flash_attn.window_of(p.rows, p.k1 - p.k0, p.lo, p.hi)
+    assert window is not None, p
+    return window
 
 
 def plan(segs, q4, k4, *, deterministic: bool = False):
@@ -299,15 +303,15 @@ def _plan(segs, q4, k4, order, deterministic, check=True):
         return not why
 
     pieces = pieces_of(segs, q4.shape[1], k4.shape[1])
+    if not pieces:
+        return (), ""  # no row sees a key: nothing to run (out 0, lse -inf)
     picks = []
     for p in pieces:
-        kind = p.kind if p.kind != "mask" or _piece_window(p) is not None else "unexpressible mask"
-        picks.append(next((k for k in order if (k == "flash" or kind != "unexpressible mask") and usable(k, kind)),
-                          None))
+        picks.append(next((k for k in order if usable(k, p.kind)), None))
     whole = _whole_block(segs, q4, k4) if "flash" in order else None
     rank = {k: i for i, k in enumerate(order)}
     if whole is not None and usable("flash", "varlen") and (
-            None in picks or "flash" in picks or not picks or rank["flash"] <= min(rank[k] for k in picks)):
+            None in picks or "flash" in picks or rank["flash"] <= min(rank[k] for k in picks)):
         window, cu = whole
         every = Piece("full", 0, q4.shape[1], 0, k4.shape[1])
         return (Call(every, "flash", functools.partial(_flash_fwd, window, cu),

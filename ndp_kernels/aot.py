@@ -5,7 +5,7 @@ a cubin, and the ``cuobjdump`` inside the triton wheel reads the cubin's resourc
 configuration passes when it has no register spills (``STACK == LOCAL == 0``), its shared memory
 (static + dynamic) fits the SM (227 KB on sm_90, 163 KB on sm_80), and on sm_90 the attention
 kernels' PTX uses ``wgmma`` (Hopper tensor-core instructions; ``WGMMA_EXEMPT`` lists the variants
-that run mma.sync by design, and why).
+that run mma.sync by design, and why), and the TMA forward's PTX loads K/V by TMA (``cp.async.bulk.tensor``).
 
     python -m ndp_kernels.aot --markdown          # report table; exit status 1 on a violation
     python -m ndp_kernels.aot --head-dims 64,80,128,256 --json report.json
@@ -32,9 +32,13 @@ CAPABILITY = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_KERNELS = ("fwd", "fwd_acc", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "merge")
+DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "merge")
 # Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
-WGMMA_KERNELS = ("fwd", "fwd_acc", "bwd", "bwd_dkdv", "bwd_dq")
+WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_dkdv", "bwd_dq")
+# The forward with K/V by TMA (KernelConfig.tma): sm_90, 16-bit only (the launcher takes pointer loads elsewhere);
+# its PTX must hold TMA loads.
+TMA_KERNELS = ("fwd_tma",)
+TMA_PTX = "cp.async.bulk.tensor"
 # (kernel, head_dim bucket) that run mma.sync on sm_90 by design, with the reason (configs.py):
 # the split dK/dV kernel at head_dim 256 spills with any key block of 64 rows, so it takes 16.
 WGMMA_EXEMPT = {("bwd_dkdv", 256): "dk+dv of a 64-row key block at head_dim 256 spill registers"}
@@ -54,6 +58,7 @@ class Row:
     local: int = -1
     shared: int = -1
     wgmma: str = "n/a"
+    tma: str = "n/a"
     seconds: float = 0.0
     error: str = ""
 
@@ -68,7 +73,14 @@ class Row:
             v.append(f"shared memory {self.shared} B > {SMEM_LIMIT[self.arch]} B")
         if self.wgmma == "no":
             v.append("sm_90 PTX has no wgmma")
+        if self.tma == "no":
+            v.append(f"PTX has no TMA load ({TMA_PTX})")
         return v
+
+
+def applies(kernel: str, arch: str, dtype: str) -> bool:
+    """Whether the launchers ever run this (kernel, arch, dtype): the TMA forward only on sm_90 in 16 bits."""
+    return kernel not in TMA_KERNELS or (arch == "sm_90" and dtype != "fp32")
 
 
 def _cuobjdump() -> str:
@@ -133,10 +145,14 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     def strides(prefix, dims):
         return [(f"stride_{prefix}_{d}", "i32:16") for d in dims]
 
-    if kernel in ("fwd", "fwd_acc"):
+    if kernel in ("fwd", "fwd_acc", "fwd_tma"):
         cfg = fwd_config(arch, head_dim, dtype=torch_dtype)
         acc = kernel == "fwd_acc"
-        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+        tma = kernel == "fwd_tma"
+        if tma:  # the static forward tiles with K/V by TMA: what the tuner's first TMA candidate runs
+            cfg = dataclasses.replace(cfg, tma=True)
+        kv = f"tensordesc<{dtype}[1,{cfg.block_n},1,{bd}]>" if tma else ptr + ":16"
+        args = [("q_ptr", ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
                 ("out_ptr", ("*fp32" if acc else ptr) + ":16"), ("lse_ptr", "*fp32:16"),
                 ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("num_segments", "i32"),
                 ("group_size", "i32")]
@@ -144,7 +160,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
             args += strides(p, ("b", "s", "h"))
         args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16")]
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=prec)
+                      BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=prec, USE_TMA=tma)
         return build(flash._flash_fwd_kernel, args, consts, cfg)
     if kernel == "bwd":
         cfg = bwd_config(arch, head_dim, dtype=torch_dtype)
@@ -223,6 +239,8 @@ def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
             row.wgmma = "yes" if "wgmma" in k.asm["ptx"] else "no"
             if row.wgmma == "no" and (kernel, head_dim_bucket(head_dim)) in WGMMA_EXEMPT:
                 row.wgmma = WGMMA_EXEMPT_MARK
+        if kernel in TMA_KERNELS:
+            row.tma = "yes" if TMA_PTX in k.asm["ptx"] else "no"
     except Exception as e:  # reported as a violation row; the report keeps going
         row.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     row.seconds = time.perf_counter() - t0
@@ -244,7 +262,7 @@ def run(kernels=DEFAULT_KERNELS, archs=("sm_80", "sm_90"), dtypes=DEFAULT_DTYPES
         raise RuntimeError("ahead-of-time compilation needs the real Triton compiler; unset "
                            "TRITON_INTERPRET (run `python -m ndp_kernels.aot` in a clean environment)")
     todo = [(kernel, arch, dtype, hd) for kernel in kernels for arch in archs for dtype in dtypes
-            for hd in head_dims]
+            for hd in head_dims if applies(kernel, arch, dtype)]
     if jobs <= 1:
         return [compile_one(*t) for t in todo]
     import concurrent.futures

@@ -43,9 +43,16 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Forward only: K/V blocks by TMA (host tensor descriptors, sm_90+, fp16/bf16) instead of pointer loads.
+    # No static table sets it (not yet measured on a GPU); `python -m ndp_kernels.tune` tries it on sm_90.
+    tma: bool = False
 
     def __str__(self) -> str:
-        return f"M{self.block_m}/N{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        return f"M{self.block_m}/N{self.block_n}/w{self.num_warps}/s{self.num_stages}" + ("/tma" if self.tma else "")
+
+    def as_row(self) -> list:
+        """The tuned-table form, read back by ``KernelConfig(*row)``."""
+        return [self.block_m, self.block_n, self.num_warps, self.num_stages] + ([True] if self.tma else [])
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -108,8 +108,8 @@ def _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOC
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start_n,
     offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale,
-    stride_k_s, stride_v_s,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_k_s, stride_v_s, kv_coord,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One online-softmax step of the forward over the key block at ``start_n``; returns (acc, m, l).
 
@@ -118,17 +118,29 @@ def _fwd_step(
     and the running max is finite after the step, so it needs no -inf guard. Rows of the tile
     past q_len see zero-filled q (finite scores) and are never stored. Edge blocks mask the band
     and the keys past k_len; a row with no visible key so far keeps m = -inf and l = 0.
+
+    USE_TMA: k_base/v_base are tensor descriptors of the whole [B, Sk, Hkv, D] K and V and kv_coord
+    (b, first key row of the segment, kv head) locates the segment. A TMA load zero-fills past the tensor's
+    ends (rows past Sk, columns past D) but reads the rows of other segments between k_len and Sk: their
+    scores are masked like any key past k_len, and an edge block zeroes those V rows, which may hold
+    anything (uninitialised padding included), so that p = 0 times them stays 0.
     """
     cols = start_n + offs_n
-    k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :]
-    v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :]
-    if MASKED:
-        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
+    if USE_TMA:
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        b, row0, hk = kv_coord
+        k = tl.reshape(k_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
     else:
-        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :]
+        v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :]
+        if MASKED:
+            kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Row i sees keys [i + band_lo, min(i + band_hi, k_len - 1)]: two compares per score.
@@ -144,7 +156,11 @@ def _fwd_step(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
+    if USE_TMA:
+        v = tl.reshape(v_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        if MASKED:
+            v = tl.where((cols < k_len)[:, None], v, 0.0)
+    elif MASKED:
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     elif EVEN_D:
         v = tl.load(v_ptrs)
@@ -166,7 +182,7 @@ def _flash_fwd_kernel(
     stride_lse_b, stride_lse_h, stride_lse_s,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """out = softmax(scale * q k^T + mask) v and lse = logsumexp(scale * q k^T + mask), per segment.
 
@@ -197,8 +213,13 @@ def _flash_fwd_kernel(
     # a scalar base pointer per block: the latter leaves loop-invariant 64-bit tile offsets live
     # across the key loop (+10..60 registers, spills; `python -m ndp_kernels.aot`).
     q_base = q_ptr + b * stride_q_b + q_start.to(tl.int64) * stride_q_s + h * stride_q_h
-    k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
-    v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+    if USE_TMA:  # k_ptr, v_ptr are tensor descriptors (see _fwd_step)
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
+        v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+    kv_coord = (b.to(tl.int32), k_start.to(tl.int32), hk.to(tl.int32))  # TMA coordinates are 32-bit
 
     q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_q_s + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -214,16 +235,16 @@ def _flash_fwd_kernel(
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
-            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s,
-            MASKED=False, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION)
+            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s, kv_coord,
+            MASKED=False, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA)
     for e in range(0, num_edge):
         # Edge blocks: the ones before the interior (lower band edge), then the ones after it
         # (upper band edge, ragged key end).
         start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
-            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s,
-            MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION)
+            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s, kv_coord,
+            MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -748,9 +769,11 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     cfg = fwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
     table, nseg = _segment_args(segs, q4.device)
     grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
+    use_tma = cfg.tma and _tma_ready(k4, v4)
+    k_arg, v_arg = (_kv_descriptors(k4, v4, cfg.block_n, block_d(D)) if use_tma else (k4, v4))
     with launch_device(q4.device):
         _flash_fwd_kernel[grid](
-            q4, k4, v4, out, lse, table,
+            q4, k_arg, v_arg, out, lse, table,
             float(softmax_scale) * LOG2E,
             nseg, H // Hkv,
             q4.stride(0), q4.stride(1), q4.stride(2),
@@ -759,10 +782,30 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype),
+            ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype), USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
+
+
+def _tma_ready(*tensors) -> bool:
+    """Whether K/V can be read by TMA here: fp16/bf16 on sm_90+ (or the interpreter), 16-byte aligned base
+    and strides, contiguous last dim (the hardware's descriptor rules); otherwise the pointer loads run."""
+    for t in tensors:
+        if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(-1) != 1:
+            return False
+        size = t.element_size()
+        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    dev = tensors[0].device
+    return interpreting() or (dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0))
+
+
+def _kv_descriptors(k4, v4, block_n: int, block_d_: int):
+    """Host tensor descriptors of K and V ([B, Sk, Hkv, D]) with [1, block_n, 1, block_d] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_n, 1, block_d_]) for x in (k4, v4))
 
 
 def _delta(out4, dout4):

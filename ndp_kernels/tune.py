@@ -3,8 +3,8 @@
     python -m ndp_kernels.tune                               # fwd, bwd, split bwd; head_dim 64,128; bf16, fp16
     python -m ndp_kernels.tune --kinds fwd --head-dims 128 --dtypes bfloat16 --quick
 
-For each (kernel, arch, head_dim bucket, dtype) it runs every candidate configuration of a grid through the
-public launchers (``configs.override``), checks each candidate against the float64 reference on a small
+For each (kernel, arch, head_dim bucket, dtype) it runs every candidate configuration of a grid (for the
+forward on sm_90+ in fp16/bf16, each tile also with K/V read by TMA) through the public launchers (``configs.override``), checks each candidate against the float64 reference on a small
 causal block before timing it (a wrong or failing candidate is dropped, never timed), times the survivors
 with ``triton.testing.do_bench`` on a large causal block (and a full one), and keeps the fastest. It then
 times the two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
@@ -16,6 +16,7 @@ Without a GPU the command says so and exits 2 (the interpreter cannot time kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import sys
@@ -44,10 +45,22 @@ _QUICK = {
 _ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
-def candidates(kind: str, quick: bool = False) -> list[KernelConfig]:
-    """The candidate configurations of `kind`."""
+def candidates(kind: str, quick: bool = False, *, tma: bool = False) -> list[KernelConfig]:
+    """The candidate configurations of `kind`; with `tma` (the forward on sm_90+ in fp16/bf16) each tile also with
+    K/V read by TMA."""
     g = (_QUICK if quick else _GRID)[kind]
-    return [KernelConfig(*c) for c in itertools.product(g["m"], g["n"], g["w"], g["s"])]
+    plain = [KernelConfig(*c) for c in itertools.product(g["m"], g["n"], g["w"], g["s"])]
+    if not (tma and kind == "fwd"):
+        return plain
+    return plain + [dataclasses.replace(c, tma=True) for c in plain]
+
+
+def _tma_here(kind, dtype, device) -> bool:
+    """Whether TMA forward candidates can run here (the launcher takes pointer loads elsewhere, which would only
+    time the plain forward twice)."""
+    if kind != "fwd" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _overrides(cfgs: dict):
@@ -137,7 +150,7 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     if cands is None:
         # The shipped configuration is always a candidate: a tuned table never does worse than no table.
         static = static_config(kind, current_arch(device), head_dim, dtype, device)
-        cands = [static] + [c for c in candidates(kind, quick) if c != static]
+        cands = [static] + [c for c in candidates(kind, quick, tma=_tma_here(kind, dtype, device)) if c != static]
     for cfg in cands:
         ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
         if not ok:
@@ -152,14 +165,13 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
         results[str(cfg)] = round(ms, 4)
         if best is None or ms < best[1]:
             best = (cfg, ms)
-    row = {"config": None if best is None else [best[0].block_m, best[0].block_n, best[0].num_warps,
-                                                  best[0].num_stages],
+    row = {"config": None if best is None else best[0].as_row(),
            "ms": None if best is None else round(best[1], 4), "candidates": results,
            "shape": f"B={batch} S={seqlen} H={heads} Hkv={kv_heads} causal+full"}
     vs = ""
     if static is not None:
         # The shipped configuration's time (or why it failed here): what the table gains over no table.
-        row["static"] = {"config": [static.block_m, static.block_n, static.num_warps, static.num_stages],
+        row["static"] = {"config": static.as_row(),
                          "ms": results.get(str(static))}
         if isinstance(row["static"]["ms"], float) and best is not None:
             vs = f", shipped {static} {row['static']['ms']} ms ({row['static']['ms'] / best[1]:.2f}x)"

@@ -88,3 +88,16 @@ def test_tune_kind_always_times_the_shipped_config(monkeypatch):
     assert seen[0] == static and seen.count(static) == 1
     assert row["static"]["config"] == [static.block_m, static.block_n, static.num_warps, static.num_stages]
     assert row["static"]["ms"] > 0 and row["config"] is not None
+
+
+def test_tma_candidates_only_for_the_forward():
+    from ndp_kernels import tune
+
+    plain = tune.candidates("fwd", quick=True)
+    both = tune.candidates("fwd", quick=True, tma=True)
+    assert not any(c.tma for c in plain) and len(both) == 2 * len(plain)
+    assert [c for c in both if c.tma] == [KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True)
+                                          for c in plain]
+    assert tune.candidates("bwd_dq", quick=True, tma=True) == tune.candidates("bwd_dq", quick=True)
+    assert not tune._tma_here("fwd", torch.bfloat16, torch.device("cpu"))     # no Hopper here
+    assert not tune._tma_here("bwd", torch.bfloat16, torch.device("cpu"))

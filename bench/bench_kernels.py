@@ -7,8 +7,8 @@ On a GPU::
 
 times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k,
 head_dim 64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp,
-ndp_split (the atomic-free backward, deterministic=True), torch SDPA and flash-attn (when
-importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per
+ndp_split (the atomic-free backward, deterministic=True), ndp_tma (the forward with K/V by TMA, sm_90+),
+torch SDPA (its default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per
 (head_dim, causal) is checked against ``ndp_kernels.reference`` before timing. Results go to
 ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement, with GPU name, torch/triton
 versions, git SHA, shapes and dtype) and a PNG plot.
@@ -77,10 +77,15 @@ def _env_info():
 # ------------------------------------------------------------------------------------------------
 
 def _providers():
+    import torch
+
     # ndp_split: the atomic-free split backward (deterministic=True), timed next to the default
     # backward so that a GPU run can set ndp_kernels.configs._BWD_IMPL. sdpa_cudnn / sdpa_flash: torch's
     # SDPA pinned to one backend (torch_sdpa is its default choice).
+    # ndp_tma: ndp's forward with K/V read by TMA (KernelConfig.tma), on sm_90+ only (elsewhere it is ndp).
     provs = ["ndp", "ndp_split", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        provs.insert(2, "ndp_tma")
     try:
         import flash_attn  # noqa: F401
         provs.append("flash_attn")
@@ -93,16 +98,26 @@ def _make_fns(provider, q, k, v, dout, causal):
     """(fwd, bwd, fwd+bwd) callables and the tensors whose .grad do_bench resets."""
     import torch.nn.functional as F
 
-    if provider in ("ndp", "ndp_split"):
+    if provider in ("ndp", "ndp_split", "ndp_tma"):
+        import contextlib
+        import dataclasses
+
         import ndp_kernels
+        from ndp_kernels import configs
         det = provider == "ndp_split"
-        out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
-        fwd = lambda: ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)  # noqa: E731
+        tma = dataclasses.replace(configs.fwd_config(configs.current_arch(q.device), q.shape[-1], q.device,
+                                                     dtype=q.dtype), tma=True)
+        pin = (lambda: configs.override("fwd", tma)) if provider == "ndp_tma" else contextlib.nullcontext
+
+        def fwd():
+            with pin():
+                return ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
+        out, lse = fwd()
         bwd = lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
                                                  deterministic=det)
 
         def both():
-            o, l = ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
+            o, l = fwd()
             ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal, deterministic=det)
         return fwd, bwd, both, []
     if provider in ("torch_sdpa", "sdpa_cudnn", "sdpa_flash"):
@@ -343,7 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
-    p.add_argument("--providers", default="ndp,ndp_split,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
+    p.add_argument("--providers", default="ndp,ndp_split,ndp_tma,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

@@ -54,3 +54,15 @@ def _assert_matches(got, dtype, want, lowp=None):
         if lp is not None:
             assert_within_lowp_bound(a, w, torch.where(fin, lp.double(), 0) if lp.shape == fin.shape else lp,
                                      dtype, kind)
+
+
+def window_mask(sq, sk, left, right, top_left=False):
+    """What a flash-style kernel call sees: row i, key j visible when -left <= j - i - shift <= right (-1: no
+    limit), shift = sk - sq (bottom-right aligned, flash-attn's convention) or 0 (top_left: cuDNN/efficient)."""
+    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (0 if top_left else sk - sq)
+    m = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        m &= d >= -left
+    if right >= 0:
+        m &= d <= right
+    return m

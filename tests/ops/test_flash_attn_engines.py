@@ -15,17 +15,8 @@ from ndp.ops import _flash_attn
 from ndp.ops.engines import capable, engine_available
 from ndp_kernels import Segments
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
+from _engine_cases import window_mask
 from tolerances import assert_close
-
-
-def _visible(ql, kl, left, right):
-    d = torch.arange(kl)[None, :] - torch.arange(ql)[:, None] - (kl - ql)
-    m = torch.ones(ql, kl, dtype=torch.bool)
-    if left >= 0:
-        m &= d >= -left
-    if right >= 0:
-        m &= d <= right
-    return m
 
 
 def _segments(cu_q, cu_k):
@@ -49,7 +40,7 @@ def _fake_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlen
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32)
     for i0, i1, j0, j1 in _segments(cu_seqlens_q, cu_seqlens_k):
         s, g = _scores(q, k, i0, i1, j0, j1, softmax_scale)
-        s = s.masked_fill(~_visible(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
+        s = s.masked_fill(~window_mask(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
         m = torch.logsumexp(s, -1)
         p = torch.exp(s - m[..., None]).nan_to_num(0.0)
         out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v[j0:j1].double().repeat_interleave(g, 1)).to(q.dtype)
@@ -66,7 +57,7 @@ def _fake_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlen
     dq.zero_(), dk.zero_(), dv.zero_()
     for i0, i1, j0, j1 in _segments(cu_seqlens_q, cu_seqlens_k):
         s, g = _scores(q, k, i0, i1, j0, j1, softmax_scale)
-        s = s.masked_fill(~_visible(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
+        s = s.masked_fill(~window_mask(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
         p = torch.exp(s - softmax_lse[:, i0:i1, None].double())     # the kernel's math: +inf lse gives 0
         do = dout[i0:i1].double()
         vv = v[j0:j1].double().repeat_interleave(g, 1)

@@ -19,23 +19,12 @@ import ndp
 from ndp.ops import _sdpa_cuda, engines
 from ndp.ops._pieces import run_bwd, run_fwd
 from ndp_kernels import Segments
-from _engine_cases import TABLES, _assert_matches, _inputs, _ref
+from _engine_cases import TABLES, _assert_matches, _inputs, _ref, window_mask
 
 ORDERS = [("cudnn", "flash", "efficient"), ("flash",), ("cudnn", "efficient"), ("efficient",)]
 
 
 # --------------------------------------------------------------------------------------------- stand-ins
-
-def _visible(sq, sk, left, right, top_left=False):
-    """The window of a kernel call: bottom-right aligned (flash) unless top_left (cuDNN/efficient causal)."""
-    d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (0 if top_left else sk - sq)
-    m = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        m &= d >= -left
-    if right >= 0:
-        m &= d <= right
-    return m
-
 
 def _fwd_math(q, k, v, vis, scale):
     """q [B, S, H, D], k/v [B, S, Hk, D] -> out [B, S, H, D] (q dtype), lse [B, H, S] fp32 (+inf: no key)."""
@@ -85,12 +74,12 @@ class FakeAten:
         self.calls.append("flash")
         left, right = window_size_left or -1, 0 if is_causal else (window_size_right or -1)
         if cu_q is None:
-            out, lse = _fwd_math(q, k, v, _visible(q.shape[1], k.shape[1], left, right), scale)
+            out, lse = _fwd_math(q, k, v, window_mask(q.shape[1], k.shape[1], left, right), scale)
         else:
             out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf)
             for i0, i1, j0, j1 in _segments(cu_q, cu_k):
                 o, l_ = _fwd_math(q[None, i0:i1], k[None, j0:j1], v[None, j0:j1],
-                                  _visible(i1 - i0, j1 - j0, left, right), scale)
+                                  window_mask(i1 - i0, j1 - j0, left, right), scale)
                 out[i0:i1], lse[:, i0:i1] = o[0], l_[0]
         if self.wrong == "flash":
             out = out * 1.1
@@ -102,12 +91,12 @@ class FakeAten:
         left, right = window_size_left or -1, 0 if is_causal else (window_size_right or -1)
         if cu_q is None:
             assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-            return _bwd_math(do, q, k, v, out, lse, _visible(q.shape[1], k.shape[1], left, right), scale)
+            return _bwd_math(do, q, k, v, out, lse, window_mask(q.shape[1], k.shape[1], left, right), scale)
         assert lse.shape == (q.shape[1], q.shape[0])
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i0, i1, j0, j1 in _segments(cu_q, cu_k):
             g = _bwd_math(do[None, i0:i1], q[None, i0:i1], k[None, j0:j1], v[None, j0:j1], out[None, i0:i1],
-                          lse[None, :, i0:i1], _visible(i1 - i0, j1 - j0, left, right), scale)
+                          lse[None, :, i0:i1], window_mask(i1 - i0, j1 - j0, left, right), scale)
             dq[i0:i1], dk[j0:j1], dv[j0:j1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
 
@@ -117,7 +106,7 @@ class FakeAten:
         assert attn_bias is None and compute_log_sumexp and q.shape[1] == k.shape[1]
         self.calls.append("cudnn")
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
-        out, lse = _fwd_math(qs, ks, vs, _visible(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True), scale)
+        out, lse = _fwd_math(qs, ks, vs, window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True), scale)
         if self.wrong == "cudnn":
             out = out * 1.1
         seed = torch.zeros((), dtype=torch.int64)
@@ -127,7 +116,7 @@ class FakeAten:
                                                      cum_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
         assert lse.shape == (*q.shape[:3], 1) and seed.dtype == torch.int64 and attn_bias is None
         assert do.stride() == out.stride(), "cuDNN's backward needs dO laid out like O"
-        vis = _visible(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True)
+        vis = window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True)
         g = _bwd_math(*(x.transpose(1, 2) for x in (do, q, k, v, out)), lse[..., 0], vis, scale)
         return tuple(x.transpose(1, 2) for x in g)
 
@@ -136,7 +125,7 @@ class FakeAten:
                                      compute_log_sumexp=False, *, scale=None, seqlen_k=None, window_size=None):
         assert bias is None and cu_q is None and compute_log_sumexp and q.shape[2] == k.shape[2]
         self.calls.append("efficient")
-        out, lse = _fwd_math(q, k, v, _visible(q.shape[1], k.shape[1], -1, 0 if custom_mask_type == 1 else -1,
+        out, lse = _fwd_math(q, k, v, window_mask(q.shape[1], k.shape[1], -1, 0 if custom_mask_type == 1 else -1,
                                                True), scale)
         if self.wrong == "efficient":
             out = out * 1.1
@@ -151,7 +140,7 @@ class FakeAten:
                                       num_splits_key=None, window_size=None, shared_storage_dqdkdv=False):
         n = q.shape[1]
         assert lse.shape == (q.shape[0], q.shape[2], -(-n // 32) * 32) and max_q == n and max_k == k.shape[1]
-        vis = _visible(n, k.shape[1], -1, 0 if custom_mask_type == 1 else -1, True)
+        vis = window_mask(n, k.shape[1], -1, 0 if custom_mask_type == 1 else -1, True)
         return _bwd_math(do, q, k, v, out, lse[..., :n], vis, scale) + (None,)
 
 

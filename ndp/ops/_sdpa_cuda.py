@@ -221,9 +221,9 @@ _DENSE = {"cudnn": (_cudnn_fwd, _cudnn_bwd), "efficient": (_efficient_fwd, _effi
 @functools.lru_cache(maxsize=None)
 def _forward_layout(kernel: str, device) -> dict:
     """What `kernel`'s forward returns besides out: its RNG tensors and lse layout, from one tiny forward
-    (33 query rows: not a multiple of 32, so a padded lse shows)."""
+    (33 query rows: not a multiple of 32, so a padded lse shows; head_dim 64, which every kernel runs)."""
     dtype = torch.float32 if kernel == "efficient" else torch.float16
-    x = torch.zeros(1, 33, 1, 8, dtype=dtype, device=device)
+    x = torch.zeros(1, 33, 1, 64, dtype=dtype, device=device)
     if kernel == "flash":
         res = ATEN._flash_attention_forward(x, x, x, None, None, 33, 33, 0.0, False, False, scale=1.0)
         return {"rng": (res[2], res[3])}

@@ -5,13 +5,13 @@ On a GPU::
     python bench/bench_kernels.py --out bench/results/
     python bench/bench_kernels.py --seqlens 1024,4096 --head-dims 128 --modes fwd,bwd
 
-times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k,
-head_dim 64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp,
-ndp_split (the atomic-free backward, deterministic=True), ndp_tma (the forward with K/V by TMA, sm_90+),
-torch SDPA (its default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per
-(head_dim, causal) is checked against ``ndp_kernels.reference`` before timing. Results go to
-``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement, with GPU name, torch/triton
-versions, git SHA, shapes and dtype) and a PNG plot.
+times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k, head_dim
+64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp, ndp_split (the
+atomic-free backward, deterministic=True), ndp_tma (the forward with K/V by TMA, sm_90+), torch SDPA (its
+default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for
+bwd (x3.5 fwd+bwd). One output per (head_dim, causal) is checked against ``ndp_kernels.reference`` before
+timing. Results go to ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement, with GPU name,
+torch/triton versions, git SHA, shapes and dtype) and a PNG plot.
 
 Without a GPU it runs a smoke mode: tiny shapes under the Triton interpreter with a correctness
 check against the reference, then prints the static AOT report (registers, spills, shared memory

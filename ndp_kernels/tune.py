@@ -4,10 +4,11 @@
     python -m ndp_kernels.tune --kinds fwd --head-dims 128 --dtypes bfloat16 --quick
 
 For each (kernel, arch, head_dim bucket, dtype) it runs every candidate configuration of a grid (for the
-forward on sm_90+ in fp16/bf16, each tile also with K/V read by TMA) through the public launchers (``configs.override``), checks each candidate against the float64 reference on a small
-causal block before timing it (a wrong or failing candidate is dropped, never timed), times the survivors
-with ``triton.testing.do_bench`` on a large causal block (and a full one), and keeps the fastest. It then
-times the two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
+forward on sm_90+ in fp16/bf16, each tile also with K/V read by TMA) through the public launchers
+(``configs.override``), checks each candidate against the float64 reference on a small causal block before
+timing it (a wrong or failing candidate is dropped, never timed), times the survivors with
+``triton.testing.do_bench`` on a large causal block (and a full one), and keeps the fastest. It then times the
+two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
 ``deterministic=False``. The table goes to ``<tuning dir>/kernels-<GPU name>.json`` (``$NDP_TUNING_DIR``,
 default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
 

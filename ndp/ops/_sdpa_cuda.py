@@ -14,10 +14,10 @@ Kernels (``KERNELS``), each with what it computes exactly:
   causal pieces in fp32 (and fp16/bf16), as many K/V heads as query heads.
 
 Per block the engine runs the first kernel of an order that can run it: ``set_kernel_order(...)``
-(``ndp.ops.set_sdpa_cuda_kernels``), else cuDNN first on Hopper and newer (torch's own default there, the fastest measured in
-GPU-RESULTS.md), FlashAttention-2 first before it. torch's switches are obeyed: a kernel disabled with
-``torch.backends.cuda.enable_{cudnn,flash,mem_efficient}_sdp(False)`` is not used. Where the whole block
-needs flash anyway, it is one flash call.
+(``ndp.ops.set_sdpa_cuda_kernels``), else cuDNN first on Hopper and newer (torch's own default there, the
+fastest measured in GPU-RESULTS.md), FlashAttention-2 first before it. torch's switches are obeyed: a kernel
+disabled with ``torch.backends.cuda.enable_{cudnn,flash,mem_efficient}_sdp(False)`` is not used. Where the
+whole block needs flash anyway, it is one flash call.
 
 Backward, as on CPU, takes the rows' final out and lse (flash-style recomputation), so pieces and ring steps
 add gradients independently; rows with no key get lse = +inf (zero probabilities). The backward ops also take

@@ -1,10 +1,11 @@
 """Local (one-device) attention engines behind one interface.
 
 Engines: ``sdpa`` (torch's fused SDPA kernels with log-sum-exp: CPU flash; CUDA cuDNN, flash, efficient),
-``triton`` (``ndp_kernels`` kernels; on CPU only under the Triton interpreter), ``flash_attn`` (flash-attn's CUDA kernels when
-importable), ``torch`` (plain PyTorch, ``ndp_kernels.reference``: the materialising reference, float64
-capable). ``auto`` picks per block the fastest engine that is exact for it, from measurements (see
-``engines.py``). Every engine keeps the same conventions, including the fp32 accumulators of ring steps.
+``triton`` (``ndp_kernels`` kernels; on CPU only under the Triton interpreter), ``flash_attn`` (flash-attn's
+CUDA kernels when importable), ``torch`` (plain PyTorch, ``ndp_kernels.reference``: the materialising
+reference, float64 capable). ``auto`` picks per block the fastest engine that is exact for it, from
+measurements (see ``engines.py``). Every engine keeps the same conventions, including the fp32 accumulators of
+ring steps.
 """
 from __future__ import annotations
 

@@ -218,8 +218,9 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
         order = tune.probe_row(device, cls, dtype, bucket)
     except Exception as e:
         _PROBE_FAILED.add((table.device_key,) + key)
-        log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row or the default order %s",
-                    cls, dt, bucket, table.device_key, type(e).__name__, e, DEFAULT_ORDER.get(device.type))
+        log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row "
+                    "or the default order %s", cls, dt, bucket, table.device_key, type(e).__name__, e,
+                    DEFAULT_ORDER.get(device.type))
         return table.order(cls, dtype, bucket)[0]
     table.rows[key] = {"order": list(order), "probed": True}
     if table.source == "none":

@@ -7,11 +7,11 @@ On a GPU::
 
 times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k, head_dim
 64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp, ndp_split (the
-atomic-free backward, deterministic=True), ndp_tma (the forward with K/V by TMA, sm_90+), torch SDPA (its
-default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs = 4*b*h*s^2*d, x0.5 causal, x2.5 for
-bwd (x3.5 fwd+bwd). One output per (head_dim, causal) is checked against ``ndp_kernels.reference`` before
-timing. Results go to ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per measurement, with GPU name,
-torch/triton versions, git SHA, shapes and dtype) and a PNG plot.
+atomic-free backward, deterministic=True), ndp_tma (the forward and the split backward's dQ kernel with K/V by
+TMA, sm_90+), torch SDPA (its default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs =
+4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per (head_dim, causal) is checked against
+``ndp_kernels.reference`` before timing. Results go to ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per
+measurement, with GPU name, torch/triton versions, git SHA, shapes and dtype) and a PNG plot.
 
 Without a GPU it runs a smoke mode: tiny shapes under the Triton interpreter with a correctness
 check against the reference, then prints the static AOT report (registers, spills, shared memory
@@ -82,7 +82,7 @@ def _providers():
     # ndp_split: the atomic-free split backward (deterministic=True), timed next to the default
     # backward so that a GPU run can set ndp_kernels.configs._BWD_IMPL. sdpa_cudnn / sdpa_flash: torch's
     # SDPA pinned to one backend (torch_sdpa is its default choice).
-    # ndp_tma: ndp's forward with K/V read by TMA (KernelConfig.tma), on sm_90+ only (elsewhere it is ndp).
+    # ndp_tma: ndp_split with the forward's and the dQ kernel's K/V read by TMA (KernelConfig.tma), on sm_90+ only.
     provs = ["ndp", "ndp_split", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
         provs.insert(2, "ndp_tma")
@@ -104,21 +104,34 @@ def _make_fns(provider, q, k, v, dout, causal):
 
         import ndp_kernels
         from ndp_kernels import configs
-        det = provider == "ndp_split"
-        tma = dataclasses.replace(configs.fwd_config(configs.current_arch(q.device), q.shape[-1], q.device,
-                                                     dtype=q.dtype), tma=True)
-        pin = (lambda: configs.override("fwd", tma)) if provider == "ndp_tma" else contextlib.nullcontext
+        det = provider in ("ndp_split", "ndp_tma")
+        arch, d = configs.current_arch(q.device), q.shape[-1]
+
+        @contextlib.contextmanager
+        def pin():
+            # ndp_tma: the forward and the split backward's dQ kernel with K/V by TMA (compare with ndp_split).
+            if provider != "ndp_tma":
+                yield
+                return
+            with configs.override("fwd", dataclasses.replace(configs.fwd_config(arch, d, q.device, dtype=q.dtype),
+                                                             tma=True)), \
+                    configs.override("bwd_dq", dataclasses.replace(configs.bwd_dq_config(arch, d, q.device,
+                                                                                         dtype=q.dtype), tma=True)):
+                yield
 
         def fwd():
             with pin():
                 return ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
         out, lse = fwd()
-        bwd = lambda: ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal,  # noqa: E731
-                                                 deterministic=det)
+
+        def bwd():
+            with pin():
+                return ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
 
         def both():
             o, l = fwd()
-            ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal, deterministic=det)
+            with pin():
+                ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal, deterministic=det)
         return fwd, bwd, both, []
     if provider in ("torch_sdpa", "sdpa_cudnn", "sdpa_flash"):
         import contextlib

@@ -5,7 +5,7 @@ a cubin, and the ``cuobjdump`` inside the triton wheel reads the cubin's resourc
 configuration passes when it has no register spills (``STACK == LOCAL == 0``), its shared memory
 (static + dynamic) fits the SM (227 KB on sm_90, 163 KB on sm_80), and on sm_90 the attention
 kernels' PTX uses ``wgmma`` (Hopper tensor-core instructions; ``WGMMA_EXEMPT`` lists the variants
-that run mma.sync by design, and why), and the TMA forward's PTX loads K/V by TMA (``cp.async.bulk.tensor``).
+that run mma.sync by design, and why), and the TMA variants' PTX loads K/V by TMA (``cp.async.bulk.tensor``).
 
     python -m ndp_kernels.aot --markdown          # report table; exit status 1 on a violation
     python -m ndp_kernels.aot --head-dims 64,80,128,256 --json report.json
@@ -32,12 +32,13 @@ CAPABILITY = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "merge")
+DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "bwd_dq_tma",
+                   "merge")
 # Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
-WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_dkdv", "bwd_dq")
-# The forward with K/V by TMA (KernelConfig.tma): sm_90, 16-bit only (the launcher takes pointer loads elsewhere);
-# its PTX must hold TMA loads.
-TMA_KERNELS = ("fwd_tma",)
+WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_dkdv", "bwd_dq", "bwd_dq_tma")
+# The forward and dQ kernels with K/V by TMA (KernelConfig.tma): sm_90, 16-bit only (the launchers take pointer
+# loads elsewhere); their PTX must hold TMA loads.
+TMA_KERNELS = ("fwd_tma", "bwd_dq_tma")
 TMA_PTX = "cp.async.bulk.tensor"
 # (kernel, head_dim bucket) that run mma.sync on sm_90 by design, with the reason (configs.py):
 # the split dK/dV kernel at head_dim 256 spills with any key block of 64 rows, so it takes 16.
@@ -78,9 +79,16 @@ class Row:
         return v
 
 
-def applies(kernel: str, arch: str, dtype: str) -> bool:
-    """Whether the launchers ever run this (kernel, arch, dtype): the TMA forward only on sm_90 in 16 bits."""
-    return kernel not in TMA_KERNELS or (arch == "sm_90" and dtype != "fp32")
+def applies(kernel: str, arch: str, dtype: str, head_dim: int) -> bool:
+    """Whether the launchers ever run this variant: the TMA kernels only on sm_90 in 16 bits, the TMA dQ kernel
+    only up to head_dim 128 (at 256 it spills: ``flash.TMA_DQ_MAX_HEAD_DIM``)."""
+    from .flash import TMA_DQ_MAX_HEAD_DIM
+
+    if kernel not in TMA_KERNELS:
+        return True
+    if kernel == "bwd_dq_tma" and head_dim > TMA_DQ_MAX_HEAD_DIM:
+        return False
+    return arch == "sm_90" and dtype != "fp32"
 
 
 def _cuobjdump() -> str:
@@ -179,10 +187,14 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec)
         return build(flash._flash_bwd_kernel, args, consts, cfg)
-    if kernel in ("bwd_dkdv", "bwd_dq"):
+    if kernel in ("bwd_dkdv", "bwd_dq", "bwd_dq_tma"):
         dkdv = kernel == "bwd_dkdv"
+        tma = kernel == "bwd_dq_tma"
         cfg = (bwd_dkdv_config if dkdv else bwd_dq_config)(arch, head_dim, dtype=torch_dtype)
-        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+        if tma:
+            cfg = dataclasses.replace(cfg, tma=True)
+        kv = f"tensordesc<{dtype}[1,{cfg.block_n},1,{bd}]>" if tma else ptr + ":16"
+        args = [("q_ptr", ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
                 ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
                 ("seg_ptr", "*i32:16")]
         args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
@@ -196,6 +208,8 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
             args += strides(p, ("b", "s", "h"))
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, DOT_PRECISION=prec)
+        if not dkdv:
+            consts["USE_TMA"] = tma
         fn = flash._flash_bwd_dkdv_kernel if dkdv else flash._flash_bwd_dq_kernel
         return build(fn, args, consts, cfg)
     if kernel == "bwd_preprocess":
@@ -262,7 +276,7 @@ def run(kernels=DEFAULT_KERNELS, archs=("sm_80", "sm_90"), dtypes=DEFAULT_DTYPES
         raise RuntimeError("ahead-of-time compilation needs the real Triton compiler; unset "
                            "TRITON_INTERPRET (run `python -m ndp_kernels.aot` in a clean environment)")
     todo = [(kernel, arch, dtype, hd) for kernel in kernels for arch in archs for dtype in dtypes
-            for hd in head_dims if applies(kernel, arch, dtype)]
+            for hd in head_dims if applies(kernel, arch, dtype, hd)]
     if jobs <= 1:
         return [compile_one(*t) for t in todo]
     import concurrent.futures

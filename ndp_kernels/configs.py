@@ -43,8 +43,9 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # Forward only: K/V blocks by TMA (host tensor descriptors, sm_90+, fp16/bf16) instead of pointer loads.
-    # No static table sets it (not yet measured on a GPU); `python -m ndp_kernels.tune` tries it on sm_90.
+    # The kernels that walk key blocks (forward, split-backward dQ): K/V blocks by TMA (host tensor descriptors,
+    # sm_90+, fp16/bf16) instead of pointer loads. No static table sets it (not yet timed on a GPU);
+    # `python -m ndp_kernels.tune` tries it on sm_90.
     tma: bool = False
 
     def __str__(self) -> str:

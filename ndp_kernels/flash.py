@@ -597,24 +597,39 @@ def _add_cols(base_ptr, acc, offs_r, row_ok, COL0: tl.constexpr, stride_s, HEAD_
 def _bwd_dq_step(
     dq, q, do, lse2, delta, k_base, v_base, start_n,
     offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
-    stride_k_s, stride_v_s,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_k_s, stride_v_s, kv_coord,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """dq += dS k (unscaled) for the key block at ``start_n``.
 
     Lean blocks (MASKED=False) lie inside the band and inside k_len for every row of the tile. Edge
     blocks mask the band and the keys past k_len: a zero-filled key there has score 0, and its
     exp2(-lse) may overflow, so it is masked rather than trusted to vanish.
+
+    USE_TMA: K/V blocks by tensor descriptor, as in _fwd_step. The rows between k_len and the tensor's end
+    belong to other segments and may hold anything: an edge block zeroes both K and V there (dS is 0 there,
+    but 0 times a NaN in dP or in K is not).
     """
     cols = start_n + offs_n0
-    if MASKED:
-        kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+    if USE_TMA:
+        BLOCK_N: tl.constexpr = offs_n0.shape[0]
+        BLOCK_D: tl.constexpr = offs_d.shape[0]
+        b, row0, hk = kv_coord
+        k = tl.reshape(k_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        v = tl.reshape(v_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        if MASKED:
+            key_ok = (cols < k_len)[:, None]
+            k = tl.where(key_ok, k, 0.0)
+            v = tl.where(key_ok, v, 0.0)
     else:
-        kv_mask = (offs_n0 >= 0)[:, None] & d_ok[None, :]  # every key in range: only padded head-dim columns
-    k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask,
-                other=0.0)
-    v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
-                other=0.0)
+        if MASKED:
+            kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+        else:
+            kv_mask = (offs_n0 >= 0)[:, None] & d_ok[None, :]  # every key in range: only padded head-dim columns
+        k = tl.load(k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
@@ -640,7 +655,7 @@ def _flash_bwd_dq_kernel(
     stride_dq_b, stride_dq_s, stride_dq_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """dQ of one query block of one segment and one query head, without atomics.
 
@@ -673,8 +688,13 @@ def _flash_bwd_dq_kernel(
                     other=0.0)
     # lse = -inf marks a row without keys (or past q_len): shift by +inf so that its P is exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
-    v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+    if USE_TMA:  # k_ptr, v_ptr are tensor descriptors (see _bwd_dq_step)
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
+        v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+    kv_coord = (b.to(tl.int32), k_start.to(tl.int32), hk.to(tl.int32))  # TMA coordinates are 32-bit
 
     # Unmasked interior key blocks [full_lo, full_hi) and the edge blocks, as in _flash_fwd_kernel.
     n_begin, full_lo, full_hi, num_lo_edge, num_edge = _key_blocks(m0, q_len, k_len, band_lo, band_hi,
@@ -684,13 +704,15 @@ def _flash_bwd_dq_kernel(
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
                           offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
-                          stride_k_s, stride_v_s, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+                          stride_k_s, stride_v_s, kv_coord, MASKED=False, DOT_PRECISION=DOT_PRECISION,
+                          USE_TMA=USE_TMA)
     for e in range(0, num_edge):
         # Edge blocks: the ones before the interior, then the ones after it.
         start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
         dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
                           offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
-                          stride_k_s, stride_v_s, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+                          stride_k_s, stride_v_s, kv_coord, MASKED=True, DOT_PRECISION=DOT_PRECISION,
+                          USE_TMA=USE_TMA)
 
     _add_tile(dq_ptr + b * stride_dq_b + (q_row0 + m0) * stride_dq_s + h * stride_dq_h, dq * softmax_scale,
               tl.arange(0, BLOCK_M), row_ok, stride_dq_s, HEAD_DIM, BLOCK_D)
@@ -786,6 +808,11 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
+
+
+# The dQ kernel with TMA K/V loads spills registers at head_dim 256 (sm_90, static tiles; AOT report), so above
+# this head_dim it keeps the pointer loads whatever the configuration says.
+TMA_DQ_MAX_HEAD_DIM = 128
 
 
 def _tma_ready(*tensors) -> bool:
@@ -888,12 +915,14 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
             cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype)
             table, nseg = _segment_args(segs, q4.device)
             grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
+            use_tma = cfg.tma and D <= TMA_DQ_MAX_HEAD_DIM and _tma_ready(k4, v4)
+            k_arg, v_arg = (_kv_descriptors(k4, v4, cfg.block_n, block_d(D)) if use_tma else (k4, v4))
             _flash_bwd_dq_kernel[grid](
-                q4, k4, v4, dout4, lse3, delta, table, dq,
+                q4, k_arg, v_arg, dout4, lse3, delta, table, dq,
                 scale, qk_scale, nseg, H // Hkv, *common,
                 dq.stride(0), dq.stride(1), dq.stride(2),
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                DOT_PRECISION=prec, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
 

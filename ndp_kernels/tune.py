@@ -43,23 +43,28 @@ _QUICK = {
     "bwd_dkdv": dict(m=(16, 32), n=(128,), w=(8,), s=(2, 3)),
     "bwd_dq": dict(m=(128,), n=(32, 64), w=(8,), s=(2, 3)),
 }
+TMA_KINDS = ("fwd", "bwd_dq")  # the kernels whose K/V loads can go through TMA (KernelConfig.tma)
 _ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
 def candidates(kind: str, quick: bool = False, *, tma: bool = False) -> list[KernelConfig]:
-    """The candidate configurations of `kind`; with `tma` (the forward on sm_90+ in fp16/bf16) each tile also with
-    K/V read by TMA."""
+    """The candidate configurations of `kind`; with `tma` (the forward and the dQ kernel on sm_90+ in fp16/bf16)
+    each tile also with K/V read by TMA."""
     g = (_QUICK if quick else _GRID)[kind]
     plain = [KernelConfig(*c) for c in itertools.product(g["m"], g["n"], g["w"], g["s"])]
-    if not (tma and kind == "fwd"):
+    if not (tma and kind in TMA_KINDS):
         return plain
     return plain + [dataclasses.replace(c, tma=True) for c in plain]
 
 
-def _tma_here(kind, dtype, device) -> bool:
+def _tma_here(kind, dtype, device, head_dim=128) -> bool:
     """Whether TMA forward candidates can run here (the launcher takes pointer loads elsewhere, which would only
     time the plain forward twice)."""
-    if kind != "fwd" or dtype not in (torch.float16, torch.bfloat16):
+    from .flash import TMA_DQ_MAX_HEAD_DIM
+
+    if kind not in TMA_KINDS or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if kind == "bwd_dq" and head_dim > TMA_DQ_MAX_HEAD_DIM:
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
@@ -151,7 +156,8 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     if cands is None:
         # The shipped configuration is always a candidate: a tuned table never does worse than no table.
         static = static_config(kind, current_arch(device), head_dim, dtype, device)
-        cands = [static] + [c for c in candidates(kind, quick, tma=_tma_here(kind, dtype, device)) if c != static]
+        tma = _tma_here(kind, dtype, device, head_dim)
+        cands = [static] + [c for c in candidates(kind, quick, tma=tma) if c != static]
     for cfg in cands:
         ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
         if not ok:

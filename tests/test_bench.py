@@ -22,8 +22,8 @@ def test_kernel_ratio_table_judges_against_the_best_other_provider():
 
 
 def test_kernel_bench_tma_provider_runs_the_tma_forward(monkeypatch):
-    """The ndp_tma provider's forward launches with K/V descriptors (under the interpreter, as on sm_90) and
-    matches the plain one; the backward is ndp's."""
+    """The ndp_tma provider's forward and dQ kernel launch with K/V descriptors (under the interpreter, as on
+    sm_90); its forward matches the plain one."""
     import torch
 
     import bench_kernels
@@ -43,9 +43,11 @@ def test_kernel_bench_tma_provider_runs_the_tma_forward(monkeypatch):
     want, want_lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=True)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
-    plain = len(made)
-    bench_kernels._make_fns("ndp", q, k, v, dout, True)[0]()
-    assert len(made) == plain                       # the ndp provider keeps the pointer loads
+    n = len(made)
+    bwd()
+    assert len(made) == n + 1                       # the split backward's dQ kernel read K/V by TMA too
+    bench_kernels._make_fns("ndp", q, k, v, dout, True)[2]()
+    assert len(made) == n + 1                       # the ndp provider keeps the pointer loads
 
 
 @pytest.mark.distributed

@@ -31,12 +31,14 @@ def test_aot_static_report_no_spills_fits_smem_uses_wgmma():
     assert proc.returncode == 0, f"AOT report has violations:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # 7 kernels x 2 archs x 3 dtypes (bf16, fp16, fp32) x 4 head dims (64, 80, 128, 256), plus the TMA forward
-    # on sm_90 in bf16 and fp16 (8); a TMA forward without TMA loads in its PTX is a violation (ok != "yes").
-    assert len(rows) == 176, proc.stdout
+    # (8) and the TMA dQ kernel (6: head_dim <= 128) on sm_90 in bf16 and fp16; a TMA variant without TMA loads in
+    # its PTX is a violation (ok != "yes").
+    assert len(rows) == 182, proc.stdout
     kernels = {line.split("|")[1].strip() for line in rows}
-    assert {"bwd_dkdv", "bwd_dq", "fwd_tma"} <= kernels, kernels
-    tma = [r for r in rows if r.split("|")[1].strip() == "fwd_tma"]
-    assert len(tma) == 8 and all("| sm_90 |" in r and "/tma |" in r for r in tma), tma
+    assert {"bwd_dkdv", "bwd_dq", "fwd_tma", "bwd_dq_tma"} <= kernels, kernels
+    for name, count in (("fwd_tma", 8), ("bwd_dq_tma", 6)):
+        tma = [r for r in rows if r.split("|")[1].strip() == name]
+        assert len(tma) == count and all("| sm_90 |" in r and "/tma |" in r for r in tma), tma
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         kernel, arch, dtype, head_dim, _, reg, stack, local, shared, wgmma, ok = cells

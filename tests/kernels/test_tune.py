@@ -90,7 +90,7 @@ def test_tune_kind_always_times_the_shipped_config(monkeypatch):
     assert row["static"]["ms"] > 0 and row["config"] is not None
 
 
-def test_tma_candidates_only_for_the_forward():
+def test_tma_candidates_only_for_the_kernels_that_walk_key_blocks():
     from ndp_kernels import tune
 
     plain = tune.candidates("fwd", quick=True)
@@ -98,6 +98,7 @@ def test_tma_candidates_only_for_the_forward():
     assert not any(c.tma for c in plain) and len(both) == 2 * len(plain)
     assert [c for c in both if c.tma] == [KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True)
                                           for c in plain]
-    assert tune.candidates("bwd_dq", quick=True, tma=True) == tune.candidates("bwd_dq", quick=True)
+    assert len(tune.candidates("bwd_dq", quick=True, tma=True)) == 2 * len(tune.candidates("bwd_dq", quick=True))
+    assert tune.candidates("bwd_dkdv", quick=True, tma=True) == tune.candidates("bwd_dkdv", quick=True)
     assert not tune._tma_here("fwd", torch.bfloat16, torch.device("cpu"))     # no Hopper here
     assert not tune._tma_here("bwd", torch.bfloat16, torch.device("cpu"))

@@ -1,8 +1,9 @@
-"""The forward with K/V read through TMA tensor descriptors (``KernelConfig(tma=True)``, sm_90+, fp16/bf16) under
-the interpreter, against the reference: every shape case, packed documents, fused accumulators, and key rows
-outside every segment holding NaN (a TMA box reads them; they must not reach the output). Where the descriptor
-rules do not hold (fp32, strides that are not 16-byte multiples) the pointer loads run instead.
-The sm_90 compile (TMA instructions, no spills) is in the AOT report (``fwd_tma``)."""
+"""The forward and the split backward's dQ kernel with K/V read through TMA tensor descriptors
+(``KernelConfig(tma=True)``, sm_90+, fp16/bf16) under the interpreter, against the reference: every shape case,
+fused accumulators, and key rows outside every segment holding NaN (a TMA box reads them; they must not reach the
+output or the gradients). Where the descriptor rules do not hold (fp32, strides that are not 16-byte multiples)
+the pointer loads run instead. The sm_90 compiles (TMA instructions, no spills) are in the AOT report
+(``fwd_tma``, ``bwd_dq_tma``)."""
 import pytest
 import torch
 
@@ -95,3 +96,50 @@ def test_tma_config_reads_back_from_a_tuned_row():
     assert KernelConfig(*TMA.as_row()) == TMA and str(TMA) == "M32/N32/w4/s1/tma"
     plain = KernelConfig(128, 64, 8, 3)
     assert plain.as_row() == [128, 64, 8, 3] and KernelConfig(*plain.as_row()) == plain
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window", CASES)
+def test_tma_dq_kernel_matches_reference(descriptors, b, sq, sk, h, hk, d, causal, window):
+    q, k, v, dout = qkv(b, sq, sk, h, hk, d, torch.float16, seed=2)
+    kw = dict(causal=causal, window_size=window)
+    out, lse = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), **kw)
+    with override("bwd_dq", TMA):
+        grads = flash.flash_attn_bwd(dout, q, k, v, out.half(), lse, deterministic=True, **kw)
+    want = reference.flash_attn_bwd_ref(dout.float(), q.float(), k.float(), v.float(), out.half().float(), lse,
+                                        **kw)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert not torch.isnan(g.float()).any(), name
+        assert_close(g, w, torch.float16, "grad", msg=name)
+    # One dQ launch with descriptors (the dK/dV kernel keeps its pointer loads); none for sq = 0 rows.
+    assert descriptors == [(32, 128 if d > 64 else 64)]
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_dq_ignores_key_rows_outside_every_segment(descriptors, tma):
+    segs = Segments.from_rows([(0, 30, 0, 30, -NO_LIMIT, 0), (30, 40, 40, 40, -5, NO_LIMIT)])
+    q, k, v, dout = qkv(1, 70, 96, 4, 2, 64, torch.float16, seed=4)
+    clean_k, clean_v = k.clone(), v.clone()
+    for x in (k, v):
+        x[:, 30:40] = float("nan")
+        x[:, 80:] = float("nan")
+    out, lse = reference.attn_fwd_segments_ref(q.float(), clean_k.float(), clean_v.float(), segs,
+                                               softmax_scale=0.125)
+    with override("bwd_dq", TMA if tma else KernelConfig(32, 32, 4, 1)):
+        dq, _, _ = flash.attn_bwd_segments(dout, q, k, v, out.half(), lse, segs, softmax_scale=0.125,
+                                           deterministic=True)
+    want = reference.attn_bwd_segments_ref(dout.float(), q.float(), clean_k.float(), clean_v.float(),
+                                           out.half().float(), lse, segs, softmax_scale=0.125)[0]
+    assert not torch.isnan(dq.float()).any()
+    assert_close(dq, want, torch.float16, "grad")
+    assert len(descriptors) == (1 if tma else 0)
+
+
+def test_dq_kernel_keeps_pointer_loads_above_head_dim_128(descriptors):
+    q, k, v, dout = qkv(1, 33, 33, 2, 1, 256, torch.float16, seed=5)
+    out, lse = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), causal=True)
+    with override("bwd_dq", TMA):
+        grads = flash.flash_attn_bwd(dout, q, k, v, out.half(), lse, causal=True, deterministic=True)
+    assert descriptors == [] and flash.TMA_DQ_MAX_HEAD_DIM == 128
+    want = reference.flash_attn_bwd_ref(dout.float(), q.float(), k.float(), v.float(), out.half().float(), lse,
+                                        causal=True)
+    assert_close(grads[0], want[0], torch.float16, "grad")

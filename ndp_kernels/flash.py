@@ -105,6 +105,21 @@ def _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit
+def _kv_bases(k_ptr, v_ptr, b, k_start, hk, stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h,
+              USE_TMA: tl.constexpr):
+    """(k_base, v_base, kv_coord) of a segment's K/V for the kernels that walk key blocks: pointers to its first
+    key row of kv head ``hk``, or with USE_TMA the tensor descriptors themselves (k_ptr, v_ptr) and the 32-bit
+    coordinates (b, first key row, kv head) their loads start from."""
+    if USE_TMA:
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
+        v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
+    return k_base, v_base, (b.to(tl.int32), k_start.to(tl.int32), hk.to(tl.int32))
+
+
+@triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start_n,
     offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale,
@@ -213,13 +228,8 @@ def _flash_fwd_kernel(
     # a scalar base pointer per block: the latter leaves loop-invariant 64-bit tile offsets live
     # across the key loop (+10..60 registers, spills; `python -m ndp_kernels.aot`).
     q_base = q_ptr + b * stride_q_b + q_start.to(tl.int64) * stride_q_s + h * stride_q_h
-    if USE_TMA:  # k_ptr, v_ptr are tensor descriptors (see _fwd_step)
-        k_base = k_ptr
-        v_base = v_ptr
-    else:
-        k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
-        v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
-    kv_coord = (b.to(tl.int32), k_start.to(tl.int32), hk.to(tl.int32))  # TMA coordinates are 32-bit
+    k_base, v_base, kv_coord = _kv_bases(k_ptr, v_ptr, b, k_start, hk, stride_k_b, stride_k_s, stride_k_h,
+                                         stride_v_b, stride_v_s, stride_v_h, USE_TMA)
 
     q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_q_s + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -688,13 +698,8 @@ def _flash_bwd_dq_kernel(
                     other=0.0)
     # lse = -inf marks a row without keys (or past q_len): shift by +inf so that its P is exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    if USE_TMA:  # k_ptr, v_ptr are tensor descriptors (see _bwd_dq_step)
-        k_base = k_ptr
-        v_base = v_ptr
-    else:
-        k_base = k_ptr + b * stride_k_b + k_start.to(tl.int64) * stride_k_s + hk * stride_k_h
-        v_base = v_ptr + b * stride_v_b + k_start.to(tl.int64) * stride_v_s + hk * stride_v_h
-    kv_coord = (b.to(tl.int32), k_start.to(tl.int32), hk.to(tl.int32))  # TMA coordinates are 32-bit
+    k_base, v_base, kv_coord = _kv_bases(k_ptr, v_ptr, b, k_start, hk, stride_k_b, stride_k_s, stride_k_h,
+                                         stride_v_b, stride_v_s, stride_v_h, USE_TMA)
 
     # Unmasked interior key blocks [full_lo, full_hi) and the edge blocks, as in _flash_fwd_kernel.
     n_begin, full_lo, full_hi, num_lo_edge, num_edge = _key_blocks(m0, q_len, k_len, band_lo, band_hi,

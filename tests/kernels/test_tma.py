@@ -48,17 +48,22 @@ def test_tma_forward_matches_reference(descriptors, b, sq, sk, h, hk, d, causal,
     assert descriptors == [(32, 128 if d > 64 else 64)]
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_key_rows_outside_every_segment_never_reach_the_output(descriptors, tma):
-    # Two documents whose keys leave gaps; the gap rows (and the rows past the last document) hold NaN.
-    # Query rows 0-29 see keys 0-29 (causal), rows 30-69 see keys 40-79 (band): key rows 30-39 and 80-95 belong
-    # to no segment but sit inside the 32-row boxes TMA reads.
+def _nan_outside_segments(seed):
+    """Two documents whose keys leave gaps; the gap rows (and the rows past the last document) hold NaN.
+    Query rows 0-29 see keys 0-29 (causal), rows 30-69 see keys 40-79 (band): key rows 30-39 and 80-95 belong
+    to no segment but sit inside the 32-row boxes TMA reads. Returns segs, q, k, v, dout, clean k, clean v."""
     segs = Segments.from_rows([(0, 30, 0, 30, -NO_LIMIT, 0), (30, 40, 40, 40, -5, NO_LIMIT)])
-    q, k, v, _ = qkv(1, 70, 96, 4, 2, 64, torch.float16, seed=3)
+    q, k, v, dout = qkv(1, 70, 96, 4, 2, 64, torch.float16, seed=seed)
     clean_k, clean_v = k.clone(), v.clone()
     for x in (k, v):
         x[:, 30:40] = float("nan")
         x[:, 80:] = float("nan")
+    return segs, q, k, v, dout, clean_k, clean_v
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_key_rows_outside_every_segment_never_reach_the_output(descriptors, tma):
+    segs, q, k, v, _, clean_k, clean_v = _nan_outside_segments(seed=3)
     cfg = TMA if tma else KernelConfig(32, 32, 4, 1)
     with override("fwd", cfg):
         out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=0.125)
@@ -116,12 +121,7 @@ def test_tma_dq_kernel_matches_reference(descriptors, b, sq, sk, h, hk, d, causa
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 def test_dq_ignores_key_rows_outside_every_segment(descriptors, tma):
-    segs = Segments.from_rows([(0, 30, 0, 30, -NO_LIMIT, 0), (30, 40, 40, 40, -5, NO_LIMIT)])
-    q, k, v, dout = qkv(1, 70, 96, 4, 2, 64, torch.float16, seed=4)
-    clean_k, clean_v = k.clone(), v.clone()
-    for x in (k, v):
-        x[:, 30:40] = float("nan")
-        x[:, 80:] = float("nan")
+    segs, q, k, v, dout, clean_k, clean_v = _nan_outside_segments(seed=4)
     out, lse = reference.attn_fwd_segments_ref(q.float(), clean_k.float(), clean_v.float(), segs,
                                                softmax_scale=0.125)
     with override("bwd_dq", TMA if tma else KernelConfig(32, 32, 4, 1)):

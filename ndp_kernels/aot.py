@@ -80,15 +80,19 @@ class Row:
 
 
 def applies(kernel: str, arch: str, dtype: str, head_dim: int) -> bool:
-    """Whether the launchers ever run this variant: the TMA kernels only on sm_90 in 16 bits, the TMA dQ kernel
-    only up to head_dim 128 (at 256 it spills: ``flash.TMA_DQ_MAX_HEAD_DIM``)."""
-    from .flash import TMA_DQ_MAX_HEAD_DIM
-
+    """Whether the launchers ever run this variant: a TMA kernel only on sm_90 and where
+    ``configs.tma_applies`` (fp16/bf16; the dQ kernel up to head_dim 128, at 256 it spills)."""
     if kernel not in TMA_KERNELS:
         return True
-    if kernel == "bwd_dq_tma" and head_dim > TMA_DQ_MAX_HEAD_DIM:
-        return False
-    return arch == "sm_90" and dtype != "fp32"
+    from .configs import tma_applies
+
+    return arch == "sm_90" and tma_applies(kernel.removesuffix("_tma"), _torch_dtype(dtype), head_dim)
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
 def _cuobjdump() -> str:
@@ -123,10 +127,9 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     strides of [B, S, H, D] tensors are multiples of 16, the lse/delta sequence stride is 1.
     """
     from . import flash, merge
-    import torch
     from .configs import block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config, merge_config
 
-    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    torch_dtype = _torch_dtype(dtype)
 
     bd = block_d(head_dim)
     ptr = f"*{dtype}"

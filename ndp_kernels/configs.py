@@ -241,6 +241,18 @@ def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> Ke
 
 
 KINDS = ("fwd", "bwd", "bwd_dkdv", "bwd_dq")
+TMA_KINDS = ("fwd", "bwd_dq")  # the kernels that walk key blocks: their K/V loads can go through TMA
+# The dQ kernel with TMA K/V loads spills registers at head_dim 256 (sm_90, static tiles; AOT report), so above
+# this head_dim it keeps the pointer loads whatever the configuration says.
+TMA_DQ_MAX_HEAD_DIM = 128
+
+
+def tma_applies(kind: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether kernel `kind` reads K/V by TMA at `dtype` and `head_dim` when its configuration asks for it (given
+    an sm_90+ GPU and K/V that meet the descriptor rules, ``flash._tma_ready``): fp16/bf16, the forward at every
+    head_dim, the dQ kernel up to TMA_DQ_MAX_HEAD_DIM. The one rule of the launchers, the tuner and the AOT report."""
+    return (kind in TMA_KINDS and dtype in (torch.float16, torch.bfloat16)
+            and (kind != "bwd_dq" or head_dim <= TMA_DQ_MAX_HEAD_DIM))
 _OVERRIDE = threading.local()
 _TUNED: dict = {}
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, interpreting, launch_device, merge_config)
+                      fwd_config, interpreting, launch_device, merge_config, tma_applies)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -120,6 +120,14 @@ def _kv_bases(k_ptr, v_ptr, b, k_start, hk, stride_k_b, stride_k_s, stride_k_h, 
 
 
 @triton.jit
+def _tma_block(desc, kv_coord, start_n, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] key block at ``start_n`` of a segment, read by TMA through `desc` (a descriptor of
+    [B, Sk, Hkv, D] with [1, BLOCK_N, 1, BLOCK_D] boxes) from the segment's coordinates (see _kv_bases)."""
+    b, row0, hk = kv_coord
+    return tl.reshape(desc.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start_n,
     offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale,
@@ -142,10 +150,7 @@ def _fwd_step(
     """
     cols = start_n + offs_n
     if USE_TMA:
-        BLOCK_N: tl.constexpr = offs_n.shape[0]
-        BLOCK_D: tl.constexpr = offs_d.shape[0]
-        b, row0, hk = kv_coord
-        k = tl.reshape(k_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        k = _tma_block(k_base, kv_coord, start_n, offs_n.shape[0], offs_d.shape[0])
     else:
         k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_k_s + offs_d[None, :]
         v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :]
@@ -172,7 +177,7 @@ def _fwd_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if USE_TMA:
-        v = tl.reshape(v_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        v = _tma_block(v_base, kv_coord, start_n, offs_n.shape[0], offs_d.shape[0])
         if MASKED:
             v = tl.where((cols < k_len)[:, None], v, 0.0)
     elif MASKED:
@@ -622,11 +627,8 @@ def _bwd_dq_step(
     """
     cols = start_n + offs_n0
     if USE_TMA:
-        BLOCK_N: tl.constexpr = offs_n0.shape[0]
-        BLOCK_D: tl.constexpr = offs_d.shape[0]
-        b, row0, hk = kv_coord
-        k = tl.reshape(k_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
-        v = tl.reshape(v_base.load([b, row0 + start_n, hk, 0]), [BLOCK_N, BLOCK_D])
+        k = _tma_block(k_base, kv_coord, start_n, offs_n0.shape[0], offs_d.shape[0])
+        v = _tma_block(v_base, kv_coord, start_n, offs_n0.shape[0], offs_d.shape[0])
         if MASKED:
             key_ok = (cols < k_len)[:, None]
             k = tl.where(key_ok, k, 0.0)
@@ -796,8 +798,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     cfg = fwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
     table, nseg = _segment_args(segs, q4.device)
     grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
-    use_tma = cfg.tma and _tma_ready(k4, v4)
-    k_arg, v_arg = (_kv_descriptors(k4, v4, cfg.block_n, block_d(D)) if use_tma else (k4, v4))
+    k_arg, v_arg, use_tma = _kv_args("fwd", cfg, k4, v4, D)
     with launch_device(q4.device):
         _flash_fwd_kernel[grid](
             q4, k_arg, v_arg, out, lse, table,
@@ -815,16 +816,19 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     return out, lse
 
 
-# The dQ kernel with TMA K/V loads spills registers at head_dim 256 (sm_90, static tiles; AOT report), so above
-# this head_dim it keeps the pointer loads whatever the configuration says.
-TMA_DQ_MAX_HEAD_DIM = 128
+def _kv_args(kind, cfg, k4, v4, head_dim: int):
+    """(k, v, use_tma): what kernel `kind` takes for K and V: their tensor descriptors where ``cfg.tma`` asks and
+    ``configs.tma_applies`` and ``_tma_ready`` allow, else the tensors themselves (pointer loads)."""
+    if cfg.tma and tma_applies(kind, k4.dtype, head_dim) and _tma_ready(k4, v4):
+        return (*_kv_descriptors(k4, v4, cfg.block_n, block_d(head_dim)), True)
+    return k4, v4, False
 
 
 def _tma_ready(*tensors) -> bool:
-    """Whether K/V can be read by TMA here: fp16/bf16 on sm_90+ (or the interpreter), 16-byte aligned base
-    and strides, contiguous last dim (the hardware's descriptor rules); otherwise the pointer loads run."""
+    """Whether these tensors can be read by TMA here: sm_90+ (or the interpreter), 16-byte aligned base and
+    strides, contiguous last dim (the hardware's descriptor rules); otherwise the pointer loads run."""
     for t in tensors:
-        if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(-1) != 1:
+        if t.stride(-1) != 1:
             return False
         size = t.element_size()
         if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
@@ -920,8 +924,7 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
             cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype)
             table, nseg = _segment_args(segs, q4.device)
             grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
-            use_tma = cfg.tma and D <= TMA_DQ_MAX_HEAD_DIM and _tma_ready(k4, v4)
-            k_arg, v_arg = (_kv_descriptors(k4, v4, cfg.block_n, block_d(D)) if use_tma else (k4, v4))
+            k_arg, v_arg, use_tma = _kv_args("bwd_dq", cfg, k4, v4, D)
             _flash_bwd_dq_kernel[grid](
                 q4, k_arg, v_arg, dout4, lse3, delta, table, dq,
                 scale, qk_scale, nseg, H // Hkv, *common,

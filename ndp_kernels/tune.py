@@ -25,7 +25,7 @@ import sys
 import torch
 
 from . import tuning
-from .configs import KINDS, KernelConfig, current_arch, override, static_config, tuned_key
+from .configs import KINDS, TMA_KINDS, KernelConfig, current_arch, override, static_config, tma_applies, tuned_key
 
 __all__ = ["candidates", "check_candidate", "tune_kind", "main"]
 
@@ -43,7 +43,6 @@ _QUICK = {
     "bwd_dkdv": dict(m=(16, 32), n=(128,), w=(8,), s=(2, 3)),
     "bwd_dq": dict(m=(128,), n=(32, 64), w=(8,), s=(2, 3)),
 }
-TMA_KINDS = ("fwd", "bwd_dq")  # the kernels whose K/V loads can go through TMA (KernelConfig.tma)
 _ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
@@ -57,14 +56,10 @@ def candidates(kind: str, quick: bool = False, *, tma: bool = False) -> list[Ker
     return plain + [dataclasses.replace(c, tma=True) for c in plain]
 
 
-def _tma_here(kind, dtype, device, head_dim=128) -> bool:
-    """Whether TMA forward candidates can run here (the launcher takes pointer loads elsewhere, which would only
-    time the plain forward twice)."""
-    from .flash import TMA_DQ_MAX_HEAD_DIM
-
-    if kind not in TMA_KINDS or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if kind == "bwd_dq" and head_dim > TMA_DQ_MAX_HEAD_DIM:
+def _tma_here(kind, dtype, device, head_dim) -> bool:
+    """Whether TMA candidates of `kind` can run here (elsewhere the launcher takes the pointer loads, which would
+    only time the plain kernel twice)."""
+    if not tma_applies(kind, dtype, head_dim):
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 

@@ -7,7 +7,7 @@ the pointer loads run instead. The sm_90 compiles (TMA instructions, no spills) 
 import pytest
 import torch
 
-from ndp_kernels import flash, reference
+from ndp_kernels import configs, flash, reference
 from ndp_kernels._segments import NO_LIMIT, Segments
 from ndp_kernels.configs import KernelConfig, override
 from _kernel_cases import CASES, qkv
@@ -139,7 +139,7 @@ def test_dq_kernel_keeps_pointer_loads_above_head_dim_128(descriptors):
     out, lse = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), causal=True)
     with override("bwd_dq", TMA):
         grads = flash.flash_attn_bwd(dout, q, k, v, out.half(), lse, causal=True, deterministic=True)
-    assert descriptors == [] and flash.TMA_DQ_MAX_HEAD_DIM == 128
+    assert descriptors == [] and configs.TMA_DQ_MAX_HEAD_DIM == 128
     want = reference.flash_attn_bwd_ref(dout.float(), q.float(), k.float(), v.float(), out.half().float(), lse,
                                         causal=True)
     assert_close(grads[0], want[0], torch.float16, "grad")

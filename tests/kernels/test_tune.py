@@ -100,5 +100,5 @@ def test_tma_candidates_only_for_the_kernels_that_walk_key_blocks():
                                           for c in plain]
     assert len(tune.candidates("bwd_dq", quick=True, tma=True)) == 2 * len(tune.candidates("bwd_dq", quick=True))
     assert tune.candidates("bwd_dkdv", quick=True, tma=True) == tune.candidates("bwd_dkdv", quick=True)
-    assert not tune._tma_here("fwd", torch.bfloat16, torch.device("cpu"))     # no Hopper here
-    assert not tune._tma_here("bwd", torch.bfloat16, torch.device("cpu"))
+    assert not tune._tma_here("fwd", torch.bfloat16, torch.device("cpu"), 128)     # no Hopper here
+    assert not tune._tma_here("bwd", torch.bfloat16, torch.device("cpu"), 128)

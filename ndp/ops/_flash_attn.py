@@ -3,21 +3,25 @@ the ``flash_attn_interface`` module that flash-attention's hopper/ directory bui
 this project has a GPU, so the CPU tests reach this file through a stand-in module with FA3's signatures
 (tests/ops/test_flash_attn_engines.py) and the real libraries are tested where they are installed.
 
-Kept deliberately small: segment tables that flash-attn's varlen API can express (query and key ranges
-laid out back to back from row 0, every segment bottom-right aligned with one shared (causal, window))
-run on flash-attn; ``engines.capable`` refuses anything else, so ``auto`` sends those blocks to another
-engine and a forced ``backend="flash_attn"`` gets a clear error. The fused accumulator is emulated with
-the compiled merge op, since flash-attn has no accumulator epilogue. Both versions' private entry points
-changed signature between releases: arguments are passed by name, filled from the signature in use.
+Kept deliberately small: segment tables that flash-attn's varlen API can express (query and key ranges laid
+out back to back from row 0, every segment bottom-right aligned with one shared (causal, window)) run on
+flash-attn; ``engines.capable`` refuses anything else, so ``auto`` sends those blocks to another engine and a
+forced ``backend="flash_attn"`` gets a clear error. The block runs as one call of the pieces runner
+(``_pieces``), whose merge emulates the fused accumulator, since flash-attn has no accumulator epilogue. Both
+versions' private entry points changed signature between releases: arguments are passed by name, filled from
+the signature in use.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
 import torch
 
 from ndp_kernels import NO_LIMIT
+
+from ._pieces import Call, Piece, run_bwd, run_fwd
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +97,17 @@ def _flat(x):
     return x.reshape(-1, *x.shape[2:])
 
 
-def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=2):
-    """One block's forward on FlashAttention-``version`` (2 or 3); out [1, T, H, D], lse [1, H, T]."""
+def _calls(q4, k4, segs, version, deterministic=False):
+    """The block as one call of the pieces runner (``_pieces.run_fwd/run_bwd``: it merges into the fp32
+    accumulators and hands the backward lse +inf for rows that see no key, which is flash-attn's convention)."""
     args = _varlen_args(q4, k4, segs)
     assert args is not None, "engines.capable admits only flash-attn expressible blocks"
+    every = Piece("full", 0, q4.shape[1], 0, k4.shape[1])
+    return (Call(every, f"flash_attn{version}", functools.partial(_fwd, args, version),
+                 functools.partial(_bwd, args, version, deterministic)),)
+
+
+def _fwd(args, version, piece, q4, k4, v4, softmax_scale):
     cu_q, cu_k, mq, mk, causal, (left, right) = args
     if version == 3:
         from flash_attn_interface import _flash_attn_forward as fn
@@ -111,11 +122,37 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=
                                              window_size=(left, right), return_attn_probs=True)
     # flash-attn writes lse = +inf for a row that sees no key; ndp's contract (and the merge) needs -inf.
     lse = lse.masked_fill(lse == float("inf"), float("-inf"))
-    out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # [1, T, H, D], [1, H, T]
-    if out_acc is None:
-        return out, lse
-    torch.ops.ndp.merge_attn_states_(out_acc, lse_acc, out, lse)
-    return out_acc, lse_acc
+    return out.unsqueeze(0), lse.unsqueeze(0)  # [1, T, H, D], [1, H, T]
+
+
+def _bwd(args, version, deterministic, piece, dout4, q4, k4, v4, out4, lse3, softmax_scale):
+    # lse3 has +inf for rows without keys (run_bwd): flash-attn's backward takes P = exp(s - lse), so those rows
+    # get P = 0 (zero gradients), where ndp's -inf would give exp(+inf - inf) = NaN.
+    cu_q, cu_k, mq, mk, causal, window = args
+    dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
+    if version == 3:
+        from flash_attn_interface import _flash_attn_backward as fn
+        name = "flash_attn_interface._flash_attn_backward"
+    else:
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
+        name = "flash_attn.flash_attn_interface._flash_attn_varlen_backward"
+    _call(fn, name, dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4),
+          softmax_lse=lse3[0].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+          max_seqlen_q=mq, max_seqlen_k=mk, softmax_scale=softmax_scale, causal=causal, window=window,
+          deterministic=deterministic)
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+
+
+def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=2):
+    """One block's forward on FlashAttention-``version`` (2 or 3); out [1, T, H, D], lse [1, H, T]."""
+    return run_fwd(_calls(q4, k4, segs, version), q4, k4, v4, softmax_scale, out_acc, lse_acc)
+
+
+def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
+        deterministic=False, version=2):
+    """One block's backward on FlashAttention-``version`` (2 or 3), given the rows' final out and lse."""
+    return run_bwd(_calls(q4, k4, segs, version, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
+                   dq_acc, dk_acc, dv_acc)
 
 
 def _call(fn, name, *, window, causal, deterministic=None, **kwargs):
@@ -140,31 +177,3 @@ def _call(fn, name, *, window, causal, deterministic=None, **kwargs):
             f"flash-attn 2.6-2.8 and FlashAttention-3 with window_size_left/right. Install one of those or use "
             f"backend='triton'.")
     return fn(**kwargs)
-
-
-def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
-        deterministic=False, version=2):
-    """One block's backward on FlashAttention-``version`` (2 or 3), given the rows' final out and lse."""
-    args = _varlen_args(q4, k4, segs)
-    assert args is not None, "engines.capable admits only flash-attn expressible blocks"
-    cu_q, cu_k, mq, mk, causal, window = args
-    dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
-    # A row that sees no key has lse -inf in ndp and +inf in flash-attn, whose backward takes P = exp(s - lse):
-    # +inf gives P = 0 (zero gradients), -inf would give exp(+inf - inf) = NaN.
-    lse = lse3[0].masked_fill(lse3[0] == float("-inf"), float("inf")).contiguous()
-    if version == 3:
-        from flash_attn_interface import _flash_attn_backward as fn
-        name = "flash_attn_interface._flash_attn_backward"
-    else:
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
-        name = "flash_attn.flash_attn_interface._flash_attn_varlen_backward"
-    _call(fn, name, dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4), softmax_lse=lse,
-          dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk,
-          softmax_scale=softmax_scale, causal=causal, window=window, deterministic=deterministic)
-    dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
-    if dq_acc is None:
-        return dq, dk, dv
-    dq_acc.add_(dq)
-    dk_acc.add_(dk)
-    dv_acc.add_(dv)
-    return dq_acc, dk_acc, dv_acc

@@ -96,11 +96,12 @@ def set_kernel_order(order=None) -> None:
     _ORDER = order
 
 
-def kernel_order(device) -> tuple[str, ...]:
-    """The kernel preference order: set_kernel_order's, or the default for the GPU's architecture."""
+def kernel_order(device, f: dict | None = None) -> tuple[str, ...]:
+    """The kernel preference order: set_kernel_order's, or the default for the GPU's architecture (`f`: the
+    device's ``facts`` when the caller has them)."""
     if _ORDER is not None:
         return _ORDER
-    if facts(device)["capability"] >= (9, 0):
+    if (f or facts(device))["capability"] >= (9, 0):
         return ("cudnn", "flash", "efficient")
     return ("flash", "cudnn", "efficient")
 
@@ -274,24 +275,24 @@ def plan(segs, q4, k4, *, deterministic: bool = False):
     """(calls, "") to run this block, or (None, why not). Cached on the Segments table."""
     b, sq, h, d = q4.shape
     sk, hk = k4.shape[1], k4.shape[2]
-    order = kernel_order(q4.device)
-    switches = tuple(facts(q4.device)[k] for k in KERNELS)  # torch.backends' switches may change between calls
+    f = facts(q4.device)
+    order = kernel_order(q4.device, f)
+    switches = tuple(f[k] for k in KERNELS)  # torch.backends' switches may change between calls
     key = ("sdpa_cuda", b, sq, sk, h, hk, d, q4.dtype, str(q4.device), deterministic, order, switches)
     hit = segs.memo.get(key)
     if hit is not None:
         return hit
-    hit = segs.memo[key] = _plan(segs, q4, k4, order, deterministic)
+    hit = segs.memo[key] = _plan(segs, q4, k4, order, deterministic, f)
     return hit
 
 
-def _plan(segs, q4, k4, order, deterministic, check=True):
+def _plan(segs, q4, k4, order, deterministic, f, check=True):
     h, d, hk, dtype = q4.shape[2], q4.shape[3], k4.shape[2], q4.dtype
     if deterministic:
         if not torch.are_deterministic_algorithms_enabled() or torch.is_deterministic_algorithms_warn_only_enabled():
             return None, ("torch's CUDA attention backwards are bitwise reproducible only through flash under "
                           "torch.use_deterministic_algorithms(True)")
         order = tuple(k for k in order if k == "flash")
-    f = facts(q4.device)
     reasons = {}
 
     def usable(kernel, kind):
@@ -366,10 +367,11 @@ def verified(kernel: str, dtype, head_dim: int, device) -> str:
 def _check(kernel, dtype, head_dim, device):
     g = torch.Generator().manual_seed(7)
     scale = head_dim ** -0.5
+    f = facts(device)
     for segs, sq, sk, h, hk, b in _check_blocks(kernel):
         q, k, v, do = (torch.randn(b, n, hh, head_dim, generator=g, dtype=torch.float64).to(device, dtype)
                        for n, hh in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
-        calls, why = _plan(segs, q, k, (kernel,), False, check=False)
+        calls, why = _plan(segs, q, k, (kernel,), False, f, check=False)
         if calls is None:
             return why
         try:

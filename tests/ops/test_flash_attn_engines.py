@@ -15,18 +15,8 @@ from ndp.ops import _flash_attn
 from ndp.ops.engines import capable, engine_available
 from ndp_kernels import Segments
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
-from _engine_cases import window_mask
+from _engine_cases import varlen_bwd, varlen_fwd
 from tolerances import assert_close
-
-
-def _segments(cu_q, cu_k):
-    return [(int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(len(cu_q) - 1)]
-
-
-def _scores(q, k, i0, i1, j0, j1, scale):
-    g = q.shape[1] // k.shape[1]
-    kk = k[j0:j1].double().repeat_interleave(g, 1)
-    return torch.einsum("qhd,khd->hqk", q[i0:i1].double(), kk) * scale, g
 
 
 def _fake_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -35,16 +25,8 @@ def _fake_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlen
                   seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
                   causal=False, window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
                   rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
-    right = 0 if causal else window_size_right
-    out = torch.zeros_like(q)
-    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32)
-    for i0, i1, j0, j1 in _segments(cu_seqlens_q, cu_seqlens_k):
-        s, g = _scores(q, k, i0, i1, j0, j1, softmax_scale)
-        s = s.masked_fill(~window_mask(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
-        m = torch.logsumexp(s, -1)
-        p = torch.exp(s - m[..., None]).nan_to_num(0.0)
-        out[i0:i1] = torch.einsum("hqk,khd->qhd", p, v[j0:j1].double().repeat_interleave(g, 1)).to(q.dtype)
-        lse[:, i0:i1] = m.masked_fill(m == -math.inf, math.inf).float()   # FA's convention for an empty row
+    out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, window_size_left,
+                          0 if causal else window_size_right, softmax_scale)
     return out, lse, torch.empty(0), torch.empty(0)
 
 
@@ -52,24 +34,11 @@ def _fake_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlen
                    sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
                    softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
                    deterministic=False, sm_margin=0):
-    right = 0 if is_causal else window_size_right
     _fake_backward.deterministic = deterministic
-    dq.zero_(), dk.zero_(), dv.zero_()
-    for i0, i1, j0, j1 in _segments(cu_seqlens_q, cu_seqlens_k):
-        s, g = _scores(q, k, i0, i1, j0, j1, softmax_scale)
-        s = s.masked_fill(~window_mask(i1 - i0, j1 - j0, window_size_left, right), -math.inf)
-        p = torch.exp(s - softmax_lse[:, i0:i1, None].double())     # the kernel's math: +inf lse gives 0
-        do = dout[i0:i1].double()
-        vv = v[j0:j1].double().repeat_interleave(g, 1)
-        delta = (do * out[i0:i1].double()).sum(-1).transpose(0, 1)   # [H, q]
-        ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - delta[..., None])
-        kk = k[j0:j1].double().repeat_interleave(g, 1)
-        dq[i0:i1] = (torch.einsum("hqk,khd->qhd", ds, kk) * softmax_scale).to(dq.dtype)
-        dkf = torch.einsum("hqk,qhd->khd", ds, q[i0:i1].double()) * softmax_scale
-        dvf = torch.einsum("hqk,qhd->khd", p, do)
-        hk = k.shape[1]
-        dk[j0:j1] = dkf.view(j1 - j0, hk, g, -1).sum(2).to(dk.dtype)
-        dv[j0:j1] = dvf.view(j1 - j0, hk, g, -1).sum(2).to(dv.dtype)
+    grads = varlen_bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, window_size_left,
+                       0 if is_causal else window_size_right, softmax_scale)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
     return torch.empty(0)
 
 

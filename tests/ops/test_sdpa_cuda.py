@@ -19,45 +19,13 @@ import ndp
 from ndp.ops import _sdpa_cuda, engines
 from ndp.ops._pieces import run_bwd, run_fwd
 from ndp_kernels import Segments
-from _engine_cases import TABLES, _assert_matches, _inputs, _ref, window_mask
+from _engine_cases import TABLES, _assert_matches, _inputs, _ref, attend_bwd, attend_fwd, varlen_bwd, varlen_fwd, \
+    window_mask
 
 ORDERS = [("cudnn", "flash", "efficient"), ("flash",), ("cudnn", "efficient"), ("efficient",)]
 
 
 # --------------------------------------------------------------------------------------------- stand-ins
-
-def _fwd_math(q, k, v, vis, scale):
-    """q [B, S, H, D], k/v [B, S, Hk, D] -> out [B, S, H, D] (q dtype), lse [B, H, S] fp32 (+inf: no key)."""
-    g = q.shape[2] // k.shape[2]
-    kk, vv = (x.double().repeat_interleave(g, 2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
-    s = s.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv).to(q.dtype)
-    return out, lse.masked_fill(lse == -math.inf, math.inf).float()
-
-
-def _bwd_math(do, q, k, v, o, lse, vis, scale):
-    """The kernels' backward: P = exp(S - lse) from the given lse, delta = rowsum(dO * O) from the given out."""
-    hk, g = k.shape[2], q.shape[2] // k.shape[2]
-    kk, vv = (x.double().repeat_interleave(g, 2) for x in (k, v))
-    s = (torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale).masked_fill(~vis, -math.inf)
-    p = torch.exp(s - lse.double()[..., None])
-    dod = do.double()
-    delta = (dod * o.double()).sum(-1).transpose(1, 2)
-    ds = p * (torch.einsum("bqhd,bkhd->bhqk", dod, vv) - delta[..., None])
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double()) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dod)
-    b, sk = k.shape[:2]
-    fold = lambda x: x.view(b, sk, hk, g, -1).sum(3)  # noqa: E731
-    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
-
-
-def _segments(cu_q, cu_k):
-    return [(int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in range(len(cu_q) - 1)]
-
 
 class FakeAten:
     """CPU stand-ins with the real ops' signatures and layouts; records what the backwards were given."""
@@ -74,13 +42,9 @@ class FakeAten:
         self.calls.append("flash")
         left, right = window_size_left or -1, 0 if is_causal else (window_size_right or -1)
         if cu_q is None:
-            out, lse = _fwd_math(q, k, v, window_mask(q.shape[1], k.shape[1], left, right), scale)
+            out, lse = attend_fwd(q, k, v, window_mask(q.shape[1], k.shape[1], left, right), scale)
         else:
-            out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf)
-            for i0, i1, j0, j1 in _segments(cu_q, cu_k):
-                o, l_ = _fwd_math(q[None, i0:i1], k[None, j0:j1], v[None, j0:j1],
-                                  window_mask(i1 - i0, j1 - j0, left, right), scale)
-                out[i0:i1], lse[:, i0:i1] = o[0], l_[0]
+            out, lse = varlen_fwd(q, k, v, cu_q, cu_k, left, right, scale)
         if self.wrong == "flash":
             out = out * 1.1
         return out, lse, torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0)
@@ -91,14 +55,9 @@ class FakeAten:
         left, right = window_size_left or -1, 0 if is_causal else (window_size_right or -1)
         if cu_q is None:
             assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-            return _bwd_math(do, q, k, v, out, lse, window_mask(q.shape[1], k.shape[1], left, right), scale)
+            return attend_bwd(do, q, k, v, out, lse, window_mask(q.shape[1], k.shape[1], left, right), scale)
         assert lse.shape == (q.shape[1], q.shape[0])
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for i0, i1, j0, j1 in _segments(cu_q, cu_k):
-            g = _bwd_math(do[None, i0:i1], q[None, i0:i1], k[None, j0:j1], v[None, j0:j1], out[None, i0:i1],
-                          lse[None, :, i0:i1], window_mask(i1 - i0, j1 - j0, left, right), scale)
-            dq[i0:i1], dk[j0:j1], dv[j0:j1] = g[0][0], g[1][0], g[2][0]
-        return dq, dk, dv
+        return varlen_bwd(do, q, k, v, out, lse, cu_q, cu_k, left, right, scale)
 
     # cuDNN: heads-first, top-left causal, lse [B, H, S, 1], int64 RNG scalars
     def _scaled_dot_product_cudnn_attention(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -106,7 +65,7 @@ class FakeAten:
         assert attn_bias is None and compute_log_sumexp and q.shape[1] == k.shape[1]
         self.calls.append("cudnn")
         qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
-        out, lse = _fwd_math(qs, ks, vs, window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True), scale)
+        out, lse = attend_fwd(qs, ks, vs, window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True), scale)
         if self.wrong == "cudnn":
             out = out * 1.1
         seed = torch.zeros((), dtype=torch.int64)
@@ -117,7 +76,7 @@ class FakeAten:
         assert lse.shape == (*q.shape[:3], 1) and seed.dtype == torch.int64 and attn_bias is None
         assert do.stride() == out.stride(), "cuDNN's backward needs dO laid out like O"
         vis = window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True)
-        g = _bwd_math(*(x.transpose(1, 2) for x in (do, q, k, v, out)), lse[..., 0], vis, scale)
+        g = attend_bwd(*(x.transpose(1, 2) for x in (do, q, k, v, out)), lse[..., 0], vis, scale)
         return tuple(x.transpose(1, 2) for x in g)
 
     # memory-efficient: [B, S, H, D], custom_mask_type 1 = top-left causal, lse rows padded to 32
@@ -125,7 +84,7 @@ class FakeAten:
                                      compute_log_sumexp=False, *, scale=None, seqlen_k=None, window_size=None):
         assert bias is None and cu_q is None and compute_log_sumexp and q.shape[2] == k.shape[2]
         self.calls.append("efficient")
-        out, lse = _fwd_math(q, k, v, window_mask(q.shape[1], k.shape[1], -1, 0 if custom_mask_type == 1 else -1,
+        out, lse = attend_fwd(q, k, v, window_mask(q.shape[1], k.shape[1], -1, 0 if custom_mask_type == 1 else -1,
                                                True), scale)
         if self.wrong == "efficient":
             out = out * 1.1
@@ -141,7 +100,7 @@ class FakeAten:
         n = q.shape[1]
         assert lse.shape == (q.shape[0], q.shape[2], -(-n // 32) * 32) and max_q == n and max_k == k.shape[1]
         vis = window_mask(n, k.shape[1], -1, 0 if custom_mask_type == 1 else -1, True)
-        return _bwd_math(do, q, k, v, out, lse[..., :n], vis, scale) + (None,)
+        return attend_bwd(do, q, k, v, out, lse[..., :n], vis, scale) + (None,)
 
 
 @pytest.fixture

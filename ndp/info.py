@@ -95,10 +95,15 @@ def _kernel_table_report(device: str) -> dict:
         dev = torch.device(device)
         path = tuning.table_path("kernels", tuning.device_key(dev))
         rows = configs.tuned_table(dev, reload=True) if dev.type == "cuda" else {}
+        probe = ("; where a row is missing, the first launch measures TMA and atomic vs split backward once"
+                 if dev.type in configs.AUTO_PROBE else "")
         if rows:
-            return {"source": str(path), "rows": len(rows), "why": "tuned on this GPU model"}
+            probed = sum(1 for r in rows.values() if r.get("probed"))
+            how = (f"{len(rows) - probed} rows tuned (python -m ndp_kernels.tune), {probed} measured on first use"
+                   if probed else "tuned on this GPU model")
+            return {"source": str(path), "rows": len(rows), "why": how + probe}
         return {"source": "static tables (ndp_kernels/configs.py)", "rows": 0,
-                "why": ("no tuned table for this GPU; run `python -m ndp_kernels.tune` to measure one"
+                "why": ("no tuned table for this GPU; run `python -m ndp_kernels.tune` to measure one" + probe
                         if dev.type == "cuda" else "no GPU here: launch configurations matter only on a GPU")}
     except Exception as exc:  # report, do not crash
         return {"source": "?", "rows": 0, "why": f"{type(exc).__name__}: {exc}"}

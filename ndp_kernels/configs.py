@@ -2,7 +2,9 @@
 
 A table measured on the user's GPU (``python -m ndp_kernels.tune``, written to the tuning cache, see
 ``ndp_kernels.tuning``) is read first; a ``with override(kind, cfg)`` block forces one configuration (what
-the tuner uses to time candidates). Otherwise the shipped static tables below apply.
+the tuner uses to time candidates). Otherwise the shipped static tables below apply, except for the two
+choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split backward): where the table has no
+row for them, the first launch measures them once (``AUTO_PROBE``, ``tune.probe``) and adds the rows.
 
 One static table per architecture family and head_dim bucket. The values are chosen so that the
 ahead-of-time compiles (``python -m ndp_kernels.aot``) have no register spills and fit the
@@ -18,14 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 
 import torch
 import triton
 
+log = logging.getLogger("ndp_kernels")
+
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
            "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
-           "launch_device"]
+           "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE"]
 
 ARCHS = ("sm_80", "sm_90")
 MIN_HEAD_DIM = 16
@@ -44,8 +49,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     # The kernels that walk key blocks (forward, split-backward dQ): K/V blocks by TMA (host tensor descriptors,
-    # sm_90+, fp16/bf16) instead of pointer loads. No static table sets it (not yet timed on a GPU);
-    # `python -m ndp_kernels.tune` tries it on sm_90.
+    # sm_90+, fp16/bf16) instead of pointer loads. No static table sets it (not yet timed on a GPU); on sm_90 the
+    # first launch measures the static tiles with and without it, and `python -m ndp_kernels.tune` every tile.
     tma: bool = False
 
     def __str__(self) -> str:
@@ -208,8 +213,9 @@ _BWD_DQ32 = {
     ("sm_80", 256): KernelConfig(16, 16, 8, 1),
 }
 # Which backward serves deterministic=False: "atomic" (``_flash_bwd_kernel``, dq by fp32 atomics) or
-# "split" (the atomic-free pair). The split backward is not yet timed on a GPU, so the measured
-# atomic kernel stays the default everywhere; flip an entry once a GPU run shows split is faster.
+# "split" (the atomic-free pair). Neither has been timed against the other on a GPU here, so on a GPU the
+# first backward measures both (``AUTO_PROBE``) and the faster one serves; this table is what applies
+# where that is off or failed: the atomic kernel, the one measured on an H100 (GPU-RESULTS.md).
 # deterministic=True always takes "split" (the only bitwise-reproducible one).
 _BWD_IMPL = {
     ("sm_90", 64): "atomic",
@@ -241,6 +247,7 @@ def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> Ke
 
 
 KINDS = ("fwd", "bwd", "bwd_dkdv", "bwd_dq")
+IMPLS = ("atomic", "split")
 TMA_KINDS = ("fwd", "bwd_dq")  # the kernels that walk key blocks: their K/V loads can go through TMA
 # The dQ kernel with TMA K/V loads spills registers at head_dim 256 (sm_90, static tiles; AOT report), so above
 # this head_dim it keeps the pointer loads whatever the configuration says.
@@ -253,7 +260,17 @@ def tma_applies(kind: str, dtype: torch.dtype, head_dim: int) -> bool:
     head_dim, the dQ kernel up to TMA_DQ_MAX_HEAD_DIM. The one rule of the launchers, the tuner and the AOT report."""
     return (kind in TMA_KINDS and dtype in (torch.float16, torch.bfloat16)
             and (kind != "bwd_dq" or head_dim <= TMA_DQ_MAX_HEAD_DIM))
-_OVERRIDE = threading.local()
+
+
+def tma_here(kind: str, dtype: torch.dtype, device: torch.device | None, head_dim: int) -> bool:
+    """Whether `kind` can read K/V by TMA on `device` (``tma_applies`` on an sm_90+ GPU); elsewhere a TMA
+    configuration runs the pointer loads, so timing it would only time the plain kernel twice."""
+    if device is None or device.type != "cuda" or not tma_applies(kind, dtype, head_dim):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+_LOCAL = threading.local()  # .cfg: the override() stack of this thread; .no_probe: inside no_probe()
 _TUNED: dict = {}
 
 
@@ -284,26 +301,96 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
 
 
 @contextlib.contextmanager
-def override(kind: str, cfg: KernelConfig):
-    """Within the block, kernels of `kind` (``fwd``, ``bwd``, ``bwd_dkdv``, ``bwd_dq``) launch with `cfg`
-    (this thread only). Used by the tuner to time candidates through the public launchers."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
-    stack = getattr(_OVERRIDE, "cfg", {})
+def override(kind: str, cfg):
+    """Within the block, kernels of `kind` (``fwd``, ``bwd``, ``bwd_dkdv``, ``bwd_dq``) launch with the
+    KernelConfig `cfg`, or with kind ``bwd_impl`` the non-deterministic backward is `cfg` (``atomic`` or
+    ``split``); this thread only. Used by the tuner to time candidates through the public launchers."""
+    if kind == "bwd_impl":
+        if cfg not in IMPLS:
+            raise ValueError(f"a bwd_impl override must be one of {IMPLS}; got {cfg!r}")
+    elif kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS} or 'bwd_impl'; got {kind!r}")
+    stack = getattr(_LOCAL, "cfg", {})
     old = stack.get(kind)
-    _OVERRIDE.cfg = {**stack, kind: cfg}
+    _LOCAL.cfg = {**stack, kind: cfg}
     try:
         yield
     finally:
-        _OVERRIDE.cfg = {**_OVERRIDE.cfg, kind: old} if old is not None else \
-            {k: v for k, v in _OVERRIDE.cfg.items() if k != kind}
+        _LOCAL.cfg = {**_LOCAL.cfg, kind: old} if old is not None else \
+            {k: v for k, v in _LOCAL.cfg.items() if k != kind}
+
+
+def _forced(kind: str):
+    return getattr(_LOCAL, "cfg", {}).get(kind)
+
+
+# First-use measurement. The static tables leave two choices unmeasured on a GPU: whether the forward and the dQ
+# kernel read K/V by TMA (sm_90+), and which backward (atomic or split) serves deterministic=False. On a GPU whose
+# model has no tuned row for them, the first launch that needs one measures it once (``tune.probe``: each variant
+# checked against the float64 reference, then timed) and adds the rows to the user's tuning table, so later
+# processes read them. ``python -m ndp_kernels.tune`` measures everything, tiles included. Device types listed
+# here probe; set to () to keep the static tables.
+AUTO_PROBE = ("cuda",)
+_PROBE_FAILED: set = set()
+
+
+@contextlib.contextmanager
+def no_probe():
+    """Within the block (this thread), missing rows take the static tables instead of being measured."""
+    old = getattr(_LOCAL, "no_probe", False)
+    _LOCAL.no_probe = True
+    try:
+        yield
+    finally:
+        _LOCAL.no_probe = old
+
+
+def _may_probe(device) -> bool:
+    if device is None or device.type not in AUTO_PROBE or getattr(_LOCAL, "no_probe", False):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> dict:
+    """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
+    ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed."""
+    rows = tuned_table(device)
+    marker = tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
+    if marker in rows or not _may_probe(device):
+        return rows
+    from . import tune, tuning
+
+    failed = (tuning.device_key(device), marker)
+    if failed in _PROBE_FAILED:
+        return rows
+    log.info("ndp_kernels: no measured %s row for %s on %s; measuring it once (python -m ndp_kernels.tune "
+             "measures every tile)", part, marker, failed[0])
+    try:
+        with no_probe():
+            new = tune.probe(part, device, head_dim, dtype)
+    except Exception as e:  # noqa: BLE001 - never let a measurement break the caller's attention
+        _PROBE_FAILED.add(failed)
+        log.warning("ndp_kernels: measuring %s on %s failed (%s: %s); the static tables apply", marker, failed[0],
+                    type(e).__name__, e)
+        return rows
+    for k, v in new.items():
+        rows.setdefault(k, v)
+    return rows
 
 
 def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
-    forced = getattr(_OVERRIDE, "cfg", {}).get(kind)
+    forced = _forced(kind)
     if forced is not None:
         return forced
-    row = tuned_table(device).get(tuned_key(kind, arch, head_dim, dtype))
+    if kind == "fwd" and tma_here("fwd", dtype, device, head_dim):
+        rows = _rows("fwd", arch, head_dim, dtype, device)
+    elif kind == "bwd_dq" and tma_here("bwd_dq", dtype, device, head_dim):
+        rows = _rows("bwd", arch, head_dim, dtype, device)
+    else:
+        rows = tuned_table(device)
+    row = rows.get(tuned_key(kind, arch, head_dim, dtype))
     if row is not None:
         # Measured on this GPU model: taken as is (no shared-memory shrink, it ran there).
         return KernelConfig(*row["config"])
@@ -364,7 +451,8 @@ def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deter
         arch: "sm_80", "sm_90" or "interpreter" (``current_arch``).
         head_dim: the head dimension. dtype: the input dtype.
         deterministic: True demands bitwise-reproducible gradients, which only "split" gives.
-        device: the tensors' device: a tuned table of its GPU model decides first (``ndp_kernels.tune``).
+        device: the tensors' device: a tuned table of its GPU model decides first (``ndp_kernels.tune``); on a GPU
+            without that row the first call measures both backwards once (``AUTO_PROBE``) and saves the row.
     Returns:
         "split" or "atomic".
     Raises:
@@ -372,7 +460,10 @@ def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deter
     """
     if deterministic:
         return "split"
-    row = tuned_table(device).get(tuned_key("bwd_impl", arch, head_dim, dtype))
+    forced = _forced("bwd_impl")
+    if forced is not None:
+        return forced
+    row = _rows("bwd", arch, head_dim, dtype, device).get(tuned_key("bwd_impl", arch, head_dim, dtype))
     if row is not None:
         return row["impl"]
     return _BWD_IMPL[(arch, head_dim_bucket(head_dim))]

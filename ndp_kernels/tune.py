@@ -12,6 +12,10 @@ two backwards (``atomic`` and ``split``, each with its best tiles) and records w
 ``deterministic=False``. The table goes to ``<tuning dir>/kernels-<GPU name>.json`` (``$NDP_TUNING_DIR``,
 default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
 
+``probe`` is the small version that runs without being asked: on a GPU whose table lacks the rows, the first
+launch measures the choices the static tables leave open (TMA on or off with the static tiles, atomic or split
+backward) on one block and adds those rows to the same table.
+
 Without a GPU the command says so and exits 2 (the interpreter cannot time kernels).
 """
 from __future__ import annotations
@@ -25,9 +29,10 @@ import sys
 import torch
 
 from . import tuning
-from .configs import KINDS, TMA_KINDS, KernelConfig, current_arch, override, static_config, tma_applies, tuned_key
+from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, static_config, tma_here,
+                      tuned_key)
 
-__all__ = ["candidates", "check_candidate", "tune_kind", "main"]
+__all__ = ["candidates", "check_candidate", "tune_kind", "probe", "main"]
 
 # Candidate grids per kernel: (block_m, block_n, num_warps, num_stages). Candidates that cannot compile
 # or launch on this GPU (registers, shared memory) fail and are skipped.
@@ -56,14 +61,6 @@ def candidates(kind: str, quick: bool = False, *, tma: bool = False) -> list[Ker
     return plain + [dataclasses.replace(c, tma=True) for c in plain]
 
 
-def _tma_here(kind, dtype, device, head_dim) -> bool:
-    """Whether TMA candidates of `kind` can run here (elsewhere the launcher takes the pointer loads, which would
-    only time the plain kernel twice)."""
-    if not tma_applies(kind, dtype, head_dim):
-        return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _overrides(cfgs: dict):
     """Nested ``configs.override`` blocks for every kind in `cfgs`."""
     import contextlib
@@ -86,8 +83,11 @@ def _run(kind, q, k, v, dout, causal, out=None, lse=None):
 
     if kind == "fwd":
         return flash.flash_attn_fwd(q, k, v, causal=causal)
-    # bwd: the atomic backward; bwd_dkdv / bwd_dq: the split backward (deterministic=True takes it).
-    return flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=kind != "bwd")
+    if kind == "bwd":  # the atomic backward, whatever a tuned table says serves deterministic=False
+        with override("bwd_impl", "atomic"):
+            return flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal)
+    # bwd_dkdv / bwd_dq: the split backward (deterministic=True takes it).
+    return flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=True)
 
 
 def check_candidate(kind, cfg, dtype, head_dim, device, *, s=192, h=4, hk=2, fixed=None) -> tuple[bool, float]:
@@ -151,7 +151,7 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     if cands is None:
         # The shipped configuration is always a candidate: a tuned table never does worse than no table.
         static = static_config(kind, current_arch(device), head_dim, dtype, device)
-        tma = _tma_here(kind, dtype, device, head_dim)
+        tma = tma_here(kind, dtype, device, head_dim)
         cands = [static] + [c for c in candidates(kind, quick, tma=tma) if c != static]
     for cfg in cands:
         ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
@@ -182,6 +182,71 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     return row
 
 
+# The first-use probe (``configs._rows``): the choices the static tables leave unmeasured, timed on one block.
+PROBE_SHAPE = dict(seqlen=4096, batch=1, heads=16, kv_heads=4)
+
+
+def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
+    """Measures the choices the static tables leave open for (this GPU model, head_dim bucket, dtype), adds their
+    rows to the user's kernel table (rows already there are kept) and returns them.
+
+    part ``"fwd"``: the forward's static tiles with and without TMA K/V loads (sm_90+, fp16/bf16).
+    part ``"bwd"``: which backward serves deterministic=False (``bwd_impl``: the atomic and the split one, each
+    with its static tiles), and the split backward's dQ kernel with and without TMA where it applies.
+    Every variant is checked against the float64 reference before it is timed; one that fails is never chosen.
+
+    Raises:
+        RuntimeError: no variant of a choice passed its check (the message lists why each failed).
+        ValueError: an unknown part.
+    """
+    device = torch.device(device)
+    arch = current_arch(device)
+
+    def variants(kind):
+        cfg = static_config(kind, arch, head_dim, dtype, device)
+        return [cfg, dataclasses.replace(cfg, tma=True)] if tma_here(kind, dtype, device, head_dim) else [cfg]
+
+    def measure(kind, **kw):
+        row = tune_kind(kind, dtype, head_dim, device, cands=variants(kind), log=lambda *_: None, **PROBE_SHAPE,
+                        **kw)
+        return {**row, "probed": True}
+
+    rows = {}
+    if part == "fwd":
+        row = measure("fwd")
+        if row["config"] is None:
+            raise RuntimeError(f"no forward variant passed its check on {device}: {row['candidates']}")
+        rows[tuned_key("fwd", arch, head_dim, dtype)] = row
+    elif part == "bwd":
+        split = measure("bwd_dq", fixed={"bwd_dkdv": static_config("bwd_dkdv", arch, head_dim, dtype, device)})
+        atomic = measure("bwd")
+        ms = {"atomic": atomic["ms"], "split": split["ms"]}
+        timed = {k: v for k, v in ms.items() if v is not None}
+        if not timed:
+            raise RuntimeError(f"neither backward passed its check on {device}: atomic {atomic['candidates']}, "
+                               f"split {split['candidates']}")
+        rows[tuned_key("bwd_impl", arch, head_dim, dtype)] = {"impl": min(timed, key=timed.get), "ms": ms,
+                                                              "shape": split["shape"], "probed": True}
+        if split["config"] is not None and len(split["candidates"]) > 1:
+            rows[tuned_key("bwd_dq", arch, head_dim, dtype)] = split
+    else:
+        raise ValueError(f"part must be 'fwd' or 'bwd'; got {part!r}")
+    path = tuning.table_path("kernels", tuning.device_key(device))
+    data = tuning.load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict):
+        data = {**_meta(device, arch), "rows": {}}
+    for key, row in rows.items():
+        data["rows"].setdefault(key, row)
+    tuning.save_json(path, data)
+    return rows
+
+
+def _meta(device, arch) -> dict:
+    return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "arch": arch, "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "measured": datetime.date.today().isoformat()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ndp_kernels.tune", description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default=",".join(KINDS))
@@ -206,25 +271,24 @@ def main(argv=None) -> int:
     dtypes = [getattr(torch, t) for t in args.dtypes.split(",")]
     rows = {}
     path = tuning.table_path("kernels", tuning.device_key(device), args.out)
-    for dtype in dtypes:
-        for d in (int(x) for x in args.head_dims.split(",")):
-            fixed = {}
-            for kind in kinds:  # KINDS order: bwd_dkdv before bwd_dq, which is tuned with the best dK/dV tiles
-                row = tune_kind(kind, dtype, d, device, seqlen=args.seqlen, quick=args.quick,
-                                fixed=fixed if kind == "bwd_dq" else None)
-                if row["config"] is not None:
-                    rows[tuned_key(kind, arch, d, dtype)] = row
-                    if kind == "bwd_dkdv":
-                        fixed["bwd_dkdv"] = KernelConfig(*row["config"])
-            # Which backward serves deterministic=False: the faster of the two, each with its best tiles
-            # (the dQ row times the whole split backward: both kernels, dK/dV at its best).
-            a, sq = rows.get(tuned_key("bwd", arch, d, dtype)), rows.get(tuned_key("bwd_dq", arch, d, dtype))
-            if a and sq and "bwd_dkdv" in fixed:
-                rows[tuned_key("bwd_impl", arch, d, dtype)] = {
-                    "impl": "split" if sq["ms"] < a["ms"] else "atomic", "ms": {"atomic": a["ms"], "split": sq["ms"]}}
-    table = {"device_name": torch.cuda.get_device_name(device), "arch": arch, "torch": torch.__version__,
-             "triton": __import__("triton").__version__, "measured": datetime.date.today().isoformat(),
-             "rows": rows}
+    with no_probe():  # every row is measured here, with its tiles; nothing to measure on first use
+        for dtype in dtypes:
+            for d in (int(x) for x in args.head_dims.split(",")):
+                fixed = {}
+                for kind in kinds:  # KINDS order: bwd_dkdv before bwd_dq, which is tuned with the best dK/dV tiles
+                    row = tune_kind(kind, dtype, d, device, seqlen=args.seqlen, quick=args.quick,
+                                    fixed=fixed if kind == "bwd_dq" else None)
+                    if row["config"] is not None:
+                        rows[tuned_key(kind, arch, d, dtype)] = row
+                        if kind == "bwd_dkdv":
+                            fixed["bwd_dkdv"] = KernelConfig(*row["config"])
+                # Which backward serves deterministic=False: the faster of the two, each with its best tiles
+                # (the dQ row times the whole split backward: both kernels, dK/dV at its best).
+                a, sq = rows.get(tuned_key("bwd", arch, d, dtype)), rows.get(tuned_key("bwd_dq", arch, d, dtype))
+                if a and sq and "bwd_dkdv" in fixed:
+                    rows[tuned_key("bwd_impl", arch, d, dtype)] = {"impl": "split" if sq["ms"] < a["ms"] else "atomic",
+                                                                   "ms": {"atomic": a["ms"], "split": sq["ms"]}}
+    table = {**_meta(device, arch), "rows": rows}
     tuning.save_json(path, table)
     print(f"wrote {path} ({len(rows)} rows); ndp_kernels.configs reads it on this GPU model")
     return 0

@@ -100,5 +100,194 @@ def test_tma_candidates_only_for_the_kernels_that_walk_key_blocks():
                                           for c in plain]
     assert len(tune.candidates("bwd_dq", quick=True, tma=True)) == 2 * len(tune.candidates("bwd_dq", quick=True))
     assert tune.candidates("bwd_dkdv", quick=True, tma=True) == tune.candidates("bwd_dkdv", quick=True)
-    assert not tune._tma_here("fwd", torch.bfloat16, torch.device("cpu"), 128)     # no Hopper here
-    assert not tune._tma_here("bwd", torch.bfloat16, torch.device("cpu"), 128)
+    assert not configs.tma_here("fwd", torch.bfloat16, torch.device("cpu"), 128)     # no Hopper here
+    assert not configs.tma_here("bwd", torch.bfloat16, torch.device("cpu"), 128)
+
+
+# --- the first-use probe: the choices the static tables leave unmeasured (TMA, atomic vs split backward) ---
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def probe_env(tmp_path, monkeypatch):
+    """An empty tuning dir, probing allowed on CPU (the interpreter runs the kernels), a tiny probe block, and a
+    timer that says the variant named by state["fast"] (split, atomic, tma: the forward or dQ kernel with TMA,
+    plain: without) takes 1 ms and every other 3 ms."""
+    from ndp_kernels import tune
+
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "AUTO_PROBE", ("cpu",))
+    monkeypatch.setattr(tune, "PROBE_SHAPE", dict(seqlen=48, batch=1, heads=2, kv_heads=1))
+    configs._PROBE_FAILED.clear()
+    configs.tuned_table(CPU, reload=True)
+    state = {"fast": "split", "calls": []}
+
+    def fake_bench(fn, device):
+        fn()
+        walk = [configs._forced(kind) for kind in configs.TMA_KINDS if configs._forced(kind) is not None]
+        fast = {"split": configs._forced("bwd_dq") is not None, "atomic": configs._forced("bwd") is not None,
+                "tma": any(c.tma for c in walk), "plain": bool(walk) and not any(c.tma for c in walk)}[state["fast"]]
+        return 1.0 if fast else 3.0
+
+    real_probe = tune.probe
+
+    def spy(part, *a, **kw):
+        state["calls"].append(part)
+        return real_probe(part, *a, **kw)
+
+    monkeypatch.setattr(tune, "_bench", fake_bench)
+    monkeypatch.setattr(tune, "probe", spy)
+    state["table"] = tmp_path / "kernels-cpu.json"
+    yield state
+    monkeypatch.delenv("NDP_TUNING_DIR")
+    configs._PROBE_FAILED.clear()
+    configs.tuned_table(CPU, reload=True)
+
+
+def _grads_match(q, k, v, do, **kw):
+    ro, rl = reference.flash_attn_fwd_ref(q, k, v, causal=True)
+    grads = ndp_kernels.flash_attn_bwd(do, q, k, v, ro, rl, causal=True, **kw)
+    for a, b in zip(grads, reference.flash_attn_bwd_ref(do, q, k, v, ro, rl, causal=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _qkvd(d=16, s=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, s, 2, d, generator=g) for _ in range(4)]
+
+
+@needs_interp
+@pytest.mark.parametrize("fast", ["split", "atomic"])
+def test_first_backward_measures_which_backward_serves_it_once_and_saves_it(probe_env, monkeypatch, fast):
+    from ndp_kernels import flash
+
+    probe_env["fast"] = fast
+    spies = {"atomic": [], "split": []}
+    for impl in spies:
+        real = getattr(flash, f"_bwd_{impl}")
+        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _r=real, _n=impl: (spies[_n].append(1), _r(*a))[1])
+    q, k, v, do = _qkvd()
+    _grads_match(q, k, v, do)
+    assert probe_env["calls"] == ["bwd"]
+    row = configs.tuned_table(CPU)["bwd_impl/interpreter/64/float32"]
+    assert row["impl"] == fast and row["probed"] and row["ms"] == {fast: 2.0, ({"split", "atomic"} - {fast}).pop(): 6.0}
+    # both backwards ran while measuring; afterwards deterministic=False runs the faster one, without measuring
+    n = {i: len(spies[i]) for i in spies}
+    assert n["atomic"] and n["split"]
+    _grads_match(q, k, v, do)
+    assert probe_env["calls"] == ["bwd"]
+    assert len(spies[fast]) == n[fast] + 1 and sum(map(len, spies.values())) == sum(n.values()) + 1
+    # saved: a new process reads the row instead of measuring again
+    saved = json.loads(probe_env["table"].read_text())["rows"]
+    assert saved["bwd_impl/interpreter/64/float32"]["impl"] == fast
+    configs.tuned_table(CPU, reload=True)
+    assert configs.bwd_impl("interpreter", 16, torch.float32, device=CPU) == fast
+    assert configs.bwd_impl("interpreter", 32, torch.float32, device=CPU) == fast  # same head_dim bucket
+    assert probe_env["calls"] == ["bwd"]
+    # a new dtype is a new row; the rows already in the file are kept
+    configs.bwd_impl("interpreter", 16, torch.float16, device=CPU)
+    assert probe_env["calls"] == ["bwd", "bwd"]
+    saved = json.loads(probe_env["table"].read_text())["rows"]
+    assert {"bwd_impl/interpreter/64/float32", "bwd_impl/interpreter/64/float16"} <= set(saved)
+
+
+@needs_interp
+@pytest.mark.parametrize("fast", ["tma", "plain"])
+def test_on_hopper_the_first_use_measures_tma_against_pointer_loads(probe_env, monkeypatch, fast):
+    from ndp_kernels import tune
+
+    # The interpreter runs TMA descriptors; pretend this is an sm_90 GPU for the rule that decides to measure.
+    monkeypatch.setattr(configs, "tma_here", lambda kind, dtype, device, hd: configs.tma_applies(kind, dtype, hd))
+    monkeypatch.setattr(tune, "tma_here", configs.tma_here)
+    probe_env["fast"] = fast
+    q, k, v, do = (x.half() for x in _qkvd())
+    out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=True)
+    ro, rl = reference.flash_attn_fwd_ref(q.double(), k.double(), v.double(), causal=True)
+    torch.testing.assert_close(out.double(), ro, atol=2e-3, rtol=2e-3)
+    assert probe_env["calls"] == ["fwd"]
+    row = configs.tuned_table(CPU)["fwd/interpreter/64/float16"]
+    static = configs.static_config("fwd", "interpreter", 16, torch.float16)
+    assert row["probed"] and row["config"] == static.as_row() + ([True] if fast == "tma" else [])
+    assert set(row["candidates"]) == {str(static), str(static) + "/tma"}
+    assert configs.fwd_config("interpreter", 16, CPU, torch.float16).tma == (fast == "tma")
+    ndp_kernels.flash_attn_fwd(q, k, v, causal=True)
+    assert probe_env["calls"] == ["fwd"]
+    # fp32 has no TMA: nothing to measure for the forward
+    ndp_kernels.flash_attn_fwd(q.float(), k.float(), v.float(), causal=True)
+    assert probe_env["calls"] == ["fwd"]
+    # the backward: the split one's dQ kernel with and without TMA, then the faster backward
+    grads = ndp_kernels.flash_attn_bwd(do.half(), q, k, v, out, lse, causal=True)
+    assert probe_env["calls"] == ["fwd", "bwd"]
+    want = reference.flash_attn_bwd_ref(do.double(), q.double(), k.double(), v.double(), ro, rl, causal=True)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-2, rtol=1e-2)
+    rows = configs.tuned_table(CPU)
+    dq = configs.static_config("bwd_dq", "interpreter", 16, torch.float16)
+    assert rows["bwd_impl/interpreter/64/float16"]["impl"] == "split"
+    assert rows["bwd_dq/interpreter/64/float16"]["config"] == dq.as_row() + ([True] if fast == "tma" else [])
+    assert configs.bwd_dq_config("interpreter", 16, CPU, torch.float16).tma == (fast == "tma")
+    saved = json.loads(probe_env["table"].read_text())["rows"]
+    assert {"fwd/interpreter/64/float16", "bwd_dq/interpreter/64/float16", "bwd_impl/interpreter/64/float16"} \
+        == set(saved)
+
+
+@needs_interp
+def test_a_failed_probe_is_logged_once_and_the_static_tables_apply(probe_env, monkeypatch, caplog):
+    from ndp_kernels import tune
+
+    calls = []
+
+    def broken(part, *a, **kw):
+        calls.append(part)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(tune, "probe", broken)
+    q, k, v, do = _qkvd()
+    with caplog.at_level("WARNING", logger="ndp_kernels"):
+        _grads_match(q, k, v, do)
+        _grads_match(q, k, v, do)
+    assert calls == ["bwd"]
+    assert "failed (OutOfMemoryError: CUDA out of memory (stand-in)); the static tables apply" in caplog.text
+    assert configs.bwd_impl("interpreter", 16, torch.float32, device=CPU) == configs._BWD_IMPL[("interpreter", 64)]
+    assert not probe_env["table"].exists()
+
+
+@needs_interp
+def test_no_probe_where_it_is_switched_off(probe_env, monkeypatch):
+    q, k, v, do = _qkvd()
+    with configs.no_probe():
+        _grads_match(q, k, v, do)
+    monkeypatch.setattr(configs, "AUTO_PROBE", ())
+    _grads_match(q, k, v, do)
+    assert configs.bwd_impl("interpreter", 16, torch.float32, device=None) == "atomic"  # no device: no table
+    assert probe_env["calls"] == [] and not probe_env["table"].exists()
+
+
+@needs_interp
+def test_tuning_the_atomic_backward_times_it_even_where_the_table_says_split(tmp_path, monkeypatch):
+    from ndp_kernels import flash, tune
+
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    (tmp_path / "kernels-cpu.json").write_text(json.dumps({"rows": {
+        "bwd_impl/interpreter/64/float32": {"impl": "split", "ms": {"atomic": 2.0, "split": 1.0}}}}))
+    ran = []
+    for impl in ("atomic", "split"):
+        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _n=impl: ran.append(_n))
+    try:
+        configs.tuned_table(CPU, reload=True)
+        q, k, v, do = _qkvd()
+        out, lse = reference.flash_attn_fwd_ref(q, k, v, causal=True)
+        flash.flash_attn_bwd(do, q, k, v, out, lse, causal=True)
+        tune._run("bwd", q, k, v, do, True, out, lse)
+        tune._run("bwd_dq", q, k, v, do, True, out, lse)
+        assert ran == ["split", "atomic", "split"]
+        with configs.override("bwd_impl", "atomic"):
+            assert configs.bwd_impl("interpreter", 16, torch.float32, device=CPU) == "atomic"
+            assert configs.bwd_impl("interpreter", 16, torch.float32, deterministic=True, device=CPU) == "split"
+        with pytest.raises(ValueError, match="a bwd_impl override must be one of"):
+            with configs.override("bwd_impl", "fast"):
+                pass
+    finally:
+        monkeypatch.delenv("NDP_TUNING_DIR")
+        configs.tuned_table(CPU, reload=True)

@@ -6,8 +6,9 @@ On a GPU::
     python bench/bench_kernels.py --seqlens 1024,4096 --head-dims 128 --modes fwd,bwd
 
 times fwd, bwd and fwd+bwd with ``triton.testing.do_bench`` (p50 with p20/p80) for seq 1k..64k, head_dim
-64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp, ndp_split (the
-atomic-free backward, deterministic=True), ndp_tma (the forward and the split backward's dQ kernel with K/V by
+64/128, causal and full, GQA 32:8 (batch = 16k tokens / seqlen), for the providers ndp (what a user gets; each
+ndp row records the tiles and the backward it ran), ndp_atomic and ndp_split (each backward forced; split is the
+atomic-free one, deterministic=True), ndp_tma (the forward and the split backward's dQ kernel with K/V by
 TMA, sm_90+), torch SDPA (its default, cuDNN and flash pinned) and flash-attn (when importable). FLOPs =
 4*b*h*s^2*d, x0.5 causal, x2.5 for bwd (x3.5 fwd+bwd). One output per (head_dim, causal) is checked against
 ``ndp_kernels.reference`` before timing. Results go to ``<out>/kernels_<gpu>.json`` and ``.csv`` (one row per
@@ -79,13 +80,14 @@ def _env_info():
 def _providers():
     import torch
 
-    # ndp_split: the atomic-free split backward (deterministic=True), timed next to the default
-    # backward so that a GPU run can set ndp_kernels.configs._BWD_IMPL. sdpa_cudnn / sdpa_flash: torch's
-    # SDPA pinned to one backend (torch_sdpa is its default choice).
-    # ndp_tma: ndp_split with the forward's and the dQ kernel's K/V read by TMA (KernelConfig.tma), on sm_90+ only.
-    provs = ["ndp", "ndp_split", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
+    # ndp: what a user gets (on a GPU without a tuned table, the backward and the TMA choice are measured on first
+    # use, see ndp_kernels.configs.AUTO_PROBE); ndp_atomic / ndp_split: each backward forced (ndp_split is the
+    # atomic-free one, deterministic=True); ndp_tma: ndp_split with the forward's and the dQ kernel's K/V read by
+    # TMA (KernelConfig.tma), sm_90+ only. sdpa_cudnn / sdpa_flash: torch's SDPA pinned to one backend (torch_sdpa
+    # is its default choice).
+    provs = ["ndp", "ndp_atomic", "ndp_split", "torch_sdpa", "sdpa_cudnn", "sdpa_flash"]
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
-        provs.insert(2, "ndp_tma")
+        provs.insert(3, "ndp_tma")
     try:
         import flash_attn  # noqa: F401
         provs.append("flash_attn")
@@ -94,43 +96,65 @@ def _providers():
     return provs
 
 
+NDP_PROVIDERS = ("ndp", "ndp_atomic", "ndp_split", "ndp_tma")
+
+
+def _pin(provider, q):
+    """The context an ndp provider runs in: ndp_atomic forces the atomic backward; ndp_tma the forward and the
+    split backward's dQ kernel with K/V by TMA (compare with ndp_split); ndp takes what configs decides."""
+    import contextlib
+    import dataclasses
+
+    from ndp_kernels import configs
+
+    stack = contextlib.ExitStack()
+    if provider == "ndp_atomic":
+        stack.enter_context(configs.override("bwd_impl", "atomic"))
+    elif provider == "ndp_tma":
+        arch, d = configs.current_arch(q.device), q.shape[-1]
+        for kind, pick in (("fwd", configs.fwd_config), ("bwd_dq", configs.bwd_dq_config)):
+            stack.enter_context(configs.override(kind, dataclasses.replace(pick(arch, d, q.device, dtype=q.dtype),
+                                                                          tma=True)))
+    return stack
+
+
+def _deterministic(provider) -> bool:
+    return provider in ("ndp_split", "ndp_tma")
+
+
+def ndp_kernels_used(provider, q) -> str:
+    """What an ndp provider runs at q's dtype and head_dim: the forward's tiles, which backward and its tiles."""
+    from ndp_kernels import configs
+
+    arch, d, dev, dt = configs.current_arch(q.device), q.shape[-1], q.device, q.dtype
+    with _pin(provider, q):
+        impl = configs.bwd_impl(arch, d, dt, deterministic=_deterministic(provider), device=dev)
+        bwd = (f"split dK/dV {configs.bwd_dkdv_config(arch, d, dev, dt)} dQ {configs.bwd_dq_config(arch, d, dev, dt)}"
+               if impl == "split" else f"atomic {configs.bwd_config(arch, d, dev, dt)}")
+        return f"fwd {configs.fwd_config(arch, d, dev, dt)}, bwd {bwd}"
+
+
 def _make_fns(provider, q, k, v, dout, causal):
     """(fwd, bwd, fwd+bwd) callables and the tensors whose .grad do_bench resets."""
     import torch.nn.functional as F
 
-    if provider in ("ndp", "ndp_split", "ndp_tma"):
-        import contextlib
-        import dataclasses
-
+    if provider in NDP_PROVIDERS:
         import ndp_kernels
-        from ndp_kernels import configs
-        det = provider in ("ndp_split", "ndp_tma")
-        arch, d = configs.current_arch(q.device), q.shape[-1]
 
-        @contextlib.contextmanager
-        def pin():
-            # ndp_tma: the forward and the split backward's dQ kernel with K/V by TMA (compare with ndp_split).
-            if provider != "ndp_tma":
-                yield
-                return
-            with configs.override("fwd", dataclasses.replace(configs.fwd_config(arch, d, q.device, dtype=q.dtype),
-                                                             tma=True)), \
-                    configs.override("bwd_dq", dataclasses.replace(configs.bwd_dq_config(arch, d, q.device,
-                                                                                         dtype=q.dtype), tma=True)):
-                yield
+        det = _deterministic(provider)
 
         def fwd():
-            with pin():
+            with _pin(provider, q):
                 return ndp_kernels.flash_attn_fwd(q, k, v, causal=causal)
         out, lse = fwd()
 
         def bwd():
-            with pin():
+            with _pin(provider, q):
                 return ndp_kernels.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
 
         def both():
             o, l = fwd()
-            with pin():
+            with _pin(provider, q):
                 ndp_kernels.flash_attn_bwd(dout, q, k, v, o, l, causal=causal, deterministic=det)
         return fwd, bwd, both, []
     if provider in ("torch_sdpa", "sdpa_cudnn", "sdpa_flash"):
@@ -210,6 +234,7 @@ def run_gpu(args) -> list[dict]:
                 for provider in providers:
                     try:
                         fns = _make_fns(provider, q, k, v, dout, causal)
+                        used = ndp_kernels_used(provider, q) if provider in NDP_PROVIDERS else None
                     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
                         logger.warning("%s s=%d d=%d causal=%s failed: %s", provider, seqlen, head_dim, causal, e)
                         continue
@@ -226,7 +251,7 @@ def run_gpu(args) -> list[dict]:
                                    heads=args.heads, kv_heads=args.kv_heads, head_dim=head_dim,
                                    causal=causal, dtype=args.dtype, ms_p50=ms50, ms_p20=ms20, ms_p80=ms80,
                                    tflops_p50=flops / ms50 * 1e-9, tflops_p20=flops / ms80 * 1e-9,
-                                   tflops_p80=flops / ms20 * 1e-9)
+                                   tflops_p80=flops / ms20 * 1e-9, kernels=used or "")
                         rows.append(row)
                         print(f"{provider:10s} {mode:7s} d={head_dim:3d} causal={causal!s:5s} b={batch:3d} "
                               f"s={seqlen:6d}: {row['tflops_p50']:7.1f} TFLOP/s "
@@ -371,7 +396,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", default="1024,2048,4096,8192,16384,32768,65536")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
-    p.add_argument("--providers", default="ndp,ndp_split,ndp_tma,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
+    p.add_argument("--providers",
+                   default="ndp,ndp_atomic,ndp_split,ndp_tma,torch_sdpa,sdpa_cudnn,sdpa_flash,flash_attn")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

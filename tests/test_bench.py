@@ -50,6 +50,34 @@ def test_kernel_bench_tma_provider_runs_the_tma_forward(monkeypatch):
     assert len(made) == n + 1                       # the ndp provider keeps the pointer loads
 
 
+def test_kernel_bench_ndp_providers_run_the_backward_they_name(monkeypatch):
+    """ndp_atomic and ndp_split force their backward whatever the tuned table says, ndp takes the table's, and
+    each row's description names what ran."""
+    import torch
+
+    import bench_kernels
+    import ndp_kernels
+    from ndp_kernels import configs, flash
+
+    if not ndp_kernels.interpreter_active():
+        pytest.skip("runs the kernels under TRITON_INTERPRET=1")
+    ran = []
+    for impl in ("atomic", "split"):
+        real = getattr(flash, f"_bwd_{impl}")
+        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _r=real, _n=impl: (ran.append(_n), _r(*a))[1])
+    table = {"bwd_impl/interpreter/64/float16": {"impl": "split", "ms": {"atomic": 2.0, "split": 1.0}}}
+    monkeypatch.setattr(configs, "tuned_table", lambda device, reload=False: table)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 40, 2, 64, generator=g).half() for _ in range(4))
+    for provider, want in (("ndp", "split"), ("ndp_atomic", "atomic"), ("ndp_split", "split")):
+        ran.clear()
+        bench_kernels._make_fns(provider, q, k, v, dout, True)[1]()
+        assert ran == [want], provider
+        used = bench_kernels.ndp_kernels_used(provider, q)
+        assert used.startswith("fwd M") and f"bwd {want} " in used
+    assert "dQ M" in bench_kernels.ndp_kernels_used("ndp_split", q)
+
+
 @pytest.mark.distributed
 def test_bench_engines_cpu_mode_runs_and_checks(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -32,17 +32,23 @@ CAPABILITY = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_dkdv", "bwd_dq", "bwd_dq_tma",
-                   "merge")
+DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads",
+                   "bwd_dq", "bwd_dq_tma", "merge")
 # Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
-WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_dkdv", "bwd_dq", "bwd_dq_tma")
+WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads", "bwd_dq",
+                 "bwd_dq_tma")
+# The key-block backward kernels with a GQA group's query heads split over programs (HEAD_SPLITS, here 4 parts;
+# configs.head_splits): what runs where the grid is small against the GPU, fp16/bf16 only.
+HEADS_KERNELS = ("bwd_heads", "bwd_dkdv_heads")
+HEADS_SPLITS = 4
 # The forward and dQ kernels with K/V by TMA (KernelConfig.tma): sm_90, 16-bit only (the launchers take pointer
 # loads elsewhere); their PTX must hold TMA loads.
 TMA_KERNELS = ("fwd_tma", "bwd_dq_tma")
 TMA_PTX = "cp.async.bulk.tensor"
 # (kernel, head_dim bucket) that run mma.sync on sm_90 by design, with the reason (configs.py):
 # the split dK/dV kernel at head_dim 256 spills with any key block of 64 rows, so it takes 16.
-WGMMA_EXEMPT = {("bwd_dkdv", 256): "dk+dv of a 64-row key block at head_dim 256 spill registers"}
+WGMMA_EXEMPT = {("bwd_dkdv", 256): "dk+dv of a 64-row key block at head_dim 256 spill registers",
+                ("bwd_dkdv_heads", 256): "as bwd_dkdv"}
 WGMMA_EXEMPT_MARK = "no (by design)"
 
 
@@ -81,10 +87,14 @@ class Row:
 
 def applies(kernel: str, arch: str, dtype: str, head_dim: int) -> bool:
     """Whether the launchers ever run this variant: a TMA kernel only on sm_90 and where
-    ``configs.tma_applies`` (fp16/bf16; the dQ kernel up to head_dim 128, at 256 it spills)."""
+    ``configs.tma_applies`` (fp16/bf16; the dQ kernel up to head_dim 128, at 256 it spills); split GQA heads
+    where ``configs.HEAD_SPLIT_DTYPES`` allows (fp16/bf16)."""
+    from .configs import HEAD_SPLIT_DTYPES, tma_applies
+
+    if kernel in HEADS_KERNELS:
+        return _torch_dtype(dtype) in HEAD_SPLIT_DTYPES
     if kernel not in TMA_KERNELS:
         return True
-    from .configs import tma_applies
 
     return arch == "sm_90" and tma_applies(kernel.removesuffix("_tma"), _torch_dtype(dtype), head_dim)
 
@@ -173,7 +183,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=prec, USE_TMA=tma)
         return build(flash._flash_fwd_kernel, args, consts, cfg)
-    if kernel == "bwd":
+    if kernel in ("bwd", "bwd_heads"):
         cfg = bwd_config(arch, head_dim, dtype=torch_dtype)
         args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
                 ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
@@ -188,10 +198,11 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
             args += strides(p, ("b", "s", "h"))
         # ATOMIC_KV=True is the context-parallel case (segments share keys) and the heavier variant.
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec)
+                      BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec,
+                      HEAD_SPLITS=HEADS_SPLITS if kernel in HEADS_KERNELS else 1)
         return build(flash._flash_bwd_kernel, args, consts, cfg)
-    if kernel in ("bwd_dkdv", "bwd_dq", "bwd_dq_tma"):
-        dkdv = kernel == "bwd_dkdv"
+    if kernel in ("bwd_dkdv", "bwd_dkdv_heads", "bwd_dq", "bwd_dq_tma"):
+        dkdv = kernel.startswith("bwd_dkdv")
         tma = kernel == "bwd_dq_tma"
         cfg = (bwd_dkdv_config if dkdv else bwd_dq_config)(arch, head_dim, dtype=torch_dtype)
         if tma:
@@ -203,6 +214,8 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
         args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("num_segments", "i32"),
                  ("group_size", "i32")]
+        if dkdv:  # per-part dK/dV buffers (GQA heads split over programs) are stacked along the batch
+            args += [("batch", "i32")]
         for p in ("q", "k", "v", "do"):
             args += strides(p, ("b", "s", "h"))
         args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
@@ -211,7 +224,9 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
             args += strides(p, ("b", "s", "h"))
         consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, DOT_PRECISION=prec)
-        if not dkdv:
+        if dkdv:
+            consts["HEAD_SPLITS"] = HEADS_SPLITS if kernel in HEADS_KERNELS else 1
+        else:
             consts["USE_TMA"] = tma
         fn = flash._flash_bwd_dkdv_kernel if dkdv else flash._flash_bwd_dq_kernel
         return build(fn, args, consts, cfg)

@@ -30,7 +30,7 @@ log = logging.getLogger("ndp_kernels")
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
            "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
-           "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE"]
+           "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits", "sm_count"]
 
 ARCHS = ("sm_80", "sm_90")
 MIN_HEAD_DIM = 16
@@ -303,13 +303,18 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
 @contextlib.contextmanager
 def override(kind: str, cfg):
     """Within the block, kernels of `kind` (``fwd``, ``bwd``, ``bwd_dkdv``, ``bwd_dq``) launch with the
-    KernelConfig `cfg`, or with kind ``bwd_impl`` the non-deterministic backward is `cfg` (``atomic`` or
-    ``split``); this thread only. Used by the tuner to time candidates through the public launchers."""
+    KernelConfig `cfg`; with kind ``bwd_impl`` the non-deterministic backward is `cfg` (``atomic`` or
+    ``split``); with kind ``head_splits`` the backward splits a GQA group's query heads over up to `cfg`
+    programs (``head_splits``). This thread only. Used by the tuner to time candidates through the public
+    launchers, and by tests."""
     if kind == "bwd_impl":
         if cfg not in IMPLS:
             raise ValueError(f"a bwd_impl override must be one of {IMPLS}; got {cfg!r}")
+    elif kind == "head_splits":
+        if not isinstance(cfg, int) or cfg < 1:
+            raise ValueError(f"a head_splits override must be an int >= 1; got {cfg!r}")
     elif kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS} or 'bwd_impl'; got {kind!r}")
+        raise ValueError(f"kind must be one of {KINDS}, 'bwd_impl' or 'head_splits'; got {kind!r}")
     stack = getattr(_LOCAL, "cfg", {})
     old = stack.get(kind)
     _LOCAL.cfg = {**stack, kind: cfg}
@@ -368,7 +373,7 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
     log.info("ndp_kernels: no measured %s row for %s on %s; measuring it once (python -m ndp_kernels.tune "
              "measures every tile)", part, marker, failed[0])
     try:
-        with no_probe():
+        with no_probe(), launch_device(device):  # do_bench times the current device
             new = tune.probe(part, device, head_dim, dtype)
     except Exception as e:  # noqa: BLE001 - never let a measurement break the caller's attention
         _PROBE_FAILED.add(failed)
@@ -467,6 +472,38 @@ def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deter
     if row is not None:
         return row["impl"]
     return _BWD_IMPL[(arch, head_dim_bucket(head_dim))]
+
+
+# The backward kernels that own a key block (the atomic one and the split dK/dV kernel) sum dK/dV over the query
+# heads of their kv head's GQA group, one program per (key block, segment, kv head). Where that grid is small
+# against the GPU (few kv heads, a small batch, short blocks: a ring step of an MQA/GQA model), most SMs would
+# idle while each program walks the whole group, so the group is split over up to group_size programs until
+# the grid reaches HEAD_SPLIT_WAVES programs per SM (the atomic kernel then adds dK/dV atomically; the split
+# one adds per-part fp32 buffers in a fixed order, so it stays bitwise reproducible).
+HEAD_SPLIT_WAVES = 2
+# fp16/bf16 only: the fp32 dK/dV kernel with split heads spills registers on sm_80 at head_dim 64 (AOT report).
+HEAD_SPLIT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of `device` (0 off CUDA and under the interpreter)."""
+    if device is None or device.type != "cuda" or interpreting():
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def head_splits(programs: int, group_size: int, device: torch.device | None, dtype: torch.dtype) -> int:
+    """Into how many parts (a divisor of `group_size`) a key-block backward kernel splits each GQA group's query
+    heads, for a grid of `programs` programs with one part per kv head (see HEAD_SPLIT_WAVES; 1 outside
+    HEAD_SPLIT_DTYPES); an ``override("head_splits", n)`` block asks for up to n parts, at any dtype."""
+    divisors = [n for n in range(1, group_size + 1) if group_size % n == 0]
+    forced = _forced("head_splits")
+    if forced is not None:
+        return max(n for n in divisors if n <= forced)
+    if dtype not in HEAD_SPLIT_DTYPES:
+        return 1
+    target = HEAD_SPLIT_WAVES * sm_count(device)
+    return next((n for n in divisors if programs * n >= target), group_size)
 
 
 def merge_config(arch: str, head_dim: int) -> KernelConfig:

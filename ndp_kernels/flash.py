@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, interpreting, launch_device, merge_config, tma_applies)
+                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -363,19 +363,24 @@ def _flash_bwd_kernel(
     stride_dv_b, stride_dv_s, stride_dv_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ATOMIC_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1,
 ):
     """Gradients of attention for one key block of one segment and one kv head.
 
     With P = exp(scale * q k^T - lse) (masked entries 0), dP = dout v^T, dS = P * (dP - delta):
     dv += P^T dout, dk += scale * dS^T q, dq += scale * dS k, all in fp32. The program
-    (pid_n, b * num_segments + seg, hk) walks every query head of kv head ``hk`` (GQA sums in
-    registers) and the query blocks inside the band of its key rows. dq is added with fp32
-    atomics (several key blocks touch a query row). dk/dv are added once at the end, with
-    atomics when segments share key rows (ATOMIC_KV), else with a plain read-add-write.
+    (pid_n, b * num_segments + seg, hk * HEAD_SPLITS + split) walks the query heads of part ``split``
+    of the HEAD_SPLITS equal parts of kv head ``hk``'s group (GQA sums in registers) and the query blocks
+    inside the band of its key rows. dq is added with fp32 atomics (several key blocks touch a query
+    row). dk/dv are added once at the end, with atomics when segments share key rows or heads are
+    split (ATOMIC_KV), else with a plain read-add-write.
     lse = -inf (row sees no key) gives P = 0, hence zero gradients.
     """
-    pid_n, hk, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
+    pid_n, pid_h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
+    # HEAD_SPLITS == 1 (constexpr) folds this to hk = pid_h, one part of group_size heads from hk * group_size.
+    hk = pid_h // HEAD_SPLITS
+    heads = group_size // HEAD_SPLITS
+    h0 = hk * group_size + (pid_h % HEAD_SPLITS) * heads  # the part's first query head
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -401,8 +406,8 @@ def _flash_bwd_kernel(
     i_hi = tl.where(n0 < k_len, i_hi, i_lo)
     q_row0 = q_start.to(tl.int64)
 
-    for g in range(0, group_size):
-        h = hk * group_size + g
+    for g in range(0, heads):
+        h = h0 + g
         q_base = q_ptr + b * stride_q_b + q_row0 * stride_q_s + h * stride_q_h
         do_base = dout_ptr + b * stride_do_b + q_row0 * stride_do_s + h * stride_do_h
         dq_base = dq_ptr + b * stride_dq_b + q_row0 * stride_dq_s + h * stride_dq_h
@@ -495,7 +500,7 @@ def _flash_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
     dk_ptr, dv_ptr,
     softmax_scale, qk_scale,
-    num_segments, group_size,
+    num_segments, group_size, batch,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
     stride_v_b, stride_v_s, stride_v_h,
@@ -506,19 +511,25 @@ def _flash_bwd_dkdv_kernel(
     stride_dv_b, stride_dv_s, stride_dv_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1,
 ):
     """dK and dV of one key block of one segment and one kv head, without atomics.
 
     With P = exp(scale * q k^T - lse) (0 outside the band), dP = dout v^T, dS = P * (dP - delta):
     dv += sum_h P_h^T dout_h and dk += scale * sum_h dS_h^T q_h over the query heads h of kv head
     ``hk`` (GQA/MQA: summed in registers, heads in a fixed order). Program (pid_n, b * num_segments
-    + seg, hk) walks the query blocks that see its key rows [pid_n*BLOCK_N, +BLOCK_N): first those
-    fully inside the band (unmasked), then the band-edge ones (masked). The result is added into
-    dk/dv with a plain read-add-write: the caller launches only segments whose key ranges are
-    disjoint, so no other program of the launch touches these rows.
+    + seg, hk * HEAD_SPLITS + split) takes the query heads of part ``split`` of the HEAD_SPLITS
+    equal parts of the group and walks the query blocks that see its key rows [pid_n*BLOCK_N,
+    +BLOCK_N): first those fully inside the band (unmasked), then the band-edge ones (masked). The
+    result is added into dk/dv (with HEAD_SPLITS > 1 the caller passes per-part buffers stacked along
+    the batch and sums them in a fixed order) with a plain read-add-write: the caller launches
+    only segments whose key ranges are disjoint, so no other program of the launch touches these rows.
     """
-    pid_n, hk, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
+    pid_n, pid_h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
+    # HEAD_SPLITS == 1 (constexpr) folds this to hk = pid_h, one part of group_size heads from hk * group_size.
+    hk = pid_h // HEAD_SPLITS
+    heads = group_size // HEAD_SPLITS
+    h0 = hk * group_size + (pid_h % HEAD_SPLITS) * heads  # the part's first query head
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -549,8 +560,8 @@ def _flash_bwd_dkdv_kernel(
     num_edge = full_a + num_blocks - full_b
 
     q_row0 = q_start.to(tl.int64)
-    for g in range(0, group_size):
-        h = hk * group_size + g
+    for g in range(0, heads):
+        h = h0 + g
         q_base = q_ptr + b * stride_q_b + q_row0 * stride_q_s + h * stride_q_h
         do_base = dout_ptr + b * stride_do_b + q_row0 * stride_do_s + h * stride_do_h
         lse_base = lse_ptr + b * stride_lse_b + h * stride_lse_h + q_row0 * stride_lse_s
@@ -568,6 +579,12 @@ def _flash_bwd_dkdv_kernel(
                 offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
                 stride_q_s, stride_do_s, stride_lse_s, MASKED=True, DOT_PRECISION=DOT_PRECISION)
 
+    if HEAD_SPLITS > 1:
+        # Each part adds into its own buffer: dk/dv are [HEAD_SPLITS * batch, ...] and part p owns batch rows
+        # [p * batch, (p + 1) * batch). Part and kv head are read again from the program id rather than kept
+        # live through the loop (registers).
+        hk = tl.program_id(2) // HEAD_SPLITS
+        b += (tl.program_id(2) % HEAD_SPLITS) * batch
     _add_tile(dv_ptr + b * stride_dv_b + k_row0 * stride_dv_s + hk * stride_dv_h, dv, offs_c,
               offs_n < k_len, stride_dv_s, HEAD_DIM, BLOCK_D)
     _add_tile(dk_ptr + b * stride_dk_b + k_row0 * stride_dk_s + hk * stride_dk_h, dk * softmax_scale,
@@ -869,7 +886,9 @@ def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
     arch = current_arch(q4.device)
     cfg = bwd_config(arch, D, q4.device, dtype=q4.dtype)
     table, nseg = _segment_args(segs, q4.device)
-    grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv)
+    programs = triton.cdiv(segs.max_k_len, cfg.block_n) * B * nseg * Hkv
+    splits = head_splits(programs, H // Hkv, q4.device, q4.dtype)
+    grid = (triton.cdiv(segs.max_k_len, cfg.block_n), B * nseg, Hkv * splits)
     with launch_device(q4.device):
         _flash_bwd_kernel[grid](
             q4, k4, v4, dout4, lse3, delta, table,
@@ -886,7 +905,7 @@ def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ATOMIC_KV=segs.keys_overlap, DOT_PRECISION=_dot_precision(q4.dtype),
+            ATOMIC_KV=segs.keys_overlap or splits > 1, DOT_PRECISION=_dot_precision(q4.dtype), HEAD_SPLITS=splits,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -908,18 +927,26 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
     )
     with launch_device(q4.device):
         cfg = bwd_dkdv_config(arch, D, q4.device, dtype=q4.dtype)
+        groups = [(g, *_segment_args(g, q4.device)) for g in segs.key_groups()]
+        splits = [head_splits(triton.cdiv(g.max_k_len, cfg.block_n) * B * nseg * Hkv, H // Hkv, q4.device,
+                              q4.dtype) for g, _, nseg in groups]
+        # Query heads split over programs: each part adds into its own fp32 buffer, summed in a fixed order below.
+        parts = max(splits, default=1)
+        dk_out, dv_out = (dk, dv) if parts == 1 else \
+            (torch.zeros((parts, *t.shape), dtype=torch.float32, device=t.device) for t in (dk, dv))
         # Launches of one stream run in order, so the groups add into dk/dv in a fixed order too.
-        for group in segs.key_groups():
-            table, nseg = _segment_args(group, q4.device)
-            grid = (triton.cdiv(group.max_k_len, cfg.block_n), B * nseg, Hkv)
+        for (group, table, nseg), n in zip(groups, splits):
+            grid = (triton.cdiv(group.max_k_len, cfg.block_n), B * nseg, Hkv * n)
             _flash_bwd_dkdv_kernel[grid](
-                q4, k4, v4, dout4, lse3, delta, table, dk, dv,
-                scale, qk_scale, nseg, H // Hkv, *common,
-                dk.stride(0), dk.stride(1), dk.stride(2),
-                dv.stride(0), dv.stride(1), dv.stride(2),
+                q4, k4, v4, dout4, lse3, delta, table, dk_out, dv_out,
+                scale, qk_scale, nseg, H // Hkv, B, *common,
+                *dk_out.stride()[-4:-1], *dv_out.stride()[-4:-1],
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                DOT_PRECISION=prec, HEAD_SPLITS=n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
+        if parts > 1:
+            dk.add_(dk_out.sum(0))
+            dv.add_(dv_out.sum(0))
         if segs.max_q_len:
             cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype)
             table, nseg = _segment_args(segs, q4.device)

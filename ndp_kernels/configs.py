@@ -350,22 +350,15 @@ def no_probe():
         _LOCAL.no_probe = old
 
 
-def _may_probe(device) -> bool:
-    if device is None or device.type not in AUTO_PROBE or getattr(_LOCAL, "no_probe", False):
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
 def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> dict:
     """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
     ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed."""
+    from . import tune, tuning
+
     rows = tuned_table(device)
     marker = tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
-    if marker in rows or not _may_probe(device):
+    if marker in rows or getattr(_LOCAL, "no_probe", False) or not tuning.may_measure(device, AUTO_PROBE):
         return rows
-    from . import tune, tuning
 
     failed = (tuning.device_key(device), marker)
     if failed in _PROBE_FAILED:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json"]
+__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "may_measure"]
 
 
 def tuning_dir() -> Path:
@@ -66,3 +66,12 @@ def save_json(path: Path, data) -> Path:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def may_measure(device, device_types) -> bool:
+    """Whether a first-use measurement (the kernels' and the engines' probes) may run now on `device`: its type is
+    in `device_types`, and torch is neither compiling a graph nor capturing a CUDA graph on the current stream
+    (timing there would be wrong or break the capture)."""
+    if device is None or device.type not in device_types or torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())

@@ -198,9 +198,7 @@ _PROBE_FAILED: set = set()
 
 
 def _may_probe(device) -> bool:
-    if device.type not in AUTO_PROBE or torch.compiler.is_compiling():
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return tuning.may_measure(device, AUTO_PROBE)
 
 
 def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:

@@ -291,11 +291,16 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
 
     key = tuning.device_key(device)
     if reload or key not in _TUNED:
-        data = tuning.load_json(tuning.table_path("kernels", key)) or {}
+        path = tuning.table_path("kernels", key)
+        data = tuning.load_json(path) or {}
         rows = data.get("rows", {}) if isinstance(data, dict) else None
         if not isinstance(rows, dict):
-            raise RuntimeError(f"kernel tuning table {tuning.table_path('kernels', key)} is malformed; delete it or "
-                               f"re-run `python -m ndp_kernels.tune`")
+            raise RuntimeError(f"kernel tuning table {path} is malformed; delete it or re-run `python -m "
+                               f"ndp_kernels.tune`")
+        if data.get("kernels", tuning.kernels_fingerprint()) != tuning.kernels_fingerprint():
+            log.warning("ndp_kernels: %s was measured for other kernels (an earlier ndp); ignoring it (static tables "
+                        "and first-use measurement apply; `python -m ndp_kernels.tune` measures a new one)", path)
+            rows = {}
         _TUNED[key] = rows
     return _TUNED[key]
 

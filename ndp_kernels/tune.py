@@ -233,8 +233,9 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
         raise ValueError(f"part must be 'fwd' or 'bwd'; got {part!r}")
     path = tuning.table_path("kernels", tuning.device_key(device))
     data = tuning.load_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict):
-        data = {**_meta(device, arch), "rows": {}}
+    if (not isinstance(data, dict) or not isinstance(data.get("rows"), dict)
+            or data.get("kernels", tuning.kernels_fingerprint()) != tuning.kernels_fingerprint()):
+        data = {**_meta(device, arch), "rows": {}}  # none yet, or measured for other kernels: a new table
     for key, row in rows.items():
         data["rows"].setdefault(key, row)
     tuning.save_json(path, data)
@@ -244,7 +245,7 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
 def _meta(device, arch) -> dict:
     return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "arch": arch, "torch": torch.__version__, "triton": __import__("triton").__version__,
-            "measured": datetime.date.today().isoformat()}
+            "kernels": tuning.kernels_fingerprint(), "measured": datetime.date.today().isoformat()}
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,8 @@ only place in ndp that reads the environment for tuning, so the layers above tak
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "may_measure"]
+__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "may_measure", "kernels_fingerprint"]
 
 
 def tuning_dir() -> Path:
@@ -75,3 +77,11 @@ def may_measure(device, device_types) -> bool:
     if device is None or device.type not in device_types or torch.compiler.is_compiling():
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+@functools.cache
+def kernels_fingerprint() -> str:
+    """A digest of the Triton kernels' source (``flash.py``): a kernel table measured for other kernels names
+    launch configurations that may now be slower or no longer compile, so ``configs.tuned_table`` ignores it."""
+    src = (Path(__file__).parent / "flash.py").read_bytes()
+    return hashlib.sha256(src).hexdigest()[:16]

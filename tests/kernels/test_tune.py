@@ -294,3 +294,21 @@ def test_tuning_the_atomic_backward_times_it_even_where_the_table_says_split(tmp
     finally:
         monkeypatch.delenv("NDP_TUNING_DIR")
         configs.tuned_table(CPU, reload=True)
+
+
+@needs_interp
+def test_a_table_measured_for_other_kernels_is_ignored_and_replaced(probe_env, caplog):
+    from ndp_kernels import tuning
+
+    stale = {"kernels": "0" * 16, "rows": {"bwd_impl/interpreter/64/float32": {"impl": "split", "ms": {}},
+                                           "fwd/interpreter/64/float32": {"config": [64, 64, 4, 1, True]}}}
+    probe_env["table"].write_text(json.dumps(stale))
+    with caplog.at_level("WARNING", logger="ndp_kernels"):
+        assert configs.tuned_table(CPU, reload=True) == {}
+    assert "was measured for other kernels (an earlier ndp); ignoring it" in caplog.text
+    q, k, v, do = _qkvd()
+    _grads_match(q, k, v, do)                      # measures anew: the stale row did not count
+    assert probe_env["calls"] == ["bwd"]
+    saved = json.loads(probe_env["table"].read_text())
+    assert saved["kernels"] == tuning.kernels_fingerprint() and "fwd/interpreter/64/float32" not in saved["rows"]
+    assert configs.tuned_table(CPU, reload=True)["bwd_impl/interpreter/64/float32"]["probed"]

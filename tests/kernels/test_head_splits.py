@@ -138,3 +138,21 @@ def test_split_heads_stay_bitwise_reproducible(dtype):
     whole = _run(dout, q, k, v, "split", 1, **kw)   # one part: the same gradients up to fp32 rounding
     for a, b in zip(runs[0], whole):
         assert_close(a, b.float(), dtype, "grad")
+
+
+@pytest.mark.parametrize("impl", ["atomic", "split"])
+def test_split_heads_into_strided_accumulator_views(impl):
+    # Ring-style: two key chunks of one causal attention added into slices of the same fp32 accumulators.
+    sq, sk, bounds = 70, 150, [0, 50, 150]
+    q, k, v, dout = qkv(1, sq, sk, 4, 1, 64, torch.float32, seed=8)
+    out, lse = reference.flash_attn_fwd_ref(q, k, v, causal=True)
+    ref = reference.flash_attn_bwd_ref(dout, q, k, v, out, lse, causal=True)
+    accs = [torch.zeros(x.shape) for x in (q, k, v)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        segs = Segments.from_rows([(0, sq, 0, b - a, -NO_LIMIT, (sk - sq) - a)])
+        with configs.override("head_splits", 2), configs.override("bwd_impl", impl):
+            flash.attn_bwd_segments(dout, q, k[:, a:b], v[:, a:b], out, lse, segs, softmax_scale=64 ** -0.5,
+                                    dq_acc=accs[0], dk_acc=accs[1][:, a:b], dv_acc=accs[2][:, a:b],
+                                    deterministic=impl == "split")
+    for name, acc, r in zip(("dq", "dk", "dv"), accs, ref):
+        assert_close(acc, r, torch.float32, "grad", msg=name)

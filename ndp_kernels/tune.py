@@ -183,7 +183,8 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
 
 
 # The first-use probe (``configs._rows``): the choices the static tables leave unmeasured, timed on one block.
-PROBE_SHAPE = dict(seqlen=4096, batch=1, heads=16, kv_heads=4)
+# GQA 32:8 (Llama-3-like) at 8k tokens: a grid that fills an H100 without splitting heads (configs.head_splits).
+PROBE_SHAPE = dict(seqlen=4096, batch=2, heads=32, kv_heads=8)
 
 
 def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:

@@ -239,7 +239,7 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
         data = {**_meta(device, arch), "rows": {}}  # none yet, or measured for other kernels: a new table
     for key, row in rows.items():
         data["rows"].setdefault(key, row)
-    tuning.save_json(path, data)
+    tuning.save_measured(path, data)
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "may_measure", "kernels_fingerprint"]
+__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "save_measured", "may_measure",
+           "kernels_fingerprint"]
 
 
 def tuning_dir() -> Path:
@@ -68,6 +70,18 @@ def save_json(path: Path, data) -> Path:
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def save_measured(path: Path, data) -> bool:
+    """save_json for a first-use measurement: where the cache cannot be written (a read-only home, a full disk)
+    it logs a warning and returns False, and the caller keeps the measured rows for this process only."""
+    try:
+        save_json(path, data)
+        return True
+    except OSError as e:
+        logging.getLogger("ndp").warning("could not save the measured rows to %s (%s); they serve this process only "
+                                         "(set NDP_TUNING_DIR to a writable directory to keep them)", path, e)
+        return False
 
 
 def may_measure(device, device_types) -> bool:

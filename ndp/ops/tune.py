@@ -160,7 +160,7 @@ def probe_row(device, cls, dtype, head_dim) -> tuple[str, ...]:
     path = tuning.table_path("engines", tuning.device_key(device))
     data = tuning.load_json(path) or {**_meta(device, PROBE_SEQLEN, PROBE_ITERS), "rows": {}}
     data["rows"][_row_key(cls, dtype, head_dim)] = row
-    tuning.save_json(path, data)
+    tuning.save_measured(path, data)
     return tuple(row["order"])
 
 

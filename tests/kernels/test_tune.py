@@ -312,3 +312,20 @@ def test_a_table_measured_for_other_kernels_is_ignored_and_replaced(probe_env, c
     saved = json.loads(probe_env["table"].read_text())
     assert saved["kernels"] == tuning.kernels_fingerprint() and "fwd/interpreter/64/float32" not in saved["rows"]
     assert configs.tuned_table(CPU, reload=True)["bwd_impl/interpreter/64/float32"]["probed"]
+
+
+@needs_interp
+def test_a_cache_that_cannot_be_written_keeps_the_measurement_for_this_process(probe_env, monkeypatch, caplog):
+    from ndp_kernels import tuning
+
+    def read_only(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(tuning, "save_json", read_only)
+    q, k, v, do = _qkvd()
+    with caplog.at_level("WARNING", logger="ndp"):
+        _grads_match(q, k, v, do)
+    assert "could not save the measured rows" in caplog.text and "Permission denied" in caplog.text
+    assert configs.tuned_table(CPU)["bwd_impl/interpreter/64/float32"]["impl"] == "split"   # used in-process
+    _grads_match(q, k, v, do)
+    assert probe_env["calls"] == ["bwd"] and not probe_env["table"].exists()

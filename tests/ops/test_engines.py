@@ -10,7 +10,7 @@ import ndp.ops
 import ndp_kernels
 from ndp.ops import _sdpa, engines, tune
 from ndp.ops._pieces import plan_pieces
-from ndp_kernels import NO_LIMIT, Segments
+from ndp_kernels import NO_LIMIT, Segments, tuning
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref, flash_attn_bwd_ref, \
     flash_attn_fwd_ref
 from _engine_cases import TABLES, _assert_matches, _inputs, _ref
@@ -204,6 +204,19 @@ def test_auto_measures_a_missing_row_once_and_saves_it(probing, tmp_path):
     assert engines.choose(Segments.dense(40, 40, causal=True), q, q) == "sdpa" and len(probing) == 2
     assert set(json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]) == {"causal/float32/128",
                                                                                     "causal/float64/128"}
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_measured_row_for_this_process(probing, tmp_path, monkeypatch,
+                                                                                caplog):
+    def read_only(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(tuning, "save_json", read_only)
+    q = torch.zeros(1, 16, 2, 64)
+    with caplog.at_level("WARNING", logger="ndp"):
+        assert engines.choose(Segments.dense(16, 16, causal=True), q, q) == "sdpa"
+    assert "could not save the measured rows" in caplog.text and not (tmp_path / "engines-cpu.json").exists()
+    assert engines.engine_table("cpu").order("causal", torch.float32, 64) == (("sdpa",), "measured")
+    assert engines.choose(Segments.dense(16, 16, causal=True), q, q) == "sdpa" and len(probing) == 1
 
 
 def test_a_failed_probe_falls_back_and_is_not_retried(probing, monkeypatch, caplog):

@@ -2,9 +2,10 @@
 
 A table measured on the user's GPU (``python -m ndp_kernels.tune``, written to the tuning cache, see
 ``ndp_kernels.tuning``) is read first; a ``with override(kind, cfg)`` block forces one configuration (what
-the tuner uses to time candidates). Otherwise the shipped static tables below apply, except for the two
-choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split backward): where the table has no
-row for them, the first launch measures them once (``AUTO_PROBE``, ``tune.probe``) and adds the rows.
+the tuner uses to time candidates). Otherwise the shipped static tables below apply, except for the
+choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split backward, ``PROBE_ALTERNATES``): where
+the table has no row for them, the first launch measures them once (``AUTO_PROBE``, ``tune.probe``) and adds
+the rows.
 
 One static table per architecture family and head_dim bucket. The values are chosen so that the
 ahead-of-time compiles (``python -m ndp_kernels.aot``) have no register spills and fit the
@@ -334,12 +335,12 @@ def _forced(kind: str):
     return getattr(_LOCAL, "cfg", {}).get(kind)
 
 
-# First-use measurement. The static tables leave two choices unmeasured on a GPU: whether the forward and the dQ
-# kernel read K/V by TMA (sm_90+), and which backward (atomic or split) serves deterministic=False. On a GPU whose
-# model has no tuned row for them, the first launch that needs one measures it once (``tune.probe``: each variant
-# checked against the float64 reference, then timed) and adds the rows to the user's tuning table, so later
-# processes read them. ``python -m ndp_kernels.tune`` measures everything, tiles included. Device types listed
-# here probe; set to () to keep the static tables.
+# First-use measurement. The static tables leave choices unmeasured on a GPU: whether the forward and the dQ
+# kernel read K/V by TMA (sm_90+), which backward (atomic or split) serves deterministic=False, and the tiles of
+# PROBE_ALTERNATES. On a GPU whose model has no tuned row for them, the first launch that needs one measures it
+# once (``tune.probe``: each variant checked against the float64 reference, then timed) and adds the rows to the
+# user's tuning table, so later processes read them. ``python -m ndp_kernels.tune`` measures everything, tiles
+# included. Device types listed here probe; set to () to keep the static tables.
 AUTO_PROBE = ("cuda",)
 _PROBE_FAILED: set = set()
 
@@ -383,14 +384,38 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
     return rows
 
 
+# Tiles the static tables could not settle without a GPU: the first-use measurement times them beside the static
+# tile (fp16/bf16; a tile that spills on the running compiler is simply slower, one that fails its check or does
+# not compile is never chosen).
+PROBE_ALTERNATES = {
+    # split dK/dV, head_dim 128: 32-row query steps (twice the MMA width of the two [keys x queries] dots) are
+    # spill-free on triton 3.9 and spill on 3.6, so the static table keeps 16 (AOT report).
+    ("bwd_dkdv", "sm_90", 128): (KernelConfig(32, 128, 8, 2),),
+    # atomic backward, head_dim 128: the fastest of 67 tiles in the H100 sweep of the earlier kernel (273 against
+    # 217 TFLOP/s for the static tile, GPU-RESULTS.md); it spills with the current kernel in the static report.
+    ("bwd", "sm_90", 128): (KernelConfig(64, 128, 8, 3),),
+}
+
+
+def probe_variants(kind: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> list[KernelConfig]:
+    """What the first-use measurement times for `kind`: the static tile first, then PROBE_ALTERNATES, then the
+    static tile with TMA K/V loads where they run (``tma_here``). One entry: nothing to decide."""
+    static = static_config(kind, arch, head_dim, dtype, device)
+    out = [static]
+    if dtype in (torch.float16, torch.bfloat16):
+        out += [c for c in PROBE_ALTERNATES.get((kind, arch, head_dim_bucket(head_dim)), ()) if c != static]
+    if tma_here(kind, dtype, device, head_dim):
+        out.append(dataclasses.replace(static, tma=True))
+    return out
+
+
 def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
     forced = _forced(kind)
     if forced is not None:
         return forced
-    if kind == "fwd" and tma_here("fwd", dtype, device, head_dim):
-        rows = _rows("fwd", arch, head_dim, dtype, device)
-    elif kind == "bwd_dq" and tma_here("bwd_dq", dtype, device, head_dim):
-        rows = _rows("bwd", arch, head_dim, dtype, device)
+    if device is not None and device.type in AUTO_PROBE and len(probe_variants(kind, arch, head_dim, dtype,
+                                                                               device)) > 1:
+        rows = _rows("fwd" if kind == "fwd" else "bwd", arch, head_dim, dtype, device)
     else:
         rows = tuned_table(device)
     row = rows.get(tuned_key(kind, arch, head_dim, dtype))

@@ -29,10 +29,10 @@ import sys
 import torch
 
 from . import tuning
-from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, static_config, tma_here,
-                      tuned_key)
+from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, probe_variants,
+                      static_config, tma_here, tuned_key)
 
-__all__ = ["candidates", "check_candidate", "tune_kind", "probe", "main"]
+__all__ = ["candidates", "check_candidate", "tune_kind", "tune_head_dim", "probe", "main"]
 
 # Candidate grids per kernel: (block_m, block_n, num_warps, num_stages). Candidates that cannot compile
 # or launch on this GPU (registers, shared memory) fail and are skipped.
@@ -182,6 +182,32 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     return row
 
 
+def tune_head_dim(kinds, dtype, head_dim, device, *, cands_for=None, failed=None, log=print, **kw) -> dict:
+    """Rows of `kinds` (KINDS order) at (dtype, head_dim) on `device`, and which backward serves
+    deterministic=False (``bwd_impl``): the dK/dV kernel is tuned before the dQ kernel, whose timing (the whole
+    split backward) runs with the best dK/dV tiles; the faster of the two backwards, each with its best tiles,
+    serves. `cands_for(kind)` gives each kind's candidates (default: the grid); a kind none of whose candidates
+    passed gets no row (its candidates and why go into `failed` when given); `kw` goes to ``tune_kind``."""
+    arch = current_arch(device)
+    rows, fixed = {}, {}
+    for kind in sorted(kinds, key=KINDS.index):
+        row = tune_kind(kind, dtype, head_dim, device, cands=cands_for(kind) if cands_for else None,
+                        fixed=fixed if kind == "bwd_dq" else None, log=log, **kw)
+        if row["config"] is None:
+            if failed is not None:
+                failed[kind] = row["candidates"]
+            continue
+        rows[tuned_key(kind, arch, head_dim, dtype)] = row
+        if kind == "bwd_dkdv":
+            fixed["bwd_dkdv"] = KernelConfig(*row["config"])
+    a, sq = rows.get(tuned_key("bwd", arch, head_dim, dtype)), rows.get(tuned_key("bwd_dq", arch, head_dim, dtype))
+    ms = {"atomic": a["ms"] if a else None, "split": sq["ms"] if sq and "bwd_dkdv" in fixed else None}
+    timed = {impl: t for impl, t in ms.items() if t is not None}
+    if timed and {"bwd", "bwd_dq"} <= set(kinds):
+        rows[tuned_key("bwd_impl", arch, head_dim, dtype)] = {"impl": min(timed, key=timed.get), "ms": ms}
+    return rows
+
+
 # The first-use probe (``configs._rows``): the choices the static tables leave unmeasured, timed on one block.
 # GQA 32:8 (Llama-3-like) at 8k tokens: a grid that fills an H100 without splitting heads (configs.head_splits).
 PROBE_SHAPE = dict(seqlen=4096, batch=2, heads=32, kv_heads=8)
@@ -191,10 +217,12 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
     """Measures the choices the static tables leave open for (this GPU model, head_dim bucket, dtype), adds their
     rows to the user's kernel table (rows already there are kept) and returns them.
 
-    part ``"fwd"``: the forward's static tiles with and without TMA K/V loads (sm_90+, fp16/bf16).
-    part ``"bwd"``: which backward serves deterministic=False (``bwd_impl``: the atomic and the split one, each
-    with its static tiles), and the split backward's dQ kernel with and without TMA where it applies.
-    Every variant is checked against the float64 reference before it is timed; one that fails is never chosen.
+    Each kernel's variants are ``configs.probe_variants``: its static tile, the PROBE_ALTERNATES tiles, and the
+    static tile with TMA K/V loads where they run. part ``"fwd"``: the forward. part ``"bwd"``: the atomic
+    backward, the split backward's dK/dV and dQ kernels, and which backward serves deterministic=False
+    (``bwd_impl``: the faster, each with its best variant). Every variant is checked against the float64
+    reference before it is timed; one that fails is never chosen. Rows of kernels with one variant are not
+    written (the static table already says it).
 
     Raises:
         RuntimeError: no variant of a choice passed its check (the message lists why each failed).
@@ -202,36 +230,20 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
     """
     device = torch.device(device)
     arch = current_arch(device)
-
-    def variants(kind):
-        cfg = static_config(kind, arch, head_dim, dtype, device)
-        return [cfg, dataclasses.replace(cfg, tma=True)] if tma_here(kind, dtype, device, head_dim) else [cfg]
-
-    def measure(kind, **kw):
-        row = tune_kind(kind, dtype, head_dim, device, cands=variants(kind), log=lambda *_: None, **PROBE_SHAPE,
-                        **kw)
-        return {**row, "probed": True}
-
-    rows = {}
-    if part == "fwd":
-        row = measure("fwd")
-        if row["config"] is None:
-            raise RuntimeError(f"no forward variant passed its check on {device}: {row['candidates']}")
-        rows[tuned_key("fwd", arch, head_dim, dtype)] = row
-    elif part == "bwd":
-        split = measure("bwd_dq", fixed={"bwd_dkdv": static_config("bwd_dkdv", arch, head_dim, dtype, device)})
-        atomic = measure("bwd")
-        ms = {"atomic": atomic["ms"], "split": split["ms"]}
-        timed = {k: v for k, v in ms.items() if v is not None}
-        if not timed:
-            raise RuntimeError(f"neither backward passed its check on {device}: atomic {atomic['candidates']}, "
-                               f"split {split['candidates']}")
-        rows[tuned_key("bwd_impl", arch, head_dim, dtype)] = {"impl": min(timed, key=timed.get), "ms": ms,
-                                                              "shape": split["shape"], "probed": True}
-        if split["config"] is not None and len(split["candidates"]) > 1:
-            rows[tuned_key("bwd_dq", arch, head_dim, dtype)] = split
-    else:
+    if part not in ("fwd", "bwd"):
         raise ValueError(f"part must be 'fwd' or 'bwd'; got {part!r}")
+    kinds = ("fwd",) if part == "fwd" else ("bwd", "bwd_dkdv", "bwd_dq")
+    variants = {kind: probe_variants(kind, arch, head_dim, dtype, device) for kind in kinds}
+    failed = {}
+    measured = tune_head_dim(kinds, dtype, head_dim, device, cands_for=variants.get, failed=failed,
+                             log=lambda *_: None, **PROBE_SHAPE)
+    # Keep the rows that decided something (more than the static tile was timed) and the backward choice.
+    rows = {key: {**row, "probed": True} for key, row in measured.items()
+            if key.startswith("bwd_impl/") or len(variants[key.split("/")[0]]) > 1}
+    marker = tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
+    if marker not in rows:
+        raise RuntimeError(f"no {part} variant passed its check on {device} at head_dim {head_dim}, {dtype}: "
+                           f"{failed}")
     path = tuning.table_path("kernels", tuning.device_key(device))
     data = tuning.load_json(path)
     if (not isinstance(data, dict) or not isinstance(data.get("rows"), dict)
@@ -276,20 +288,7 @@ def main(argv=None) -> int:
     with no_probe():  # every row is measured here, with its tiles; nothing to measure on first use
         for dtype in dtypes:
             for d in (int(x) for x in args.head_dims.split(",")):
-                fixed = {}
-                for kind in kinds:  # KINDS order: bwd_dkdv before bwd_dq, which is tuned with the best dK/dV tiles
-                    row = tune_kind(kind, dtype, d, device, seqlen=args.seqlen, quick=args.quick,
-                                    fixed=fixed if kind == "bwd_dq" else None)
-                    if row["config"] is not None:
-                        rows[tuned_key(kind, arch, d, dtype)] = row
-                        if kind == "bwd_dkdv":
-                            fixed["bwd_dkdv"] = KernelConfig(*row["config"])
-                # Which backward serves deterministic=False: the faster of the two, each with its best tiles
-                # (the dQ row times the whole split backward: both kernels, dK/dV at its best).
-                a, sq = rows.get(tuned_key("bwd", arch, d, dtype)), rows.get(tuned_key("bwd_dq", arch, d, dtype))
-                if a and sq and "bwd_dkdv" in fixed:
-                    rows[tuned_key("bwd_impl", arch, d, dtype)] = {"impl": "split" if sq["ms"] < a["ms"] else "atomic",
-                                                                   "ms": {"atomic": a["ms"], "split": sq["ms"]}}
+                rows.update(tune_head_dim(kinds, dtype, d, device, seqlen=args.seqlen, quick=args.quick))
     table = {**_meta(device, arch), "rows": rows}
     tuning.save_json(path, table)
     print(f"wrote {path} ({len(rows)} rows); ndp_kernels.configs reads it on this GPU model")

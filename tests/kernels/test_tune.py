@@ -329,3 +329,52 @@ def test_a_cache_that_cannot_be_written_keeps_the_measurement_for_this_process(p
     assert configs.tuned_table(CPU)["bwd_impl/interpreter/64/float32"]["impl"] == "split"   # used in-process
     _grads_match(q, k, v, do)
     assert probe_env["calls"] == ["bwd"] and not probe_env["table"].exists()
+
+
+@needs_interp
+@pytest.mark.parametrize("alt_wins", [True, False])
+def test_first_use_times_the_alternate_tiles_beside_the_static_one(probe_env, monkeypatch, alt_wins):
+    from ndp_kernels import tune
+
+    alt = KernelConfig(32, 16, 4, 1)
+    static = configs.static_config("bwd_dkdv", "interpreter", 16, torch.float16)
+    monkeypatch.setitem(configs.PROBE_ALTERNATES, ("bwd_dkdv", "interpreter", 64), (alt,))
+    assert configs.probe_variants("bwd_dkdv", "interpreter", 16, torch.float16, CPU) == [static, alt]
+    assert configs.probe_variants("bwd_dkdv", "interpreter", 16, torch.float32, CPU) == [static]  # 16-bit only
+
+    def fake_bench(fn, device):
+        fn()
+        dkdv = configs._forced("bwd_dkdv")
+        return 1.0 if (dkdv == alt) == alt_wins and dkdv is not None else 3.0
+
+    monkeypatch.setattr(tune, "_bench", fake_bench)
+    q, k, v, do = (x.half() for x in _qkvd())
+    out, lse = reference.flash_attn_fwd_ref(q.double(), k.double(), v.double(), causal=True)
+    # deterministic=True asks for the dK/dV tiles, which now have something to decide: the probe runs
+    grads = ndp_kernels.flash_attn_bwd(do, q, k, v, out.half(), lse.float(), causal=True, deterministic=True)
+    want = reference.flash_attn_bwd_ref(do.double(), q.double(), k.double(), v.double(), out, lse, causal=True)
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-2, rtol=1e-2)
+    assert probe_env["calls"] == ["bwd"]
+    rows = configs.tuned_table(CPU)
+    row = rows["bwd_dkdv/interpreter/64/float16"]
+    assert row["probed"] and row["config"] == (alt if alt_wins else static).as_row()
+    assert set(row["candidates"]) == {str(static), str(alt)}
+    assert configs.bwd_dkdv_config("interpreter", 16, CPU, torch.float16) == (alt if alt_wins else static)
+    # one variant each: the atomic and dQ kernels get no row; the backward choice does
+    assert "bwd/interpreter/64/float16" not in rows and "bwd_dq/interpreter/64/float16" not in rows
+    # the split backward was timed with the winning dK/dV tiles (1 ms per call here), the atomic one at 3 ms
+    assert rows["bwd_impl/interpreter/64/float16"]["impl"] == "split"
+    assert rows["bwd_impl/interpreter/64/float16"]["ms"] == {"atomic": 6.0, "split": 2.0}
+
+
+@needs_interp
+def test_a_probe_where_nothing_passes_says_why(probe_env, monkeypatch):
+    from ndp_kernels import tune
+
+    monkeypatch.setattr(tune, "check_candidate", lambda *a, **k: (False, 0.5))
+    with pytest.raises(RuntimeError, match=r"no bwd variant passed its check on cpu at head_dim 16.*wrong \(max "
+                                           r"error 5.00e-01\)"):
+        tune.probe("bwd", CPU, 16, torch.float32)
+    with pytest.raises(ValueError, match="part must be 'fwd' or 'bwd'"):
+        tune.probe("dq", CPU, 16, torch.float32)

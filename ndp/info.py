@@ -95,7 +95,8 @@ def _kernel_table_report(device: str) -> dict:
         dev = torch.device(device)
         path = tuning.table_path("kernels", tuning.device_key(dev))
         rows = configs.tuned_table(dev, reload=True) if dev.type == "cuda" else {}
-        probe = ("; where a row is missing, the first launch measures TMA and atomic vs split backward once"
+        probe = ("; where a row is missing, the first launch measures the choices the static tables leave open "
+                 "(TMA, alternate tiles, atomic vs split backward) once"
                  if dev.type in configs.AUTO_PROBE else "")
         if rows:
             probed = sum(1 for r in rows.values() if r.get("probed"))

@@ -249,6 +249,7 @@ def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> Ke
 
 KINDS = ("fwd", "bwd", "bwd_dkdv", "bwd_dq")
 IMPLS = ("atomic", "split")
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the tensor-core dtypes (TMA, probe alternates, head splits)
 TMA_KINDS = ("fwd", "bwd_dq")  # the kernels that walk key blocks: their K/V loads can go through TMA
 # The dQ kernel with TMA K/V loads spills registers at head_dim 256 (sm_90, static tiles; AOT report), so above
 # this head_dim it keeps the pointer loads whatever the configuration says.
@@ -259,7 +260,7 @@ def tma_applies(kind: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether kernel `kind` reads K/V by TMA at `dtype` and `head_dim` when its configuration asks for it (given
     an sm_90+ GPU and K/V that meet the descriptor rules, ``flash._tma_ready``): fp16/bf16, the forward at every
     head_dim, the dQ kernel up to TMA_DQ_MAX_HEAD_DIM. The one rule of the launchers, the tuner and the AOT report."""
-    return (kind in TMA_KINDS and dtype in (torch.float16, torch.bfloat16)
+    return (kind in TMA_KINDS and dtype in HALF_DTYPES
             and (kind != "bwd_dq" or head_dim <= TMA_DQ_MAX_HEAD_DIM))
 
 
@@ -298,7 +299,7 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
         if not isinstance(rows, dict):
             raise RuntimeError(f"kernel tuning table {path} is malformed; delete it or re-run `python -m "
                                f"ndp_kernels.tune`")
-        if data.get("kernels", tuning.kernels_fingerprint()) != tuning.kernels_fingerprint():
+        if not tuning.for_these_kernels(data):
             log.warning("ndp_kernels: %s was measured for other kernels (an earlier ndp); ignoring it (static tables "
                         "and first-use measurement apply; `python -m ndp_kernels.tune` measures a new one)", path)
             rows = {}
@@ -356,13 +357,18 @@ def no_probe():
         _LOCAL.no_probe = old
 
 
+def probe_marker(part: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
+    """The row whose presence in a tuned table says probe `part` ran (or a full tune measured it)."""
+    return tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
+
+
 def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> dict:
     """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
     ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed."""
     from . import tune, tuning
 
     rows = tuned_table(device)
-    marker = tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
+    marker = probe_marker(part, arch, head_dim, dtype)
     if marker in rows or getattr(_LOCAL, "no_probe", False) or not tuning.may_measure(device, AUTO_PROBE):
         return rows
 
@@ -401,23 +407,27 @@ def probe_variants(kind: str, arch: str, head_dim: int, dtype: torch.dtype, devi
     """What the first-use measurement times for `kind`: the static tile first, then PROBE_ALTERNATES, then the
     static tile with TMA K/V loads where they run (``tma_here``). One entry: nothing to decide."""
     static = static_config(kind, arch, head_dim, dtype, device)
-    out = [static]
-    if dtype in (torch.float16, torch.bfloat16):
-        out += [c for c in PROBE_ALTERNATES.get((kind, arch, head_dim_bucket(head_dim)), ()) if c != static]
+    out = [static] + list(_alternates(kind, arch, head_dim, dtype))
     if tma_here(kind, dtype, device, head_dim):
         out.append(dataclasses.replace(static, tma=True))
     return out
+
+
+def _alternates(kind, arch, head_dim, dtype) -> tuple:
+    return PROBE_ALTERNATES.get((kind, arch, head_dim_bucket(head_dim)), ()) if dtype in HALF_DTYPES else ()
 
 
 def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
     forced = _forced(kind)
     if forced is not None:
         return forced
-    if device is not None and device.type in AUTO_PROBE and len(probe_variants(kind, arch, head_dim, dtype,
-                                                                               device)) > 1:
-        rows = _rows("fwd" if kind == "fwd" else "bwd", arch, head_dim, dtype, device)
-    else:
-        rows = tuned_table(device)
+    rows = tuned_table(device)
+    part = "fwd" if kind == "fwd" else "bwd"  # the probe that settles `kind` (tune.probe)
+    # Every launch comes here: the cheap tests first, and whether there is a choice without building the variants
+    # (probe_variants has more than the static tile exactly when there are alternates or TMA runs here).
+    if (probe_marker(part, arch, head_dim, dtype) not in rows and device is not None and device.type in AUTO_PROBE
+            and (_alternates(kind, arch, head_dim, dtype) or tma_here(kind, dtype, device, head_dim))):
+        rows = _rows(part, arch, head_dim, dtype, device)
     row = rows.get(tuned_key(kind, arch, head_dim, dtype))
     if row is not None:
         # Measured on this GPU model: taken as is (no shared-memory shrink, it ran there).
@@ -505,7 +515,7 @@ def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deter
 # one adds per-part fp32 buffers in a fixed order, so it stays bitwise reproducible).
 HEAD_SPLIT_WAVES = 2
 # fp16/bf16 only: the fp32 dK/dV kernel with split heads spills registers on sm_80 at head_dim 64 (AOT report).
-HEAD_SPLIT_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_SPLIT_DTYPES = HALF_DTYPES
 
 
 def sm_count(device: torch.device | None) -> int:

@@ -13,8 +13,8 @@ two backwards (``atomic`` and ``split``, each with its best tiles) and records w
 default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
 
 ``probe`` is the small version that runs without being asked: on a GPU whose table lacks the rows, the first
-launch measures the choices the static tables leave open (TMA on or off with the static tiles, atomic or split
-backward) on one block and adds those rows to the same table.
+launch measures the choices the static tables leave open (TMA on or off with the static tiles, the
+``configs.PROBE_ALTERNATES`` tiles, atomic or split backward) on one block and adds those rows to the same table.
 
 Without a GPU the command says so and exits 2 (the interpreter cannot time kernels).
 """
@@ -29,8 +29,8 @@ import sys
 import torch
 
 from . import tuning
-from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, probe_variants,
-                      static_config, tma_here, tuned_key)
+from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, probe_marker,
+                      probe_variants, static_config, tma_here, tuned_key)
 
 __all__ = ["candidates", "check_candidate", "tune_kind", "tune_head_dim", "probe", "main"]
 
@@ -240,14 +240,12 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
     # Keep the rows that decided something (more than the static tile was timed) and the backward choice.
     rows = {key: {**row, "probed": True} for key, row in measured.items()
             if key.startswith("bwd_impl/") or len(variants[key.split("/")[0]]) > 1}
-    marker = tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
-    if marker not in rows:
+    if probe_marker(part, arch, head_dim, dtype) not in rows:
         raise RuntimeError(f"no {part} variant passed its check on {device} at head_dim {head_dim}, {dtype}: "
                            f"{failed}")
     path = tuning.table_path("kernels", tuning.device_key(device))
     data = tuning.load_json(path)
-    if (not isinstance(data, dict) or not isinstance(data.get("rows"), dict)
-            or data.get("kernels", tuning.kernels_fingerprint()) != tuning.kernels_fingerprint()):
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict) or not tuning.for_these_kernels(data):
         data = {**_meta(device, arch), "rows": {}}  # none yet, or measured for other kernels: a new table
     for key, row in rows.items():
         data["rows"].setdefault(key, row)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "save_measured", "may_measure",
-           "kernels_fingerprint"]
+           "kernels_fingerprint", "for_these_kernels"]
 
 
 def tuning_dir() -> Path:
@@ -99,3 +99,9 @@ def kernels_fingerprint() -> str:
     launch configurations that may now be slower or no longer compile, so ``configs.tuned_table`` ignores it."""
     src = (Path(__file__).parent / "flash.py").read_bytes()
     return hashlib.sha256(src).hexdigest()[:16]
+
+
+def for_these_kernels(table: dict) -> bool:
+    """Whether a kernel table was measured for the kernels installed now (a table without a digest counts as such;
+    see kernels_fingerprint)."""
+    return table.get("kernels", kernels_fingerprint()) == kernels_fingerprint()

@@ -258,7 +258,7 @@ TMA_DQ_MAX_HEAD_DIM = 128
 
 def tma_applies(kind: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether kernel `kind` reads K/V by TMA at `dtype` and `head_dim` when its configuration asks for it (given
-    an sm_90+ GPU and K/V that meet the descriptor rules, ``flash._tma_ready``): fp16/bf16, the forward at every
+    an sm_90+ GPU and K/V that meet the descriptor rules, ``flash._tma_aligned``): fp16/bf16, the forward at every
     head_dim, the dQ kernel up to TMA_DQ_MAX_HEAD_DIM. The one rule of the launchers, the tuner and the AOT report."""
     return (kind in TMA_KINDS and dtype in HALF_DTYPES
             and (kind != "bwd_dq" or head_dim <= TMA_DQ_MAX_HEAD_DIM))

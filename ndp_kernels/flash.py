@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies)
+                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies, tma_here)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -102,6 +102,16 @@ def _query_range(n0, q_len, k_len, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOC
     i_hi = tl.minimum(n_last - band_lo + 1, q_len)
     m_begin = (i_lo // BLOCK_M) * BLOCK_M
     return n_last, i_lo, i_hi, m_begin
+
+
+@triton.jit
+def _group_part(pid_h, group_size, HEAD_SPLITS: tl.constexpr):
+    """(kv head, first query head, query heads) of program id ``pid_h = hk * HEAD_SPLITS + part`` in the
+    backward kernels that own a key block: part ``part`` of the HEAD_SPLITS equal parts of kv head hk's GQA
+    group. HEAD_SPLITS == 1 folds this to (pid_h, pid_h * group_size, group_size)."""
+    hk = pid_h // HEAD_SPLITS
+    heads = group_size // HEAD_SPLITS
+    return hk, hk * group_size + (pid_h % HEAD_SPLITS) * heads, heads
 
 
 @triton.jit
@@ -377,10 +387,7 @@ def _flash_bwd_kernel(
     lse = -inf (row sees no key) gives P = 0, hence zero gradients.
     """
     pid_n, pid_h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
-    # HEAD_SPLITS == 1 (constexpr) folds this to hk = pid_h, one part of group_size heads from hk * group_size.
-    hk = pid_h // HEAD_SPLITS
-    heads = group_size // HEAD_SPLITS
-    h0 = hk * group_size + (pid_h % HEAD_SPLITS) * heads  # the part's first query head
+    hk, h0, heads = _group_part(pid_h, group_size, HEAD_SPLITS)
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -526,10 +533,7 @@ def _flash_bwd_dkdv_kernel(
     only segments whose key ranges are disjoint, so no other program of the launch touches these rows.
     """
     pid_n, pid_h, b, q_start, q_len, k_start, k_len, band_lo, band_hi = _tile_program(seg_ptr, num_segments)
-    # HEAD_SPLITS == 1 (constexpr) folds this to hk = pid_h, one part of group_size heads from hk * group_size.
-    hk = pid_h // HEAD_SPLITS
-    heads = group_size // HEAD_SPLITS
-    h0 = hk * group_size + (pid_h % HEAD_SPLITS) * heads  # the part's first query head
+    hk, h0, heads = _group_part(pid_h, group_size, HEAD_SPLITS)
 
     n0 = pid_n * BLOCK_N
     offs_c = tl.arange(0, BLOCK_N)  # key rows inside the block: the pointer offsets
@@ -834,24 +838,25 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
 
 
 def _kv_args(kind, cfg, k4, v4, head_dim: int):
-    """(k, v, use_tma): what kernel `kind` takes for K and V: their tensor descriptors where ``cfg.tma`` asks and
-    ``configs.tma_applies`` and ``_tma_ready`` allow, else the tensors themselves (pointer loads)."""
-    if cfg.tma and tma_applies(kind, k4.dtype, head_dim) and _tma_ready(k4, v4):
+    """(k, v, use_tma): what kernel `kind` takes for K and V: their tensor descriptors where ``cfg.tma`` asks,
+    TMA runs here (``configs.tma_here``; under the interpreter wherever ``tma_applies``) and ``_tma_aligned``
+    holds, else the tensors themselves (pointer loads)."""
+    runs = tma_applies(kind, k4.dtype, head_dim) if interpreting() else tma_here(kind, k4.dtype, k4.device, head_dim)
+    if cfg.tma and runs and _tma_aligned(k4, v4):
         return (*_kv_descriptors(k4, v4, cfg.block_n, block_d(head_dim)), True)
     return k4, v4, False
 
 
-def _tma_ready(*tensors) -> bool:
-    """Whether these tensors can be read by TMA here: sm_90+ (or the interpreter), 16-byte aligned base and
-    strides, contiguous last dim (the hardware's descriptor rules); otherwise the pointer loads run."""
+def _tma_aligned(*tensors) -> bool:
+    """Whether these tensors meet the hardware's descriptor rules: contiguous last dim, 16-byte aligned base and
+    strides; otherwise the pointer loads run."""
     for t in tensors:
         if t.stride(-1) != 1:
             return False
         size = t.element_size()
         if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
             return False
-    dev = tensors[0].device
-    return interpreting() or (dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0))
+    return True
 
 
 def _kv_descriptors(k4, v4, block_n: int, block_d_: int):

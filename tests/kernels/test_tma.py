@@ -88,8 +88,8 @@ def test_descriptor_rules_fall_back_to_pointer_loads(descriptors):
         assert descriptors == []
         out16b, _ = flash.flash_attn_fwd(q16, k16, v16, causal=True)
         assert len(descriptors) == 1
-    assert not flash._tma_ready(torch.zeros(1, 8, 1, 60, dtype=torch.float16))  # 120-byte row stride
-    assert flash._tma_ready(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16))
+    assert not flash._tma_aligned(torch.zeros(1, 8, 1, 60, dtype=torch.float16))  # 120-byte row stride
+    assert flash._tma_aligned(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16))
     ref = reference.flash_attn_fwd_ref(q, kv.float(), kv.float(), causal=True)[0]
     assert_close(out16.float(), ref, torch.float16)
     assert_close(out16b.float(), reference.flash_attn_fwd_ref(q16.float(), k16.float(), v16.float(),

@@ -11,6 +11,7 @@ from ndp.parallel import ModelPlan, ParallelismConfig
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, ndp_attention_forward, register_attention
+from .models import Unsupported, attention_modules, check_cp_model, decoder_layers, text_config
 
 # Used when a model's config carries no base_model_tp_plan (same split as Llama's).
 DEFAULT_TP_PLAN = {
@@ -30,18 +31,27 @@ def _base_prefix(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module, config: ParallelismConfig) -> None:
-    """Raise ValueError when the model's heads cannot be split as ``config`` asks (before any collective)."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    config.check_heads(heads, kv)
+    """Raise before any collective when ndp cannot parallelize the model as ``config`` asks.
+
+    Raises:
+        ValueError: the heads cannot be split by tp / the Ulysses degree.
+        Unsupported: (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``).
+    """
+    cfg = text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if config.cp_size > 1:
+        check_cp_model(model)
+    if heads is not None:
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        config.check_heads(heads, kv)
 
 
 def hf_plan(model: nn.Module) -> ModelPlan:
     """ModelPlan of a transformers decoder-only model.
 
     TP comes from the model's own ``config.base_model_tp_plan`` when it has one (else DEFAULT_TP_PLAN);
-    the decoder layers are the FSDP/AC blocks; ``*.self_attn`` modules receive the CP context; CP switches
+    the decoder layers (the ModuleList holding the attention modules) are the FSDP/AC blocks; every module that
+    calls transformers' AttentionInterface, wherever it sits, receives the CP context; CP switches
     ``config._attn_implementation`` to ``ndp_<impl>`` through ``set_attn_implementation``.
     """
     prefix = _base_prefix(model)
@@ -52,7 +62,8 @@ def hf_plan(model: nn.Module) -> ModelPlan:
         register_attention()
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
 
-    return ModelPlan(tp_plan=tp_plan, blocks=(f"{prefix}layers.*",), attention=(f"{prefix}layers.*.self_attn",),
+    blocks, _ = decoder_layers(model)
+    return ModelPlan(tp_plan=tp_plan, blocks=(blocks,) if blocks else (), attention=tuple(attention_modules(model)),
                      enable_cp=enable_cp, init_module=model._init_weights)
 
 
@@ -159,7 +170,7 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     both the sum and the count). Tensor-parallel ranks hold the same tokens and are not counted again.
 
     Args:
-        logits: ``[batch, local_seq, vocab]`` (any float dtype; the loss is computed in fp32).
+        logits: ``[batch, local_seq, vocab]`` (any float dtype; the loss is computed in fp32, or fp64 for fp64).
         labels: ``[batch, local_seq]`` int64, shifted before sharding (``ndp.hf.shard_batch``).
         model: the model returned by :func:`parallelize` (carries the degrees and the mesh).
         ignore_index: label value that marks tokens without a label.
@@ -177,7 +188,9 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
         raise ValueError(f"ndp.hf.loss needs logits [batch, local_seq, vocab] and labels [batch, local_seq]; got "
                          f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}. Pass the labels that "
                          f"shard_batch returned with the input_ids.")
-    local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    # fp32 at least (float64 logits stay float64)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                 ignore_index=ignore_index, reduction="sum")
     stats = torch.stack([local_sum.detach().double(), (labels != ignore_index).sum().double()])
     group = state.axis("dp_cp")
@@ -193,4 +206,5 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
 
 
 __all__ = ["shard_batch", "loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
-           "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN"]
+           "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers",
+           "check_cp_model", "text_config"]

@@ -22,6 +22,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ndp.parallel import CP_ATTR
 
+from .masks import describe, marker, spec_of
+from .models import Unsupported
+
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
 
 
@@ -32,39 +35,75 @@ def _window(sliding_window, causal):
     return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
 
 
-def _cu_from_position_ids(position_ids, total):
-    # Packed documents on one device: a document starts wherever position_ids restarts at 0.
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() == 0 or starts[0] != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    cu = torch.cat([starts, starts.new_tensor([total])]).to(torch.int32)
-    return cu
+def _cu_from_position_ids(position_ids):
+    # Packed documents, rows flattened: a document starts at each row and wherever the position does not continue
+    # (transformers' rule, masking_utils.find_packed_sequence_indices).
+    pos = position_ids.reshape(position_ids.shape[0] if position_ids.dim() > 1 else 1, -1)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+    idx = torch.nonzero(starts.reshape(-1)).flatten()
+    return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
+
+
+def _cu_of_chunks(batch, seq, chunk, device):
+    # Chunked attention (Llama4) on rows flattened: every chunk of every row is its own causal document.
+    per_row = torch.arange(0, seq, chunk, device=device)
+    starts = (per_row[None, :] + seq * torch.arange(batch, device=device)[:, None]).reshape(-1)
+    return torch.cat([starts, starts.new_tensor([batch * seq])]).to(torch.int32)
+
+
+# Keyword arguments transformers' attention layers pass that change nothing ndp computes (or are handled below).
+_NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
+            "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "is_causal",
+            "position_embeddings", "return_dict", "output_hidden_states", "seq_idx", "logits_to_keep"}
+# Arguments that change the attention: refused by name unless they are None (or 0).
+_REFUSED = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks", "softcap": "logit soft-capping (softcap)",
+            "head_mask": "a head mask", "attention_chunk_size": "chunked attention"}
+
+
+def _check_kwargs(kwargs):
+    for name, value in kwargs.items():
+        if value is None or value is False or (name == "softcap" and not value):
+            continue
+        if name in _REFUSED:
+            raise Unsupported(f"ndp attention does not implement {_REFUSED[name]}; this model passes {name}. "
+                              f"Use the model's own attention implementation (cp_size=1).")
+        if name not in _NEUTRAL:
+            raise Unsupported(f"ndp attention got the argument {name}={type(value).__name__}, which it does not "
+                              f"know and would ignore. Use the model's own attention implementation (cp_size=1).")
 
 
 def ndp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                           impl="ring", sliding_window=None, **kwargs):
-    """transformers attention interface: ``(attn_output [B, S, H, D], None)``.
+    """transformers attention interface: ``(attn_output [B, S, H, Dv], None)``.
 
     Args:
         module: the attention layer (its ``ndp_cp`` CPContext selects the CP groups; ``is_causal``).
-        query: ``[B, H, S, D]``; key, value: ``[B, Hkv, S, D]`` (local shards under CP, in the CP layout).
-        attention_mask: must be None (or all true): padding masks cannot be honoured, pack instead.
+        query, key: ``[B, H, S, D]`` / ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ from D, as in
+            MLA); local shards under CP, in the CP layout.
+        attention_mask: what ndp's mask interface returned: None, a marker carrying the layer's
+            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed), or a padding mask (refused).
         scaling: softmax scale; dropout: must be 0.
-        sliding_window: the layer's window (Mistral / Qwen2), honoured as flash-attn window_size.
+        sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
-            ``max_length_q``, ``position_ids`` (packed documents without CP are found from its resets).
+            ``max_length_q``, ``position_ids`` (packed documents without CP are found from them), ``is_causal``.
+            Arguments that change attention and that ndp does not implement (sinks, soft-capping, a head mask,
+            unknown ones) are refused, never dropped.
     Raises:
-        ValueError: a mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
+        ValueError: a padding mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
             on one rank raises on every rank of the CP group (no rank is left waiting in the ring).
+        Unsupported: an argument or mask ndp cannot apply exactly (the same on every rank).
     """
     ctx = getattr(module, CP_ATTR, None)
     cp_on = ctx is not None and ctx.enabled
+    spec = spec_of(attention_mask)
+    causal = kwargs.pop("is_causal", None)
+    _check_kwargs(kwargs)
     error = None
     if dropout:
         error = ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
                            f"attention_dropout to 0.")
-    elif attention_mask is not None and not bool(attention_mask.all()):
+    elif spec is None and attention_mask is not None and not bool(attention_mask.all()):
         error = ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
                            "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
     if error is not None:
@@ -77,7 +116,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
                       else dict(group=ctx.group))
             ndp.cp.raise_on_all_ranks(error, what=f"ndp_{impl} attention", **groups)
         raise error
-    causal = bool(getattr(module, "is_causal", True))
+    if spec is not None:  # the mask transformers asked for is the truth (it is what eager attention applies)
+        causal, sliding_window = spec.causal, spec.window
+    elif causal is None:
+        causal = bool(getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if not (q.dtype == k.dtype == v.dtype):
@@ -85,25 +127,33 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         # autocast dtype, as the model's other matmuls do.
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    q, k, v, scaling, dv = _same_head_dim(q, k, v, scaling)
     batch, seq = q.shape[0], q.shape[1]
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
-    if cu is None and not cp_on and position_ids is not None and batch == 1 and seq > 1:
-        pos = position_ids.reshape(-1)
-        if bool((pos[1:] == 0).any()):
-            cu = _cu_from_position_ids(pos, seq)
+    flat = False
+    if spec is not None and spec.chunk is not None and seq > spec.chunk:
+        if cp_on or cu is not None or spec.packed:
+            raise Unsupported("chunked attention (Llama4's attention_chunk_size) under context parallelism or with "
+                              "packed documents: ndp does not split chunks over ranks yet. Use cp_size=1.")
+        cu, flat = _cu_of_chunks(batch, seq, spec.chunk, q.device), True
+    elif cu is None and not cp_on and position_ids is not None and seq > 1:
+        pos = position_ids.expand(batch, seq) if position_ids.dim() > 1 else position_ids.expand(batch, seq)
+        if bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+            cu, flat = _cu_from_position_ids(pos), True
     if cu is not None:
-        if batch != 1:
+        if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")
         cu = cu.to(device=q.device, dtype=torch.int32)
-        q, k, v = q[0], k[0], v[0]
+        q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
         import ndp.ops
 
         if cu is None:
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window)
         else:
-            mx = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+            mx = int(kwargs.get("max_length_q") or 0) if not flat else 0
+            mx = mx or int((cu[1:] - cu[:-1]).max())
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
     else:
@@ -123,17 +173,32 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         else:
             raise ValueError(f"unknown CP impl {impl!r}; expected one of {sorted(IMPL_NAMES)}")
     if cu is not None:
-        out = out.unsqueeze(0)
-    return out, None
+        out = out.reshape(batch, seq, *out.shape[1:])
+    return out[..., :dv], None
+
+
+def _same_head_dim(q, k, v, scaling):
+    """q, k, v with one head size, the scale fixed first. A value head size unlike the query/key one (MLA) is
+    padded with zero columns (cut from the output); query/key padded with zeros leave the scores unchanged."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if scaling is None:
+        scaling = d ** -0.5
+    if dv < d:
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = (torch.nn.functional.pad(t, (0, dv - d)) for t in (q, k))
+    return q, k, v, scaling, dv
 
 
 def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
-    # ndp attention applies causality/windows itself: no dense mask. A 2D padding mask is passed on only
-    # when it masks something, so that the attention can refuse it instead of silently ignoring it.
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    return attention_mask
+    # ndp attention applies the mask itself: no dense mask, a marker carrying what the mask function asks for
+    # (refused here, before any layer runs, when ndp cannot apply it). A 2D padding mask is passed on only when it
+    # masks something, so that the attention can refuse it instead of silently ignoring it.
+    if attention_mask is not None and not bool(attention_mask.all()):
+        return attention_mask
+    spec = describe(mask_function) if mask_function is not None else None
+    return None if spec is None else marker(spec, kwargs.get("device"))
 
 
 def register_attention() -> dict[str, str]:

@@ -195,9 +195,29 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
     kw = dict(mesh=m, mp_policy=mp_policy or MixedPrecisionPolicy())
     for i, blk in enumerate(blocks):
         # The last block's parameters are needed again right at the start of backward: keep them.
-        fully_shard(blk, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
+        last = i == len(blocks) - 1
+        for sub in _odd_dtype_modules(blk):
+            fully_shard(sub, reshard_after_forward=reshard_after_forward and not last, **kw)
+        fully_shard(blk, reshard_after_forward=reshard_after_forward and not last, **kw)
+    for sub in _odd_dtype_modules(model):
+        fully_shard(sub, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
+
+
+def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
+    """Modules under ``root`` (not yet sharded) whose own parameters have another dtype than most of root's: FSDP2
+    shards one dtype per unit, so each gets its own (e.g. a router kept in fp32 inside a bf16 model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    counts: dict = {}
+    for p in root.parameters():
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if len(counts) < 2:
+        return []
+    main = max(counts, key=counts.get)
+    return [mod for mod in root.modules() if mod is not root and not isinstance(mod, FSDPModule)
+            and any(p.dtype != main for p in mod.parameters(recurse=False))]
 
 
 def _init_device(mesh: DeviceMesh | None, device) -> torch.device:

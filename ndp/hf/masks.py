@@ -1,0 +1,123 @@
+"""The mask a transformers model asks for, read from its mask function instead of materialised.
+
+transformers builds each layer type's mask from a *mask function* (``masking_utils``: causal, sliding-window,
+chunked, packed-sequence pieces joined by ``and_masks``). ndp's attention builds no dense mask: it applies
+causality, a window or document boundaries itself. :func:`describe` reads the mask function's pieces (their code
+and closure values) into a :class:`MaskSpec`, so that the attention call applies exactly that mask; a piece ndp
+cannot express (a learned or arbitrary mask, ``or_masks``, bidirectional image blocks) raises
+:class:`~ndp.hf.models.Unsupported` instead of being dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import masking_utils as mu
+
+from .models import Unsupported
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A mask ndp applies itself: ``causal``; ``window`` (transformers' sliding window: a query sees itself and
+    the ``window - 1`` keys before it); ``chunk`` (queries see keys of their own ``chunk``-token block only);
+    ``packed`` (documents told apart by position_ids that do not continue)."""
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+    packed: bool = False
+
+
+def _code(factory, *args):
+    fn = getattr(mu, factory, None)
+    return None if fn is None else fn(*args).__code__
+
+
+_CAUSAL = mu.causal_mask_function.__code__
+_FULL = mu.bidirectional_mask_function.__code__
+_AND = _code("and_masks", mu.causal_mask_function)
+_WINDOW = _code("sliding_window_overlay", 1)
+_CHUNK = _code("chunked_overlay", 1, None)
+_PACKED = _code("packed_sequence_mask_function", None)
+_REMAP = _code("remap_positions_for_packed_sequence", mu.causal_mask_function, None)
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def _pieces(fn):
+    """The mask function as a flat list of its and-ed pieces (packed remapping unwrapped)."""
+    code = getattr(fn, "__code__", None)
+    if code is _AND:
+        return [p for f in _closure(fn)["mask_functions"] for p in _pieces(f)]
+    if code is _REMAP:  # positions remapped inside each packed document: the inner mask, per document
+        return _pieces(_closure(fn)["mask_function"])
+    return [fn]
+
+
+def describe(mask_function) -> MaskSpec:
+    """The MaskSpec of a transformers mask function.
+
+    Raises:
+        Unsupported: a piece ndp cannot apply exactly (named in the message).
+    """
+    causal, window, chunk, packed = False, None, None, False
+    for piece in _pieces(mask_function):
+        code = getattr(piece, "__code__", None)
+        if code is _CAUSAL:
+            causal = True
+        elif code is _FULL:
+            pass
+        elif code is _WINDOW:
+            w = int(_closure(piece)["sliding_window"])
+            window = w if window is None else min(window, w)
+        elif code is _CHUNK:
+            cl = _closure(piece)
+            lp = cl.get("left_padding")
+            if lp is not None and torch.is_tensor(lp) and bool((lp != 0).any()):
+                raise Unsupported("chunked attention with left padding: ndp attention has no padding; pack the "
+                                  "documents instead.")
+            chunk = int(cl["chunk_size"])
+        elif code is _PACKED:
+            packed = True
+        else:
+            name = getattr(piece, "__qualname__", type(piece).__name__)
+            raise Unsupported(
+                f"the model's attention mask uses the mask function {name!r}, which ndp attention cannot apply "
+                f"exactly (it applies causal, sliding-window, chunked and packed-document masks). Use the model's "
+                f"own attention implementation.")
+    if chunk is not None and window is not None:
+        raise Unsupported(f"a mask that is both chunked ({chunk}) and windowed ({window}): ndp applies one of them.")
+    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed)
+
+
+class _Marker(torch.Tensor):
+    """A one-element ``[1, 1, 1, 1]`` True tensor carrying a MaskSpec (a mask's rank, so that shape checks pass). A model that computes with its mask outside the attention call
+    (indexes it, adds it to scores: a sparse indexer, a learned mask) gets :class:`Unsupported`, not a broadcast
+    scalar."""
+    _ALLOWED = {"__get__", "__bool__", "all", "__repr__", "__format__", "__reduce_ex__", "detach", "__eq__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name not in cls._ALLOWED:
+            raise Unsupported(f"the model computes with its attention mask outside the attention call ({name}); "
+                              f"ndp attention applies the mask itself and cannot follow that. Use the model's own "
+                              f"attention implementation (cp_size=1).")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def marker(spec: MaskSpec, device) -> torch.Tensor:
+    """What ndp's mask interface hands the attention calls: a one-element True tensor carrying the spec."""
+    t = torch.Tensor._make_subclass(_Marker, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
+    t.ndp_mask = spec
+    return t
+
+
+def spec_of(attention_mask) -> MaskSpec | None:
+    return getattr(attention_mask, "ndp_mask", None)
+
+
+__all__ = ["MaskSpec", "describe", "marker", "spec_of"]

@@ -1,0 +1,196 @@
+"""The model zoo: every decoder-only causal-LM family the installed transformers can build from a tiny config.
+
+``families()`` lists (model_type, class name) from transformers' causal-LM auto mapping; ``tiny_model(model_type)``
+builds one with random float64 weights, every size field shrunk (hidden 64, 2-4 layers, 4 heads of 16, 2 KV heads,
+tiny vocab, MoE with 4 experts), or raises when the family cannot be built that way (a multimodal wrapper that needs
+a processor, a missing optional dependency)."""
+import inspect
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+VOCAB = 128
+# Field -> tiny value, applied to every (sub)config that has the field.
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, n_embd=64, d_model=64, embed_dim=64, dim=64, model_dim=64, n_embed=64,
+    intermediate_size=128, ffn_dim=128, n_inner=128, ffn_hidden_size=128, d_ff=128, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, expert_intermediate_size=32, decoder_ffn_dim=128, ffn_intermediate_size=128,
+    num_hidden_layers=2, n_layer=2, num_layers=2, n_layers=2, decoder_layers=2, num_decoder_layers=2,
+    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, decoder_attention_heads=4,
+    num_key_value_heads=2, n_kv_heads=2, num_kv_heads=2, head_dim=16, kv_channels=16,
+    max_position_embeddings=512, n_positions=512, n_ctx=512, max_seq_len=512, seq_length=512,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+    moe_topk=2, top_k=2, n_group=1, topk_group=1, n_shared_experts=1, num_shared_experts=1,
+    first_k_dense_replace=1, sliding_window=8, attention_chunk_size=8, chunk_size=8, attention_window=8,
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
+    attention_dropout=0.0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, hidden_dropout=0.0,
+    attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, dropout=0.0, ffn_dropout=0.0, activation_dropout=0.0,
+    router_jitter_noise=0.0, input_jitter_noise=0.0, residual_dropout=0.0, use_cache=False, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+def families() -> list[str]:
+    """Decoder-only causal-LM model types (encoder-decoder and encoder-as-decoder families left out)."""
+    out = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            cfg = AutoConfig.for_model(model_type)
+        except Exception:  # cannot even build its default config: reported by tiny_model
+            out.append(model_type)
+            continue
+        if getattr(cfg, "is_encoder_decoder", False) or "is_decoder" in cfg.__dict__ or "add_cross_attention" in cfg.__dict__:
+            continue
+        out.append(model_type)
+    return out
+
+
+def _shrink(cfg, seen):
+    if id(cfg) in seen:
+        return
+    seen.add(id(cfg))
+    for name, value in TINY.items():
+        if name in cfg.__dict__ and not isinstance(cfg.__dict__[name], (dict, list)) or name in ("vocab_size",):
+            try:
+                setattr(cfg, name, value)
+            except Exception:
+                pass
+    for name, value in list(cfg.__dict__.items()):
+        if isinstance(value, transformers.PretrainedConfig):
+            _shrink(value, seen)
+    d = cfg.__dict__
+    if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: the RoPE part is the "head_dim"
+        cfg.head_dim = cfg.qk_rope_head_dim
+        if "num_key_value_heads" in d:  # MLA projects keys for every head
+            cfg.num_key_value_heads = cfg.num_attention_heads
+    if "rotary_dim" in d and isinstance(d["rotary_dim"], int):
+        cfg.rotary_dim = 8
+    if "mamba_d_head" in d and "mamba_n_heads" in d:  # mamba heads x head size = expand x hidden
+        cfg.mamba_d_head, cfg.mamba_n_heads = 16, getattr(cfg, "mamba_expand", 2) * cfg.hidden_size // 16
+    if "expand" in d and "n_groups" in d and "head_dim" in d:  # Mamba2
+        cfg.num_heads = cfg.expand * cfg.hidden_size // cfg.head_dim
+    for name in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
+        v = cfg.__dict__.get(name)
+        if isinstance(v, list) and len(v) > 0:
+            n = getattr(cfg, "num_hidden_layers", 2)
+            # keep one of each kind, in order, padded to the layer count
+            kinds = list(dict.fromkeys(v))
+            setattr(cfg, name, (kinds * n)[:max(n, len(kinds))])
+            if len(kinds) > n and "num_hidden_layers" in cfg.__dict__:
+                cfg.num_hidden_layers = len(kinds)
+
+
+def tiny_config(model_type: str):
+    cfg = AutoConfig.for_model(model_type)
+    _shrink(cfg, set())
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def tiny_model(model_type: str, seed: int = 0):
+    cfg = tiny_config(model_type)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float64, attn_implementation="eager",
+                                             experts_implementation="eager")
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+TOL = 1e-6     # float64: EXACT means within this relative difference (the gradients' max over parameters)
+SEQ, BATCH = 32, 2
+# Families that compute part of a layer in float32 inside a float64 model: a parameter's gradient summed over the
+# tokens in another order differs by float32 rounding (checked parameter by parameter), so 1e-5 there.
+FP32_INSIDE = {"apertus": "xIELU activation (alpha_p, alpha_n) in float32",
+               "gemma4_unified_text": "RMSNorm of q/k in float32"}
+
+
+def _rel(a, b, floor=1e-30):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=floor))
+
+
+def batch():
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    return ids, labels, pos
+
+
+def _forward(model, ids, pos):
+    takes_pos = "position_ids" in inspect.signature(model.forward).parameters
+    return model(input_ids=ids, position_ids=pos).logits if takes_pos else model(input_ids=ids).logits
+
+
+def classify(fn, tol=TOL):
+    """("EXACT"|"DIFF", rel) from fn() -> rel, ("REFUSED", msg) for ndp's Unsupported, ("CRASH", msg) otherwise."""
+    import ndp.hf
+
+    try:
+        rel = fn()
+    except ndp.hf.Unsupported as e:
+        return "REFUSED", str(e).split(". ")[0][:200]
+    except Exception as e:  # noqa: BLE001 - a sweep reports every failure
+        return "CRASH", f"{type(e).__name__}: {str(e)[:200]}"
+    return ("EXACT" if rel <= tol else "DIFF"), rel
+
+
+def single(model_type):
+    """1 process: ndp attention vs the model's eager attention, logits."""
+    import ndp.hf
+
+    try:
+        model = tiny_model(model_type)
+        ids, _, pos = batch()
+        with torch.no_grad():
+            ref = _forward(model, ids, pos)
+    except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+
+    def run():
+        with torch.no_grad():
+            ndp.hf.register_attention()
+            model.set_attn_implementation("ndp_ring")
+            out = _forward(model, ids, pos)
+        return _rel(out, ref)
+
+    return classify(run)
+
+
+def reference(model_type):
+    """1 process on the whole batch: (mean loss, {name: grad}) with eager attention."""
+    model = tiny_model(model_type).train()
+    ids, labels, pos = batch()
+    logits = _forward(model, ids, pos)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def cp(model_type, impl, world):
+    """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`."""
+    import ndp
+    import ndp.hf
+    from torch.distributed.tensor import DTensor
+
+    def run():
+        ref_loss, ref_grads = reference(model_type)
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+        ids, labels, pos = batch()
+        b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
+        logits = _forward(model, b["input_ids"], b["position_ids"])
+        loss, mean = ndp.hf.loss(logits, b["labels"], model, return_mean=True)
+        loss.backward()
+        rel = _rel(mean.double(), ref_loss)
+        # a gradient that is zero in exact arithmetic (a key bias) is rounding noise: measured against the largest
+        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+        for n, p in model.named_parameters():
+            n = n.replace("_checkpoint_wrapped_module.", "")
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if n in ref_grads:
+                rel = max(rel, _rel(g, ref_grads[n], floor))
+            elif g is not None and bool(g.abs().max() > 0):
+                rel = float("inf")
+        return rel
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)

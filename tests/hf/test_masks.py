@@ -1,0 +1,75 @@
+"""ndp's HF attention reads the model's mask function and refuses what it cannot apply (never drops it)."""
+import pytest
+import torch
+from transformers import masking_utils as mu
+
+from ndp.hf import Unsupported
+from ndp.hf.attention import ndp_attention_forward
+from ndp.hf.masks import MaskSpec, describe, marker
+
+
+def test_describe_reads_causal_window_chunk_and_packing():
+    assert describe(mu.causal_mask_function) == MaskSpec(causal=True)
+    assert describe(mu.sliding_window_causal_mask_function(7)) == MaskSpec(causal=True, window=7)
+    assert describe(mu.chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long))) == \
+        MaskSpec(causal=True, chunk=16)
+    packed = mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(5),
+                                                       torch.zeros(1, 4, dtype=torch.long),
+                                                       torch.zeros(1, 4, dtype=torch.long))
+    assert describe(packed) == MaskSpec(causal=True, window=5, packed=True)
+    assert describe(mu.bidirectional_mask_function) == MaskSpec(causal=False)
+
+
+def test_describe_refuses_what_it_cannot_apply():
+    with pytest.raises(Unsupported, match="or_mask"):
+        describe(mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function))
+    with pytest.raises(Unsupported, match="lambda"):
+        describe(mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 3))
+    with pytest.raises(Unsupported, match="left padding"):
+        describe(mu.chunked_causal_mask_function(16, torch.tensor([0, 2])))
+
+
+def test_marker_refuses_arithmetic_and_indexing():
+    m = marker(MaskSpec(window=4), "cpu")
+    assert bool(m.all()) and m.ndp_mask.window == 4
+    with pytest.raises(Unsupported, match="outside the attention call"):
+        m[:, :, :2]
+    with pytest.raises(Unsupported, match="outside the attention call"):
+        torch.zeros(2) + m
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+
+
+def _ref(q, k, v, scale, window=None):
+    s = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(q.shape[2])
+    ok = i[None, :] <= i[:, None]
+    if window is not None:
+        ok &= i[None, :] > i[:, None] - window
+    return torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("dv", [8, 16, 24])
+def test_value_head_size_unlike_query(dv):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 12, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 4, 12, dv, generator=g, dtype=torch.float64)
+    out, _ = ndp_attention_forward(_Attn(), q, k, v, None)
+    torch.testing.assert_close(out, _ref(q, k, v, 16 ** -0.5).transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+def test_window_from_the_mask_wins():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _ = ndp_attention_forward(_Attn(), q, k, v, marker(MaskSpec(window=3), "cpu"), scaling=0.25)
+    torch.testing.assert_close(out, _ref(q, k, v, 0.25, window=3).transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(s_aux=torch.zeros(2)), "sinks"), (dict(softcap=30.0), "soft-capping"),
+                                      (dict(position_bias=torch.zeros(1)), "position_bias")])
+def test_attention_arguments_are_refused_not_dropped(kw, match):
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(Unsupported, match=match):
+        ndp_attention_forward(_Attn(), q, q, q, None, **kw)

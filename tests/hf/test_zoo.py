@@ -1,0 +1,108 @@
+"""Every decoder-only causal-LM family transformers can build from a tiny config, float64: ndp is EXACT or REFUSES
+by name (``ndp.hf.Unsupported``); never a silent difference, never an unrelated crash.
+
+(a) 1 process: ndp attention against the model's eager attention (logits).
+(b) cp 2, ring, zigzag: ``ndp.hf.parallelize`` + ``shard_batch`` + ``ndp.hf.loss`` on 2 gloo ranks against one
+process on the whole batch (the loss and every gradient).
+
+``python tests/hf/test_zoo.py`` prints the table (the counts in the README come from it)."""
+import collections
+import json
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dist import spawn  # noqa: E402
+import _zoo  # noqa: E402
+
+# Families whose CP run breaks in FSDP2 itself on gloo (a collective mismatch between the ranks' backward
+# reduce-scatters), not in ndp's attention: listed, not hidden; (a) still runs for them.
+CP_KNOWN = {"longcat_flash": "FSDP2 backward reduce-scatter mismatch between ranks (zero-computation experts)"}
+MIN_EXACT_SINGLE = 110
+MIN_EXACT_CP = 80
+
+
+def _quiet():
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+
+
+def _cp_body(rank, world, fams, impl, out):
+    import torch.distributed as dist
+
+    _quiet()
+    for mt in fams:
+        r = _zoo.cp(mt, impl, world)
+        rs = [None] * world
+        dist.all_gather_object(rs, r)
+        if rank == 0:
+            with open(out, "a") as f:
+                f.write(json.dumps([mt, rs]) + "\n")
+
+
+def run_single():
+    _quiet()
+    return {mt: _zoo.single(mt) for mt in _zoo.families()}
+
+
+def run_cp(fams, tmp, impl="ring"):
+    out = os.path.join(tmp, f"zoo_{impl}.jsonl")
+    open(out, "w").close()
+    spawn(_cp_body, 2, tmp, fams, impl, out, timeout_s=60)
+    res = {}
+    for line in open(out):
+        mt, rs = json.loads(line)
+        res[mt] = tuple(rs[0]) if rs[0] == rs[1] else ("DISAGREE", str(rs))
+    return res
+
+
+def _bad(results):
+    return {mt: r for mt, r in results.items() if r[0] not in ("EXACT", "REFUSED", "UNBUILT")}
+
+
+@pytest.fixture(scope="module")
+def single_results():
+    return run_single()
+
+
+def test_zoo_single_process_exact_or_refused(single_results):
+    assert not _bad(single_results), _bad(single_results)
+    exact = sum(r[0] == "EXACT" for r in single_results.values())
+    assert exact >= MIN_EXACT_SINGLE, collections.Counter(r[0] for r in single_results.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_zoo_cp2_ring_exact_or_refused(single_results, tmp_path):
+    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    results = run_cp(fams, str(tmp_path))
+    assert set(results) == set(fams)
+    assert not _bad(results), _bad(results)
+    exact = sum(r[0] == "EXACT" for r in results.values())
+    assert exact >= MIN_EXACT_CP, collections.Counter(r[0] for r in results.values())
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    t0 = time.time()
+    single = run_single()
+    fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    cp = run_cp(fams, tempfile.mkdtemp())
+    print(f"{'family':28s} {'1 process':10s} {'cp 2 ring':10s} detail")
+    for mt, r in single.items():
+        c = cp.get(mt, ("-", CP_KNOWN.get(mt, "")))
+        detail = r[1] if r[0] not in ("EXACT",) else (c[1] if c[0] not in ("EXACT", "-") else "")
+        print(f"{mt:28s} {r[0]:10s} {c[0]:10s} {detail if isinstance(detail, str) else f'{detail:.1e}'}")
+    print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
+    print("cp 2 ring:", dict(collections.Counter(r[0] for r in cp.values())), f"({len(CP_KNOWN)} known FSDP failure)")
+    print(f"took {time.time() - t0:.0f} s")

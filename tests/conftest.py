@@ -3,7 +3,7 @@ import sys
 
 # Triton kernels run on CPU tensors only under the interpreter; the flag is read when kernels are
 # decorated, so it must be set before anything imports triton.
-# NDP_TEST_DEVICE=cuda runs the kernel tests compiled on a GPU instead (``make gpu-report``): tensors made without a
+# NDP_TEST_DEVICE=cuda runs the kernel tests compiled on a GPU instead (on a GPU machine): tensors made without a
 # device, and the tests' seeded generators, land on the GPU.
 GPU_MODE = os.environ.get("NDP_TEST_DEVICE") == "cuda"
 os.environ.setdefault("TRITON_INTERPRET", "0" if GPU_MODE else "1")

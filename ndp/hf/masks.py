@@ -96,7 +96,11 @@ class _Marker(torch.Tensor):
     """A one-element ``[1, 1, 1, 1]`` True tensor carrying a MaskSpec (a mask's rank, so that shape checks pass). A model that computes with its mask outside the attention call
     (indexes it, adds it to scores: a sparse indexer, a learned mask) gets :class:`Unsupported`, not a broadcast
     scalar."""
-    _ALLOWED = {"__get__", "__bool__", "all", "__repr__", "__format__", "__reduce_ex__", "detach", "__eq__"}
+    # What frameworks do to every tensor argument (FSDP's input casts, checkpointing, device moves): they keep the
+    # spec; anything that reads the mask's values is refused.
+    _ALLOWED = {"__get__", "__bool__", "all", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "detach",
+                "is_floating_point", "is_complex", "dim", "size", "numel", "element_size", "to", "clone",
+                "contiguous", "requires_grad_", "__eq__"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -106,7 +110,12 @@ class _Marker(torch.Tensor):
                               f"ndp attention applies the mask itself and cannot follow that. Use the model's own "
                               f"attention implementation (cp_size=1).")
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+        if torch.is_tensor(out) and out.shape == (1, 1, 1, 1) and out.dtype == torch.bool:
+            spec = next(a.ndp_mask for a in args if isinstance(a, _Marker))
+            out = torch.Tensor._make_subclass(_Marker, out)
+            out.ndp_mask = spec
+        return out
 
 
 def marker(spec: MaskSpec, device) -> torch.Tensor:

@@ -73,3 +73,10 @@ def test_attention_arguments_are_refused_not_dropped(kw, match):
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(Unsupported, match=match):
         ndp_attention_forward(_Attn(), q, q, q, None, **kw)
+
+
+def test_marker_survives_what_frameworks_do_to_inputs():
+    m = marker(MaskSpec(window=4), "cpu")
+    assert not m.is_floating_point()
+    for moved in (m.to("cpu"), m.detach(), m.clone(), m.contiguous()):
+        assert moved.ndp_mask == MaskSpec(window=4)

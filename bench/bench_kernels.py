@@ -355,7 +355,7 @@ def run_smoke(args) -> list[dict]:
 
     info = _env_info() | {"gpu": "none (cpu smoke, TRITON_INTERPRET=1)"}
     rows = []
-    # fp16: the interpreter's bf16 dot is broken (ENV.md), so the smoke run checks fp16.
+    # fp16: the interpreter's bf16 dot is broken (docs/design.md, "Facts the code relies on"), so the smoke run checks fp16.
     dtype = torch.float16
     heads, kv_heads, head_dim = 4, 1, 64  # GQA 4:1 like 32:8
     for causal in (True, False):

@@ -16,7 +16,7 @@
 
 namespace ndp {
 
-// Sequence layouts of the context-parallel sharding (DESIGN.md "Layouts").
+// Sequence layouts of the context-parallel sharding (docs/design.md "Layouts").
 enum Layout : int {
   kContiguous = 0,  // rank r holds chunk r of N
   kZigzag = 1,      // 2N chunks; rank r holds chunk r then chunk 2N-1-r

@@ -3,7 +3,7 @@
 Importing this module never fails: when the extension is missing or does not load, ``load_error`` says why
 and how to fix it, and ``torch.ops.ndp.*`` stays undefined (callers fall back to Python implementations).
 
-Ops (schemas in csrc/ops.cpp, semantics in SPEC.md):
+Ops (schemas in csrc/ops.cpp, semantics in docs/design.md):
     merge_attn_states_(out_acc, lse_acc, block_out, block_lse) -> ()     # in place, fp32 accumulators
     shard_index(seqlen, world_size, rank, layout) -> int64 [seqlen // world_size]  (CPU tensor)
     shard_gather(x, dim, world_size, rank, layout) -> local shard of x along dim

@@ -104,7 +104,7 @@ def current_arch(device: torch.device) -> str:
 # (arch, head_dim bucket) -> config. Chosen from the AOT static report (README), fp16/bf16.
 # sm_90 head_dim 128: M128/N64/w8/s4 tied for the best of 24 forward configs in the H100 sweep of the
 # previous forward kernel (d128 causal, S8192 B4 H16: 423 TFLOP/s against 394 for M128/N64/w8/s3;
-# GPU-RESULTS.md); not yet re-measured with the lean/masked split. M128/N128/w8/s2, the other winner,
+# docs/design.md, "Facts the code relies on"); not yet re-measured with the lean/masked split. M128/N128/w8/s2, the other winner,
 # spills registers with the split (AOT report).
 _FWD = {
     ("sm_90", 64): KernelConfig(128, 64, 8, 3),
@@ -216,7 +216,7 @@ _BWD_DQ32 = {
 # Which backward serves deterministic=False: "atomic" (``_flash_bwd_kernel``, dq by fp32 atomics) or
 # "split" (the atomic-free pair). Neither has been timed against the other on a GPU here, so on a GPU the
 # first backward measures both (``AUTO_PROBE``) and the faster one serves; this table is what applies
-# where that is off or failed: the atomic kernel, the one measured on an H100 (GPU-RESULTS.md).
+# where that is off or failed: the atomic kernel, the one measured on an H100 (docs/design.md, "Facts the code relies on").
 # deterministic=True always takes "split" (the only bitwise-reproducible one).
 _BWD_IMPL = {
     ("sm_90", 64): "atomic",
@@ -398,7 +398,7 @@ PROBE_ALTERNATES = {
     # spill-free on triton 3.9 and spill on 3.6, so the static table keeps 16 (AOT report).
     ("bwd_dkdv", "sm_90", 128): (KernelConfig(32, 128, 8, 2),),
     # atomic backward, head_dim 128: the fastest of 67 tiles in the H100 sweep of the earlier kernel (273 against
-    # 217 TFLOP/s for the static tile, GPU-RESULTS.md); it spills with the current kernel in the static report.
+    # 217 TFLOP/s for the static tile, docs/design.md, "Facts the code relies on"); it spills with the current kernel in the static report.
     ("bwd", "sm_90", 128): (KernelConfig(64, 128, 8, 3),),
 }
 

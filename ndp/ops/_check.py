@@ -10,7 +10,7 @@ from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
 __all__ = ["ATOL", "compare_to_reference"]
 
 # atol of the check per dtype (out and grads); the error must also stay within twice the error of the
-# reference computed in the dtype itself (the STYLE.md rule for fp16/bf16).
+# reference computed in the dtype itself (docs/design.md, "Facts the code relies on").
 ATOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 

@@ -15,7 +15,7 @@ Kernels (``KERNELS``), each with what it computes exactly:
 
 Per block the engine runs the first kernel of an order that can run it: ``set_kernel_order(...)``
 (``ndp.ops.set_sdpa_cuda_kernels``), else cuDNN first on Hopper and newer (torch's own default there, the
-fastest measured in GPU-RESULTS.md), FlashAttention-2 first before it. torch's switches are obeyed: a kernel
+fastest measured in docs/design.md, "Facts the code relies on"), FlashAttention-2 first before it. torch's switches are obeyed: a kernel
 disabled with ``torch.backends.cuda.enable_{cudnn,flash,mem_efficient}_sdp(False)`` is not used. Where the
 whole block needs flash anyway, it is one flash call.
 

@@ -52,7 +52,7 @@ def ref_merge(out_acc, lse_acc, block_out, block_lse):
 
 
 def ref_plan(lengths, world_size, min_piece):
-    """Python re-implementation of the planner described in SPEC.md."""
+    """Python re-implementation of the planner described in docs/design.md."""
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)

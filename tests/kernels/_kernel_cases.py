@@ -3,7 +3,7 @@ split backward (test_bwd_split)."""
 import pytest
 import torch
 
-DTYPES = [torch.float32, torch.float16]   # the interpreter's bf16 dot is broken (ENV.md): AOT covers bf16
+DTYPES = [torch.float32, torch.float16]   # the interpreter's bf16 dot is broken (docs/design.md): AOT covers bf16
 
 
 def qkv(b, sq, sk, h, hk, d, dtype, seed=0, packed=False):

@@ -2,7 +2,7 @@
 
 ``deterministic=True`` always runs the split backward; these tests reach it that way (and through
 ``attn_bwd_segments`` for hand-built segment tables). fp32 and fp16 only: the interpreter's bf16 dot
-is broken (ENV.md); bf16 is covered by the AOT compile (tests/kernels/test_aot.py).
+is broken (docs/design.md, "Facts the code relies on"); bf16 is covered by the AOT compile (tests/kernels/test_aot.py).
 """
 import random
 

@@ -164,7 +164,7 @@ def test_softmax_scale_type():
 
 
 def test_reference_has_the_kernel_signatures():
-    """STYLE.md: the reference functions take the launchers' arguments (plus ``upcast``)."""
+    """docs/design.md: the reference functions take the launchers' arguments (plus ``upcast``)."""
     import inspect
 
     import ndp_kernels

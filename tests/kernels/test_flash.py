@@ -1,6 +1,6 @@
 """Triton flash attention (under TRITON_INTERPRET=1) against the plain-PyTorch reference.
 
-fp32 and fp16 only: the interpreter's bf16 dot is broken (ENV.md); bf16 is covered by the AOT
+fp32 and fp16 only: the interpreter's bf16 dot is broken (docs/design.md, "Facts the code relies on"); bf16 is covered by the AOT
 compile (tests/kernels/test_aot.py) and by the reference path.
 """
 import pytest

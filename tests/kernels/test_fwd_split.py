@@ -7,7 +7,7 @@ and lse with ``ndp_kernels.reference``. ``_block_split`` mirrors the kernel's ra
 test can assert that it really reaches tiles with lean and masked blocks; its invariants are checked
 exhaustively on small shapes in pure Python.
 
-fp32 and fp16 only: the interpreter's bf16 dot is broken (ENV.md); bf16 is covered by the AOT compile.
+fp32 and fp16 only: the interpreter's bf16 dot is broken (docs/design.md, "Facts the code relies on"); bf16 is covered by the AOT compile.
 """
 import pytest
 import torch

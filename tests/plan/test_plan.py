@@ -44,7 +44,7 @@ def test_state_bytes_per_gpu_llama3_8b_16xh100_128k(degrees, params):
 
 
 def test_h100_profile_reproduces_measured_kernel_rates():
-    # GPU-RESULTS.md, ndp causal d128, TFLOP/s at S = 2048, 8192, 32768 (16:16 heads)
+    # docs/design.md ("Facts the code relies on"), ndp causal d128, TFLOP/s at S = 2048, 8192, 32768 (16:16 heads)
     from ndp.plan.cost import _rate
 
     for s, fwd, bwd in ((2048, 333, 152), (8192, 411, 219), (32768, 449, 231)):

@@ -20,7 +20,7 @@ def test_simulate_cp_world4_cpu(tmp_path):
         # every impl ran its rank's real forward and backward (the fake group's agreement check passed)
         assert sim[impl]["fwd_bwd"] > 0 and sim[impl]["eff_fwd_bwd"] > 0, sim[impl]
     # the prediction table spans N = 8 .. 1024 and S up to 1M; ring at N=8, S=128k on the H100 profile
-    # lies near the measured 0.92-0.95 (GPU-RESULTS.md)
+    # lies near the measured 0.92-0.95 (docs/design.md, "Facts the code relies on")
     pred = res["predicted"]
     assert set(pred["ring"]) >= {"8x131072", "1024x1048576"}
     assert 0.88 <= pred["ring"]["8x131072"] <= 0.97

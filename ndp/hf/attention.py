@@ -35,10 +35,9 @@ def _window(sliding_window, causal):
     return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
 
 
-def _cu_from_position_ids(position_ids):
-    # Packed documents, rows flattened: a document starts at each row and wherever the position does not continue
-    # (transformers' rule, masking_utils.find_packed_sequence_indices).
-    pos = position_ids.reshape(position_ids.shape[0] if position_ids.dim() > 1 else 1, -1)
+def _cu_from_position_ids(pos):
+    # Packed documents in [batch, seq] rows, flattened: a document starts at each row and wherever the position does
+    # not continue (transformers' rule, masking_utils.find_packed_sequence_indices).
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
     idx = torch.nonzero(starts.reshape(-1)).flatten()
@@ -138,7 +137,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
                               "packed documents: ndp does not split chunks over ranks yet. Use cp_size=1.")
         cu, flat = _cu_of_chunks(batch, seq, spec.chunk, q.device), True
     elif cu is None and not cp_on and position_ids is not None and seq > 1:
-        pos = position_ids.expand(batch, seq) if position_ids.dim() > 1 else position_ids.expand(batch, seq)
+        pos = position_ids.expand(batch, seq)
         if bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
             cu, flat = _cu_from_position_ids(pos), True
     if cu is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ndp.ops.sinks import check_sinks
 from ndp_kernels._segments import Segments, acc_dtype
 
 from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
@@ -44,7 +45,7 @@ class Call:
 
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
-                 deterministic=False, extra=None, pre_check=None) -> Call:
+                 deterministic=False, sinks=None, chunk_size=None, extra=None, pre_check=None) -> Call:
     """Validates a public CP call on this rank, then agrees with the other ranks (one small all-gather).
 
     A local failure does not raise before the exchange: the rank reports it there, so that every rank
@@ -66,10 +67,11 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
         layout = check_layout(layout)
         resolve_backend(backend, q.device)
         engine = local_engine(backend, deterministic)
+        check_sinks(sinks, q.shape[-2], q.device)
         if pre_check is not None:
             pre_check(world)
-        placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens)
-        fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra)
+        placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens, chunk_size)
+        fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra, sinks, chunk_size)
     except (ValueError, TypeError, RuntimeError) as e:
         error = e
     agree([(pg, world)], fields, q if torch.is_tensor(q) else None, impl, error)
@@ -84,19 +86,27 @@ def local_engine(backend, deterministic) -> LocalEngine:
     return LocalEngine(backend, deterministic)
 
 
-def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra):
+def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra, sinks=None, chunk_size=None):
     """What every rank of a group must agree on (compared by ``agree``)."""
     packed = cu_desc is not None
     return dict(impl=impl, layout=None if packed else layout, causal=causal, window=tuple(window),
+                sinks=None if sinks is None else str(sinks.dtype), chunk_size=chunk_size,
                 scale=scale, dtype=str(q.dtype), device=q.device.type,
                 q_shape=tuple(q.shape[-2:]) if packed else tuple(q.shape),
                 kv_shape=tuple(k.shape[-2:]) if packed else tuple(k.shape), packed=cu_desc,
                 backend=backend.backend, deterministic=backend.deterministic, extra=extra)
 
 
-def placement_for(impl, q, world, rank, layout, cu_seqlens):
-    """(Placement, cu_seqlens signature or None, batch) of a CP call over `world` ranks (this one `rank`)."""
+def placement_for(impl, q, world, rank, layout, cu_seqlens, chunk_size=None):
+    """(Placement, cu_seqlens signature or None, batch) of a CP call over `world` ranks (this one `rank`).
+    With `chunk_size` (dense input only) attention stays inside chunks of that many global positions."""
     packed = cu_seqlens is not None
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise TypeError(f"{impl}: chunk_size must be a positive int or None; got {chunk_size!r}")
+        if packed:
+            raise ValueError(f"{impl}: chunk_size (chunked attention) with packed documents (cu_seqlens) is not "
+                             f"supported: split the documents into chunks in cu_seqlens instead.")
     if packed:
         if isinstance(cu_seqlens, PackedShard):
             ps = cu_seqlens
@@ -117,7 +127,8 @@ def placement_for(impl, q, world, rank, layout, cu_seqlens):
     else:
         seqlen = q.shape[1] * world
         _check_divisible(seqlen, world, layout)
-        placement = Placement.dense(seqlen, world, layout)
+        placement = (Placement.dense(seqlen, world, layout) if chunk_size is None or chunk_size >= seqlen
+                     else Placement.chunked(seqlen, world, layout, chunk_size))
         cu_desc = None
         batch = q.shape[0]
     return placement, cu_desc, batch

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ndp.ops.sinks import add_sinks, sinks_grad
+
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import build_step
 from .stats import all_gather_flat, reduce_scatter_flat
@@ -190,37 +192,41 @@ class AllGatherAttnFunction(torch.autograd.Function):
     """Autograd of all-gather attention (block math from ndp.ops)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, packed):
+    def forward(ctx, q, k, v, sinks, plan, packed):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
         q4 = q4.contiguous()
         kv = torch.stack([k4, v4])
         out, lse = _allgather_fwd(q4, kv, plan)
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks, q.dtype)
+        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
         ctx.plan, ctx.packed = plan, packed
         ctx.mark_non_differentiable(lse)
         return (out[0], lse[0]) if packed else (out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse = ctx.saved_tensors
+        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
         dq, dkv = _allgather_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
         dk, dv = dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
+        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, None, None
+        return dq, dk, dv, dsinks, None, None
 
 
 def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                        window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
+                        window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
+                        chunk_size=None):
     """Exact attention over a sequence sharded on the group, by all-gathering K/V (autograd).
 
     Args:
         q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence`` over `group`),
             or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
         k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
-        group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic: as
-            in ``ndp.ring_attention``.
+        group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
+            chunk_size: as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and the lse when asked.
     Raises:
@@ -228,7 +234,7 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
     """
     call = prepare_call("allgather_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic)
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size)
     plan = _allgather_plan(call)
-    out, lse = AllGatherAttnFunction.apply(q, k, v, plan, call.packed)
+    out, lse = AllGatherAttnFunction.apply(q, k, v, sinks, plan, call.packed)
     return (out, lse) if return_lse else out

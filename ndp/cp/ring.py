@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ndp.ops.sinks import add_sinks, sinks_grad
+
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
 from .schedule import RingSchedule
 
@@ -129,30 +131,32 @@ class RingAttnFunction(torch.autograd.Function):
     """Autograd of ring attention; the block math comes from ndp.ops (via schedule steps)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, packed):
+    def forward(ctx, q, k, v, sinks, plan, packed):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
         q4 = q4.contiguous()
         kv = torch.stack([k4, v4])  # one buffer: K and V travel in one message
         out_acc, lse = _ring_fwd(q4, kv, plan)
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        out, lse = (out_acc.to(q.dtype), lse) if sinks is None else add_sinks(out_acc, lse, sinks, q.dtype)
+        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
         ctx.plan, ctx.packed = plan, packed
         ctx.mark_non_differentiable(lse)
         return (out[0], lse[0]) if packed else (out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse = ctx.saved_tensors
+        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
         dq, dkv = _ring_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
         dq, dk, dv = dq.to(q4.dtype), dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
+        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, None, None
+        return dq, dk, dv, dsinks, None, None
 
 
 def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                   window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
+                   window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
+                   chunk_size=None):
     """Exact attention over a sequence sharded on the CP group, by passing K/V around a ring (autograd).
 
     Args:
@@ -169,6 +173,10 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
             q, k, v taken as ``x[shard.index]``.
         return_lse: also return the fp32 lse ``[batch, heads, seq/N]`` (packed ``[heads, local_tokens]``).
         deterministic: bitwise-reproducible gradients (every block on an engine with a deterministic backward).
+        sinks: optional ``[heads]`` attention sinks (gpt-oss), joined once after the last ring step; their
+            gradient covers this rank's rows (data parallelism over the CP group sums the ranks' parts).
+        chunk_size: chunked attention (Llama4): a query sees only keys of its own chunk of chunk_size global
+            positions (with the causal mask / window inside it); dense input only.
     Returns:
         out, q's shape and dtype (and lse when asked).
     Raises:
@@ -177,8 +185,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
     """
     call = prepare_call("ring_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic)
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size)
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)
-    out, lse = RingAttnFunction.apply(q, k, v, plan, call.packed)
+    out, lse = RingAttnFunction.apply(q, k, v, sinks, plan, call.packed)
     return (out, lse) if return_lse else out

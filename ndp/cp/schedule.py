@@ -143,6 +143,14 @@ class Placement:
         pos = [torch.ops.ndp.shard_index(seqlen, world_size, r, layout).numpy() for r in range(world_size)]
         return Placement(pos, [0, seqlen])
 
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def chunked(seqlen: int, world_size: int, layout: str, chunk: int) -> "Placement":
+        """A dense sequence whose attention stays inside chunks of `chunk` tokens (Llama4): the chunks are the
+        documents, so every schedule pairs only rows of one chunk."""
+        dense = Placement.dense(seqlen, world_size, layout)
+        return Placement(dense.positions, list(range(0, seqlen, chunk)) + [seqlen])
+
 
 def _floordiv(a: int, b: int) -> int:
     return a // b

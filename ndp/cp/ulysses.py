@@ -14,12 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ndp.ops.sinks import add_sinks, sinks_grad
+
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import Placement, build_step
 from .stats import record_comm
 
 __all__ = ["ulysses_attention", "UlyssesAttnFunction", "A2APlan", "A2AOrder", "check_heads", "seq_to_head",
-           "head_to_seq"]
+           "head_to_seq", "heads_of", "sinks_grad_of_heads"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,8 +174,26 @@ def _reduce_kv(dk4, rep):
     return dk4.view(b, t, hr // rep, rep, d).sum(3)
 
 
-def _ulysses_fwd(q4, k4, v4, plan: UlyssesPlan):
-    """Returns head-sharded (qh, kh, vh, out_h, lse_h) with out_h fp32-accumulated then cast."""
+def heads_of(sinks, ap: A2APlan):
+    """The sinks of the heads this rank holds after seq_to_head (None stays None)."""
+    if sinks is None:
+        return None
+    hs = sinks.shape[0] // ap.size
+    return sinks[ap.rank * hs:(ap.rank + 1) * hs]
+
+
+def sinks_grad_of_heads(dout_h, out_h, lse_h, sinks, ap: A2APlan):
+    """d sinks ``[H]``: this rank's heads' part (rows of the whole group), zeros elsewhere."""
+    if sinks is None:
+        return None
+    full = torch.zeros_like(sinks)
+    hs = sinks.shape[0] // ap.size
+    full[ap.rank * hs:(ap.rank + 1) * hs] = sinks_grad(dout_h, out_h, lse_h, heads_of(sinks, ap))
+    return full
+
+
+def _ulysses_fwd(q4, k4, v4, sinks, plan: UlyssesPlan):
+    """Returns head-sharded (qh, kh, vh, out_h, lse_h) with out_h fp32-accumulated then cast (sinks joined)."""
     ap = plan.a2a
     qh = seq_to_head(q4, ap)
     kh = seq_to_head(_expand_kv(k4, plan.rep), ap)
@@ -184,12 +204,15 @@ def _ulysses_fwd(q4, k4, v4, plan: UlyssesPlan):
     lse = torch.full((b, hs, t), float("-inf"), dtype=acc, device=q4.device)
     if not plan.step.empty:
         run_fwd_step(qh, kh, vh, plan.step, out_acc, lse, scale=plan.scale, backend=plan.backend)
+    if sinks is not None:
+        return (qh, kh, vh) + add_sinks(out_acc, lse, heads_of(sinks, ap), q4.dtype)
     return qh, kh, vh, out_acc.to(q4.dtype), lse
 
 
-def _ulysses_bwd(dout4, qh, kh, vh, out_h, lse_h, plan: UlyssesPlan):
+def _ulysses_bwd(dout4, qh, kh, vh, out_h, lse_h, sinks, plan: UlyssesPlan):
     ap = plan.a2a
     douth = seq_to_head(dout4, ap)
+    dsinks = sinks_grad_of_heads(douth, out_h, lse_h, sinks, ap)
     acc = acc_dtype(qh.dtype)
     dq = torch.zeros(qh.shape, dtype=acc, device=qh.device)
     dk = torch.zeros(kh.shape, dtype=acc, device=qh.device)
@@ -203,7 +226,7 @@ def _ulysses_bwd(dout4, qh, kh, vh, out_h, lse_h, plan: UlyssesPlan):
     dk, dv = head_to_seq(dk.to(kh.dtype), ap), head_to_seq(dv.to(vh.dtype), ap)
     if plan.rep > 1:
         dk, dv = dk.to(acc), dv.to(acc)
-    return dq, _reduce_kv(dk, plan.rep).to(kh.dtype), _reduce_kv(dv, plan.rep).to(vh.dtype)
+    return dq, _reduce_kv(dk, plan.rep).to(kh.dtype), _reduce_kv(dv, plan.rep).to(vh.dtype), dsinks
 
 
 def lse_to_seq(lse_h, ap):
@@ -216,12 +239,12 @@ class UlyssesAttnFunction(torch.autograd.Function):
     """Autograd of Ulysses attention (all-to-all, local attention from ndp.ops, all-to-all)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, packed, need_lse):
+    def forward(ctx, q, k, v, sinks, plan, packed, need_lse):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
-        qh, kh, vh, out_h, lse_h = _ulysses_fwd(q4, k4, v4, plan)
+        qh, kh, vh, out_h, lse_h = _ulysses_fwd(q4, k4, v4, sinks, plan)
         out = head_to_seq(out_h, plan.a2a)
         lse = lse_to_seq(lse_h, plan.a2a) if need_lse else out.new_empty(0)
-        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
+        ctx.save_for_backward(qh, kh, vh, out_h, lse_h, sinks)
         ctx.plan, ctx.packed = plan, packed
         ctx.mark_non_differentiable(lse)
         return (out[0], lse[0] if need_lse else lse) if packed else (out, lse)
@@ -229,14 +252,15 @@ class UlyssesAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq, dk, dv = _ulysses_bwd(dout4, *ctx.saved_tensors, ctx.plan)
+        dq, dk, dv, dsinks = _ulysses_bwd(dout4, *ctx.saved_tensors, ctx.plan)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
-                      window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
+                      window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
+                      chunk_size=None):
     """Exact attention over a sequence sharded on the group, by all-to-all to head sharding (autograd).
 
     Args:
@@ -249,6 +273,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         cu_seqlens: packed documents (global cu_seqlens or the shard_packed result).
         return_lse: also return the fp32 lse of this rank's rows.
         deterministic: bitwise-reproducible gradients.
+        sinks: optional ``[heads]`` attention sinks (as in ``ndp.ring_attention``; each rank joins its heads').
+        chunk_size: chunked attention, as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and lse when asked.
     Raises:
@@ -257,9 +283,9 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
     """
     call = prepare_call("ulysses_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic,
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
                         pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n))
     rep = check_heads("ulysses_attention", q.shape[-2], k.shape[-2], call.world)
     plan = _ulysses_plan(call, rep)
-    out, lse = UlyssesAttnFunction.apply(q, k, v, plan, call.packed, bool(return_lse))
+    out, lse = UlyssesAttnFunction.apply(q, k, v, sinks, plan, call.packed, bool(return_lse))
     return (out, lse) if return_lse else out

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ndp.ops.sinks import add_sinks, check_sinks
+
 from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
                         resolve_group_or_input_error)
 from .ring import RingPlan, _ring_bwd, _ring_fwd
 from .schedule import Mask, Placement, RingSchedule
 from .sharding import _require_ops
-from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, lse_to_seq, make_a2a_order,
-                      seq_to_head)
+from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, heads_of, lse_to_seq,
+                      make_a2a_order, seq_to_head, sinks_grad_of_heads)
 
 __all__ = ["usp_attention", "UspAttnFunction", "split_cp_group"]
 
@@ -125,26 +127,31 @@ class UspAttnFunction(torch.autograd.Function):
     """Autograd of USP attention: Ulysses all-to-all, ring over the ring group, all-to-all back."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, packed, need_lse):
+    def forward(ctx, q, k, v, sinks, plan, packed, need_lse):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
         ap = plan.a2a
         qh = seq_to_head(q4, ap)
         kv = torch.stack([seq_to_head(_expand_kv(k4, plan.rep), ap), seq_to_head(_expand_kv(v4, plan.rep), ap)])
         out_acc, lse_h = _ring_fwd(qh, kv, plan.ring)
-        out_h = out_acc.to(q.dtype)
+        if sinks is None:
+            out_h = out_acc.to(q.dtype)
+        else:
+            out_h, lse_h = add_sinks(out_acc, lse_h, heads_of(sinks, ap), q.dtype)
         out = head_to_seq(out_h, ap)
         lse = lse_to_seq(lse_h, ap) if need_lse else out.new_empty(0)
-        ctx.save_for_backward(qh, kv, out_h, lse_h)
+        ctx.save_for_backward(qh, kv, out_h, lse_h, sinks)
         ctx.plan, ctx.packed = plan, packed
         ctx.mark_non_differentiable(lse)
         return (out[0], lse[0] if need_lse else lse) if packed else (out, lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        qh, kv, out_h, lse_h = ctx.saved_tensors
+        qh, kv, out_h, lse_h, sinks = ctx.saved_tensors
         plan, ap = ctx.plan, ctx.plan.a2a
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq_h, dkv_h = _ring_bwd(seq_to_head(dout4, ap), qh, kv, out_h, lse_h, plan.ring)
+        dout_h = seq_to_head(dout4, ap)
+        dq_h, dkv_h = _ring_bwd(dout_h, qh, kv, out_h, lse_h, plan.ring)
+        dsinks = sinks_grad_of_heads(dout_h, out_h, lse_h, sinks, ap)
         dq = head_to_seq(dq_h.to(qh.dtype), ap)
         # Final gradients travel in the input dtype; kv replicas are summed after, in fp32.
         dk, dv = head_to_seq(dkv_h[0].to(kv.dtype), ap), head_to_seq(dkv_h[1].to(kv.dtype), ap)
@@ -153,11 +160,12 @@ class UspAttnFunction(torch.autograd.Function):
         dk, dv = _reduce_kv(dk, plan.rep).to(kv.dtype), _reduce_kv(dv, plan.rep).to(kv.dtype)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_scale=None, layout="zigzag",
-                  backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False):
+                  backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False,
+                  sinks=None, chunk_size=None):
     """Exact attention with Ulysses inside `ulysses_group` and a ring across `ring_group` (autograd).
 
     Args:
@@ -166,8 +174,8 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
             in ``ndp.ring_attention``.
         ulysses_group, ring_group: from ``ndp.cp.split_cp_group(cp_group, ulysses_size)`` (CP rank
             c = ring_rank * U + ulysses_rank).
-        causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic: as in
-            ring_attention
+        causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
+            chunk_size: as in ring_attention
             (a PackedShard passed as cu_seqlens must be for the whole CP group).
     Returns:
         out (q's shape and dtype), and the lse when asked.
@@ -190,15 +198,16 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         layout = check_layout(layout)
         resolve_backend(backend, q.device)
         engine = local_engine(backend, deterministic)
+        check_sinks(sinks, q.shape[-2], q.device)
         rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
         n, c = u_size * r_size, g * u_size + u
-        placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens)
+        placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens, chunk_size)
         fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine,
-                             (u_size, r_size))
+                             (u_size, r_size), sinks, chunk_size)
     except (ValueError, TypeError, RuntimeError) as e:
         error = e
     # Ulysses group first, then the ring group: an error seen in one Ulysses group reaches every rank.
     agree([(ug, u_size), (rg, r_size)], fields, q if torch.is_tensor(q) else None, "usp_attention", error)
     plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
-    out, lse = UspAttnFunction.apply(q, k, v, plan, packed, bool(return_lse))
+    out, lse = UspAttnFunction.apply(q, k, v, sinks, plan, packed, bool(return_lse))
     return (out, lse) if return_lse else out

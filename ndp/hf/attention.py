@@ -56,7 +56,7 @@ _NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
             "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "is_causal",
             "position_embeddings", "return_dict", "output_hidden_states", "seq_idx", "logits_to_keep"}
 # Arguments that change the attention: refused by name unless they are None (or 0).
-_REFUSED = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks", "softcap": "logit soft-capping (softcap)",
+_REFUSED = {"sinks": "per-token attention sinks", "softcap": "logit soft-capping (softcap)",
             "head_mask": "a head mask", "attention_chunk_size": "chunked attention"}
 
 
@@ -85,8 +85,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         scaling: softmax scale; dropout: must be 0.
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
-            ``max_length_q``, ``position_ids`` (packed documents without CP are found from them), ``is_causal``.
-            Arguments that change attention and that ndp does not implement (sinks, soft-capping, a head mask,
+            ``max_length_q``, ``position_ids`` (packed documents without CP are found from them), ``is_causal``,
+            ``s_aux`` (attention sinks: one logit per query head, gpt-oss).
+            Arguments that change attention and that ndp does not implement (soft-capping, a head mask,
             unknown ones) are refused, never dropped.
     Raises:
         ValueError: a padding mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
@@ -97,6 +98,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     cp_on = ctx is not None and ctx.enabled
     spec = spec_of(attention_mask)
     causal = kwargs.pop("is_causal", None)
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
     _check_kwargs(kwargs)
     error = None
     if dropout:
@@ -131,11 +133,14 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
     flat = False
-    if spec is not None and spec.chunk is not None and seq > spec.chunk:
-        if cp_on or cu is not None or spec.packed:
-            raise Unsupported("chunked attention (Llama4's attention_chunk_size) under context parallelism or with "
-                              "packed documents: ndp does not split chunks over ranks yet. Use cp_size=1.")
-        cu, flat = _cu_of_chunks(batch, seq, spec.chunk, q.device), True
+    chunk = spec.chunk if spec is not None else None
+    # Under CP a rank's positions do not continue (zigzag) and transformers calls that packing: not a packed batch.
+    if chunk is not None and (cu is not None or (spec.packed and not cp_on)):
+        raise Unsupported("chunked attention (Llama4's attention_chunk_size) with packed documents: ndp does not "
+                          "cut documents into chunks. Pass unpacked rows (a chunk restarts every "
+                          f"{chunk} positions of a row).")
+    if chunk is not None and not cp_on and seq > chunk:
+        cu, flat = _cu_of_chunks(batch, seq, chunk, q.device), True
     elif cu is None and not cp_on and position_ids is not None and seq > 1:
         pos = position_ids.expand(batch, seq)
         if bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
@@ -149,16 +154,17 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         import ndp.ops
 
         if cu is None:
-            out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window)
+            out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks)
         else:
             mx = int(kwargs.get("max_length_q") or 0) if not flat else 0
             mx = mx or int((cu[1:] - cu[:-1]).max())
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
-                                    cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
+                                    cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, sinks=sinks)
     else:
         import ndp.cp
 
-        kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window)
+        kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window, sinks=sinks,
+                  chunk_size=chunk)
         if cu is not None:
             kw["cu_seqlens"] = cu
         if impl == "ring":

@@ -86,10 +86,6 @@ def check_cp_model(model: nn.Module) -> None:
             f"{', ...' if len(mixers) > 4 else ''}: recurrent, state-space, linear-attention or convolution "
             f"layers) would restart at every context-parallel shard, so ndp cannot pass their state between "
             f"ranks. Run it with cp_size=1.")
-    chunk = getattr(text_config(model), "attention_chunk_size", None)
-    if chunk:
-        raise Unsupported(f"{kind}: chunked attention (attention_chunk_size={chunk}) is not split over "
-                          f"context-parallel ranks by ndp yet. Run it with cp_size=1.")
     attn = attention_modules(model)
     if not attn:
         raise Unsupported(

@@ -17,6 +17,7 @@ from ndp_kernels._segments import prepare, run_bwd
 
 from . import _flash_attn, _sdpa
 from .engines import ENGINES, block_class, capable, choose, engine_available
+from .sinks import add_sinks, check_sinks, sinks_grad
 
 BACKENDS = ("auto",) + ENGINES
 
@@ -116,10 +117,12 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segs, scale, packed, backend, deterministic):
+    def forward(ctx, q, k, v, sinks, segs, scale, packed, backend, deterministic):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
         out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend)
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks, q.dtype)
+        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
         ctx.segs, ctx.scale, ctx.packed, ctx.backend = segs, scale, packed, backend
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
@@ -127,18 +130,19 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse = ctx.saved_tensors
-        dout4 = dout.unsqueeze(0) if ctx.packed else dout
-        dq, dk, dv = attention_bwd(dout4.contiguous(), q4, k4, v4, out, lse, ctx.segs, softmax_scale=ctx.scale,
+        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
+        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
+        dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out, lse, ctx.segs, softmax_scale=ctx.scale,
                                    backend=ctx.backend, deterministic=ctx.deterministic)
+        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, backend="auto", return_lse=False,
-              deterministic=False):
+              deterministic=False, sinks=None):
     """Attention on one device, differentiable with respect to q, k and v.
 
     Args:
@@ -150,6 +154,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             "triton" | "sdpa" | "flash_attn" | "flash_attn3" | "torch".
         return_lse: also return the fp32 lse (``[batch, heads, seq_q]`` or ``[heads, total_tokens]``).
         deterministic: bitwise-reproducible gradients (flash-attn's word).
+        sinks: optional ``[heads]`` attention sinks (gpt-oss): a learnable logit per head joining every row's
+            softmax denominator; differentiable, the returned lse includes it (see ``ndp/ops/sinks.py``).
     Returns:
         out in q's dtype and shape (and lse when asked).
     Raises:
@@ -161,7 +167,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     # Refuse an engine that cannot run this block before any work (forward and backward alike).
     engine_for(backend, segs, q4, k4, deterministic=deterministic)
-    out, lse = _AttentionFunction.apply(q, k, v, segs, scale, packed, backend, bool(deterministic))
+    check_sinks(sinks, q.shape[-2], q.device)
+    out, lse = _AttentionFunction.apply(q, k, v, sinks, segs, scale, packed, backend, bool(deterministic))
     return (out, lse) if return_lse else out
 
 

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 import ndp.ops
 from ndp.cp import CommStats, shard_packed, shard_sequence
+from dense_attention import dense_reference
 from tolerances import assert_close
 
 
@@ -71,7 +72,14 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
     """Runs CP `fn` on this rank's shards; compares out, lse, dq, dk, dv with the fp64 reference.
     Returns (errors dict, CommStats)."""
     q, k, v, dout = make_inputs(case, case.get("seed", 0))
-    ref = reference(case, q, k, v, dout, dtype)
+    sinks = None
+    if case.get("sinks"):
+        sinks = torch.randn(case["heads"], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    if sinks is not None or case.get("chunk"):
+        ref = dense_reference(case, *(x.to(dtype) for x in (q, k, v)), dout,
+                              None if sinks is None else sinks.to(dtype))
+    else:
+        ref = reference(case, q, k, v, dout, dtype)
     sh = Sharder(case, group)
     ql, kl, vl = (sh(x).to(dtype).requires_grad_() for x in (q, k, v))
     dl = sh(dout).to(dtype)
@@ -79,13 +87,24 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
                 backend=case.get("backend", "auto"), return_lse=True)
     if not sh.packed:
         args["layout"] = case.get("layout", "zigzag")
+    if case.get("chunk"):
+        args["chunk_size"] = case["chunk"]
+    inputs = (ql, kl, vl)
+    if sinks is not None:
+        inputs += (sinks.to(dtype).requires_grad_(),)
+        args["sinks"] = inputs[-1]
     args.update(kw)
     with CommStats() as st:
         out, lse = fn(ql, kl, vl, **args)
-        dq, dk, dv = torch.autograd.grad(out, (ql, kl, vl), dl)
+        grads = torch.autograd.grad(out, inputs, dl)
     exp = (sh(ref[0]), sh.lse(ref[1]), sh(ref[2]), sh(ref[3]), sh(ref[4]))
-    got = (out, lse, dq, dk, dv)
+    got = (out, lse) + grads[:3]
     names = ("out", "lse", "dq", "dk", "dv")
+    if sinks is not None:
+        # Each rank's sink gradient covers its rows (Ulysses: its heads); data parallelism over CP sums them.
+        dsinks = grads[3].clone()
+        dist.all_reduce(dsinks)
+        got, exp, names = got + (dsinks,), exp + (ref[5],), names + ("dsinks",)
     errs = {n: (g.double() - e.double()).abs().max().item() if g.numel() else 0.0 for n, g, e in zip(names, got, exp)}
     if check:
         for n, g, e in zip(names, got, exp):

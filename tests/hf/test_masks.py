@@ -67,7 +67,8 @@ def test_window_from_the_mask_wins():
     torch.testing.assert_close(out, _ref(q, k, v, 0.25, window=3).transpose(1, 2), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(s_aux=torch.zeros(2)), "sinks"), (dict(softcap=30.0), "soft-capping"),
+@pytest.mark.parametrize("kw,match", [(dict(sinks=torch.zeros(2)), "per-token attention sinks"),
+                                      (dict(softcap=30.0), "soft-capping"),
                                       (dict(position_bias=torch.zeros(1)), "position_bias")])
 def test_attention_arguments_are_refused_not_dropped(kw, match):
     q = torch.zeros(1, 2, 4, 8)

@@ -7,6 +7,7 @@ import ndp
 import ndp_kernels
 from ndp_kernels import Segments
 from ndp_kernels.reference import flash_attn_bwd_ref, flash_attn_fwd_ref
+from dense_attention import dense_reference
 from tolerances import assert_close
 
 
@@ -136,3 +137,39 @@ def test_bad_softmax_scale_refused(scale):
     want = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k.repeat_interleave(2, 2),
                                             v.repeat_interleave(2, 2))), is_causal=True, scale=0.5).transpose(1, 2)
     assert_close(out, want, torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton"])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(causal=True, window=(4, 0)), dict(causal=False),
+                                  dict(causal=True, docs=[7, 0, 12, 1])])
+def test_sinks_match_definition(backend, case):
+    """Attention sinks (gpt-oss) on every CPU engine: out, lse and the gradients of q, k, v and the sinks."""
+    n = sum(case["docs"]) if "docs" in case else 19
+    q, k, v = _qkv(1, n, n, 4, 2, 16)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
+    kw = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)))
+    if "docs" in case:
+        cu = torch.tensor([0] + torch.tensor(case["docs"]).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v = (x[0].detach().requires_grad_() for x in (q, k, v))
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case["docs"]), max_seqlen_k=max(case["docs"]))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = dense_reference(case, q, k, v, dout, sinks)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    qc, kc, vc, sc = (x.detach().to(dt).requires_grad_() for x in (q, k, v, sinks))
+    out, lse = ndp.ops.attention(qc, kc, vc, backend=backend, return_lse=True, sinks=sc, **kw)
+    grads = torch.autograd.grad(out, (qc, kc, vc, sc), dout.to(dt))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + grads, want):
+        assert_close(g, w, dt, "out" if name in ("out", "lse") else "grad", msg=f"{backend} {name} {case}")
+
+
+def test_sinks_rows_without_keys_and_bad_shapes():
+    # Bottom-right causal with 6 queries and 4 keys: the first 2 rows see no key and give all weight to the sink.
+    q, k, v = _qkv(1, 6, 4, 2, 1, 16)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out, lse = ndp.ops.attention(q, k, v, causal=True, backend="torch", return_lse=True, sinks=sinks)
+    assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))
+    assert torch.equal(lse[0, :, :2], sinks[:, None].expand(2, 2))
+    with pytest.raises(ValueError, match=r"sinks must have shape \[heads\] = \[2\]"):
+        ndp.ops.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="sinks must be a floating-point tensor"):
+        ndp.ops.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.int64))

@@ -11,6 +11,7 @@ from ndp.parallel import ModelPlan, ParallelismConfig
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, ndp_attention_forward, register_attention
+from .batch import parallel_state, shard_batch
 from .models import Unsupported, attention_modules, check_cp_model, decoder_layers, text_config
 
 # Used when a model's config carries no base_model_tp_plan (same split as Llama's).
@@ -111,54 +112,6 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     return _parallelize(model, config, mesh, **kwargs)
 
 
-def _parallel_state(model, what):
-    from ndp.parallel import CP_ATTR, PARALLEL_ATTR
-
-    state, ctx = getattr(model, PARALLEL_ATTR, None), getattr(model, CP_ATTR, None)
-    if state is None or ctx is None:
-        raise ValueError(f"{what} needs a model returned by ndp.parallelize / ndp.hf.parallelize (it carries the "
-                         f"parallel degrees and groups); got a {type(model).__name__} that was not parallelized.")
-    return state, ctx
-
-
-def shard_batch(model: nn.Module, *, global_batch: bool = False, **tensors):
-    """This rank's piece of ``[batch, seq]`` tensors: its context-parallel shard, in the attention's layout.
-
-    Shift labels *before* sharding and pass global ``position_ids`` so RoPE sees true positions.
-
-    Args:
-        model: a model returned by :func:`parallelize`.
-        global_batch: False (default): the tensors are this data-parallel rank's own batch; only the CP
-            shard is taken (identity without CP). True: the tensors are the global batch, the same on
-            every rank; first this rank's rows are taken (``batch / dp_size`` consecutive rows, rank r of
-            the ``dp`` axis = dp_replicate x dp_shard taking block r), then the CP shard.
-        tensors: e.g. ``input_ids=..., labels=..., position_ids=...``, each ``[batch, seq]``.
-    Returns:
-        dict of the same names -> ``[batch (/ dp_size), seq / cp_size]`` tensors.
-    Raises:
-        ValueError: the model was not parallelized by ndp, or (global_batch) the batch size does not
-            divide by the data-parallel size.
-    """
-    state, ctx = _parallel_state(model, "shard_batch")
-    out = dict(tensors)
-    dp_size = state.config.dp_size
-    if global_batch and dp_size > 1:
-        dp_rank = state.axis("dp").get_local_rank()
-        for name, t in out.items():
-            if t.shape[0] % dp_size:
-                raise ValueError(f"shard_batch(global_batch=True): {name} has batch size {t.shape[0]}, not "
-                                 f"divisible by the data-parallel size {dp_size} (dp_replicate_size="
-                                 f"{state.config.dp_replicate_size} x dp_shard_size={state.config.dp_shard_size}). "
-                                 f"Use a global batch that is a multiple of {dp_size}.")
-            n = t.shape[0] // dp_size
-            out[name] = t[dp_rank * n:(dp_rank + 1) * n]
-    if not ctx.enabled:
-        return out
-    import ndp.cp
-
-    return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in out.items()}
-
-
 def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False):
     """Token cross-entropy of this rank's shard, scaled so that FSDP's gradient averaging yields the
     gradient of the global mean loss (every labelled token of every DP and CP rank counts once).
@@ -183,11 +136,16 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     Raises:
         ValueError: the model was not parallelized by ndp, or logits and labels do not match.
     """
-    state, _ = _parallel_state(model, "ndp.hf.loss")
+    state, _ = parallel_state(model, "ndp.hf.loss")
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(f"ndp.hf.loss needs logits [batch, local_seq, vocab] and labels [batch, local_seq]; got "
                          f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}. Pass the labels that "
                          f"shard_batch returned with the input_ids.")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"ndp.hf.loss needs integer class labels (token ids, {ignore_index} for none); got labels of "
+                         f"dtype {labels.dtype}. Pass the labels shard_batch returned (input_ids shifted by one), as "
+                         f"torch.long.")
+    labels = labels.long()
     # fp32 at least (float64 logits stay float64)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),

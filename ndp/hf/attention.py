@@ -15,11 +15,14 @@ no copy (the kernels take strided inputs; the CP layer makes contiguous what it 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+import ndp.cp
+import ndp.ops
 from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, spec_of
@@ -35,7 +38,7 @@ def _window(sliding_window, causal):
     return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
 
 
-def _cu_from_position_ids(pos):
+def cu_from_position_ids(pos):
     # Packed documents in [batch, seq] rows, flattened: a document starts at each row and wherever the position does
     # not continue (transformers' rule, masking_utils.find_packed_sequence_indices).
     starts = torch.ones_like(pos, dtype=torch.bool)
@@ -58,6 +61,41 @@ _NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
 # Arguments that change the attention: refused by name unless they are None (or 0).
 _REFUSED = {"sinks": "per-token attention sinks", "softcap": "logit soft-capping (softcap)",
             "head_mask": "a head mask", "attention_chunk_size": "chunked attention"}
+
+
+_CHECKED = {"positions": None}
+
+
+def _shard_positions_error(pos, ctx, seq, impl):
+    """Under CP, dense rows: None when position_ids are this rank's shard of ``0 .. seq * cp_size - 1`` (what
+    ``shard_batch`` gives), else the error: an unsharded batch, a packed one without its document table, another
+    layout. Checked once per position_ids tensor (every layer of a forward gets the same one)."""
+    if not torch.is_tensor(pos) or pos.dim() != 2 or pos.shape[-1] != seq:
+        return None  # no positions here, or a multimodal layout (3-D RoPE positions): nothing to compare
+    last = _CHECKED["positions"]
+    if last is not None and last[0]() is pos and last[1] == pos._version:
+        return None
+    want = _dense_shard_positions(seq * ctx.size, ctx.size, ctx.rank, ctx.layout, str(pos.device))
+    if bool((pos == want).all()):
+        _CHECKED["positions"] = (weakref.ref(pos), pos._version)
+        return None
+    got = pos[0].tolist()
+    return ValueError(
+        f"ndp_{impl} attention under context parallelism (cp_size={ctx.size}, layout {ctx.layout}) got position_ids "
+        f"that are not rank {ctx.rank}'s shard of a sequence of {seq * ctx.size} tokens: expected "
+        f"{_short(want[0].tolist())}, got {_short(got)}. Pass the batch through ndp.hf.shard_batch(model, ...) "
+        f"(a packed batch with its position_ids restarting or cu_seq_lens_q) and give the model the position_ids "
+        f"(and cu_seq_lens_q) it returns.")
+
+
+def _short(xs):
+    return str(xs) if len(xs) <= 12 else f"[{', '.join(map(str, xs[:6]))}, ..., {', '.join(map(str, xs[-3:]))}]"
+
+
+@functools.lru_cache(maxsize=64)
+def _dense_shard_positions(total, size, rank, layout, device):
+    pos = torch.arange(total, device=device)[None]
+    return ndp.cp.shard_sequence(pos, dim=1, world_size=size, rank=rank, layout=layout)
 
 
 def _check_kwargs(kwargs):
@@ -107,12 +145,12 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     elif spec is None and attention_mask is not None and not bool(attention_mask.all()):
         error = ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
                            "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
+    elif cp_on and kwargs.get("cu_seq_lens_q") is None:
+        error = _shard_positions_error(kwargs.get("position_ids"), ctx, query.shape[2], impl)
     if error is not None:
         if cp_on:
-            # Only this rank's shard may hold the padding: join the other ranks' validity exchange so that
+            # Only this rank may see the problem (its shard): join the other ranks' validity exchange so that
             # every rank of the CP group raises instead of waiting in the ring.
-            import ndp.cp
-
             groups = (dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group) if impl == "usp"
                       else dict(group=ctx.group))
             ndp.cp.raise_on_all_ranks(error, what=f"ndp_{impl} attention", **groups)
@@ -144,15 +182,13 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     elif cu is None and not cp_on and position_ids is not None and seq > 1:
         pos = position_ids.expand(batch, seq)
         if bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-            cu, flat = _cu_from_position_ids(pos), True
+            cu, flat = cu_from_position_ids(pos), True
     if cu is not None:
         if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")
         cu = cu.to(device=q.device, dtype=torch.int32)
         q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
-        import ndp.ops
-
         if cu is None:
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks)
         else:
@@ -161,8 +197,6 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, sinks=sinks)
     else:
-        import ndp.cp
-
         kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window, sinks=sinks,
                   chunk_size=chunk)
         if cu is not None:

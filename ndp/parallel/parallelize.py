@@ -256,7 +256,14 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
             per-module init leaves a parameter or buffer unset.
     """
     if mesh is None and config.world_size > 1:
-        raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None")
+        raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None. Pass "
+                         f"mesh=config.build_device_mesh(device_type).")
+    if mesh is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Without a mesh every process would train its own copy of the model and never exchange a gradient.
+        raise ValueError(f"parallelize got mesh=None in a job of {dist.get_world_size()} processes, with a "
+                         f"ParallelismConfig for {config.world_size}. Set the degrees so that their product is "
+                         f"{dist.get_world_size()} (e.g. dp_shard_size={dist.get_world_size()}) and pass "
+                         f"mesh=config.build_device_mesh(device_type).")
     check_mesh(config, mesh)
     plan = plan or default_plan(model)
     # The unparallelized meta copy is the init source: the model's own modules and names, no data.

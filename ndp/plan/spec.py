@@ -1,8 +1,9 @@
 """What the planner plans for: the model's shape (``ModelSpec``) and the GPU's measured rates (``GpuProfile``).
 
-Both are frozen, validated data. Real-size models and GPU profiles ship as JSON next to this file
-(``data/models.json``, ``data/gpus.json``); the tiny/small presets of ``ndp.train`` and any local Hugging
-Face config directory work too, and a YAML/JSON file overrides fields of a GPU profile.
+Both are frozen, validated data. GPU profiles ship as JSON next to this file (``data/gpus.json``); the models are
+those ``ndp-train --model`` builds (the real-size architectures of ``ndp/train/data/models.json``, the tiny/small
+presets, any local Hugging Face config directory), so every command the planner prints runs as printed; a YAML/JSON
+file overrides fields of a GPU profile.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+
+from ndp.train.presets import PRESETS, REAL_MODELS, preset_config
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -108,7 +111,7 @@ class ModelSpec:
 
 def real_model_names() -> tuple[str, ...]:
     """Names of the real-size model presets shipped as data."""
-    return tuple(_load("models.json"))
+    return tuple(REAL_MODELS)
 
 
 def spec_from_hf_config(cfg: dict, name: str) -> ModelSpec:
@@ -140,7 +143,7 @@ def load_model_spec(name_or_dir: str) -> ModelSpec:
     Raises:
         ValueError: unknown name (the message lists the choices), or a directory without config.json.
     """
-    real = _load("models.json")
+    real = REAL_MODELS
     if name_or_dir in real:
         return spec_from_hf_config(real[name_or_dir], name_or_dir)
     if os.path.isdir(name_or_dir):
@@ -150,8 +153,6 @@ def load_model_spec(name_or_dir: str) -> ModelSpec:
                              f"model directory (config.json is enough) or a preset name")
         with open(path, encoding="utf-8") as f:
             return spec_from_hf_config(json.load(f), os.path.basename(os.path.normpath(name_or_dir)))
-    from ndp.train.presets import PRESETS, preset_config
-
     if name_or_dir in PRESETS:
         return spec_from_hf_config(preset_config(name_or_dir).to_dict(), name_or_dir)
     raise ValueError(f"unknown model {name_or_dir!r}; choose a preset ({', '.join(list(real) + list(PRESETS))}) "

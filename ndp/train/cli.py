@@ -41,12 +41,13 @@ def main(argv=None) -> int:
     """Console entry point. Returns the process exit code."""
     logging.basicConfig(level=logging.INFO if int(os.environ.get("RANK", "0")) == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    cfg = parse_config(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        cfg = parse_config(argv)
         cfg.check(world)  # every config error surfaces here, before any process-group work
-    except ValueError as e:
-        print(f"ndp-train: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"ndp-train: error: {e}", file=sys.stderr)
         return 2
     device = resolve_device(cfg.device)
     if device.type == "cpu":
@@ -54,7 +55,14 @@ def main(argv=None) -> int:
     owned = _init_process_group(device.type)
     ok = False
     try:
-        res = train(cfg.replace(device=device.type))
+        try:
+            res = train(cfg.replace(device=device.type))
+        except (ValueError, OSError) as e:
+            # Found after start-up (the model refused by ndp, the data, ...): the same on every rank, so one line
+            # per job from rank 0 and exit 2 everywhere, not a traceback per rank.
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"ndp-train: error: {e}", file=sys.stderr)
+            return 2
         if (not dist.is_initialized() or dist.get_rank() == 0) and res.losses:
             n = len(res.losses)
             summary = {"steps": res.start_step + n, "final_loss": res.losses[-1],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from ndp.parallel import CP_IMPLS, CP_LAYOUTS, ParallelismConfig
@@ -96,27 +97,50 @@ class TrainConfig:
 
         Raises:
             ValueError: degrees vs world size, heads vs tp/ulysses, seq_len vs the CP layout, batch vs
-                dp * grad_accum (each message names the values).
+                dp * grad_accum, an --export-hf path that cannot be written (each message names the values).
+        Warns: a seq_len above the model's max_position_embeddings.
         """
-        from .presets import model_dims
+        from .presets import has_weights, model_config
 
         p = self.parallel
         p.check_world_size(world_size)
-        if self.init == "meta" and os.path.isdir(self.model):
-            raise ValueError(f"--init meta builds a preset's random weights shard by shard; --model {self.model!r} "
-                             f"is a model directory whose weights are loaded whole. Use --init full for it.")
-        heads, kv = model_dims(self.model)
-        p.check_heads(heads, kv)
+        if self.init == "meta" and os.path.isdir(self.model) and has_weights(self.model):
+            raise ValueError(f"--init meta builds random weights shard by shard; --model {self.model!r} is a model "
+                             f"directory whose weights are loaded whole. Use --init full for it.")
+        cfg = model_config(self.model)
+        heads = cfg.num_attention_heads
+        p.check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads)
         if not self.pack_docs:
             p.check_seq_len(self.seq_len)
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if limit and self.seq_len > limit and not self.pack_docs:
+            # Warned, not refused: extending a model's context is what long-sequence training is for.
+            warnings.warn(f"--seq-len {self.seq_len} is above the model's max_position_embeddings={limit} "
+                          f"({self.model}): positions past it were never trained and its RoPE is set for {limit}. "
+                          f"For a context extension, use a model directory whose config.json sets "
+                          f"max_position_embeddings and the RoPE scaling for {self.seq_len}.", stacklevel=2)
         if self.batch_size % (p.dp_size * self.grad_accum):
             raise ValueError(
                 f"--batch-size (global sequences) must be divisible by dp_replicate*dp_shard*grad_accum; got "
                 f"batch_size={self.batch_size}, dp_replicate={p.dp_replicate_size}, dp_shard={p.dp_shard_size}, "
                 f"grad_accum={self.grad_accum}. Use a multiple of {p.dp_size * self.grad_accum}.")
+        if self.export_hf:
+            _check_writable_dir("--export-hf", self.export_hf)
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_writable_dir(flag: str, path: str) -> None:
+    """Raises ValueError unless `path` is a directory that exists or can be created, and can be written."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file; it must be a directory (created when missing).")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r} cannot be written: {parent!r} is not a writable directory. Choose a "
+                         f"directory you can write, checked now so that a run does not end without its export.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +195,36 @@ def _norm_key(k: str) -> str:
     return k.replace("-", "_")
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _as_flag_type(where: str, key: str, value, action):
+    """A YAML value converted as its flag's value would be (``lr: 3e-3`` is a string to YAML; "8" is quoted)."""
+    want = action.type if action is not None else None
+    try:
+        if action is not None and action.nargs == 0:  # store_true / store_false flags
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+                return value.lower() in _TRUE
+            raise ValueError
+        if want is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if want is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+    except (TypeError, ValueError):
+        kind = "true or false" if action.nargs == 0 else ("an integer" if want is int else "a number")
+        raise ValueError(f"{where}: {key} must be {kind} (as its flag --{key.replace('_', '-')}); got {value!r}") \
+            from None
+    if action is not None and action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {key} must be one of {list(action.choices)}; got {value!r}")
+    return value
+
+
 def parse_config(argv=None, env=None) -> TrainConfig:
     """TrainConfig from flags, ``--config`` YAML and ``NDP_*`` environment variables.
 
@@ -178,7 +232,10 @@ def parse_config(argv=None, env=None) -> TrainConfig:
         ValueError: unknown YAML keys, bad values (messages name the option).
     """
     env = os.environ if env is None else env
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    actions = {a.dest: a for a in parser._actions}
+    by_parallel = {v: actions.get(k) for k, v in _FLAG_TO_PARALLEL.items()}
     values: dict = {}
     parallel: dict = {}
     for var, name in ENV_PARALLEL.items():
@@ -197,8 +254,8 @@ def parse_config(argv=None, env=None) -> TrainConfig:
             k = _norm_key(k)
             if k == "parallel" and isinstance(v, dict):
                 for pk, pv in v.items():
-                    pk = _norm_key(pk)
-                    parallel[_FLAG_TO_PARALLEL.get(pk, pk)] = pv
+                    pk = _FLAG_TO_PARALLEL.get(_norm_key(pk), _norm_key(pk))
+                    parallel[pk] = _as_flag_type(args["config"], pk, pv, by_parallel.get(pk))
                 continue
             if k not in known:
                 import difflib
@@ -208,9 +265,10 @@ def parse_config(argv=None, env=None) -> TrainConfig:
                                  + (f"; did you mean {close[0]!r}?" if close else "")
                                  + f" Valid options: {', '.join(sorted(known))}.")
             if k in _FLAG_TO_PARALLEL or k in _FLAG_TO_PARALLEL.values():
-                parallel[_FLAG_TO_PARALLEL.get(k, k)] = v
+                pk = _FLAG_TO_PARALLEL.get(k, k)
+                parallel[pk] = _as_flag_type(args["config"], k, v, by_parallel.get(pk))
             else:
-                values[k] = v
+                values[k] = _as_flag_type(args["config"], k, v, actions.get(k))
     for k, v in args.items():
         if v is None or k == "config":
             continue

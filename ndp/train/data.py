@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ndp.hf.batch import packed_cu, shard_rows
+
 IGNORE_INDEX = -100
 DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
 
@@ -145,15 +147,6 @@ def _positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
     return idx - last
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """int32 cu_seqlens of a flattened packed row: a document starts wherever position_ids is 0."""
-    pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    return torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
-
-
 def batch_from_documents(docs: list[list[int]], *, packed: bool) -> Batch:
     """A batch made of whole documents (tests: packed must equal unpacked).
 
@@ -209,23 +202,15 @@ def model_inputs(mb: Batch, ctx=None, device=None) -> tuple[dict, torch.Tensor]:
         (kwargs for ``model(**kwargs)``, labels) with the same local token order.
     """
     # Move first: the CP helpers may check arguments across ranks on the group's device (NCCL: CUDA).
-    ids, labels, pos = (t.to(device) for t in (mb.input_ids, mb.labels, mb.position_ids))
-    cp_on = ctx is not None and ctx.enabled
-    extra = {}
+    rows = {name: t.to(device) for name, t in (("input_ids", mb.input_ids), ("labels", mb.labels),
+                                                ("position_ids", mb.position_ids))}
     if mb.packed:
-        ids, labels, pos = ids.reshape(1, -1), labels.reshape(1, -1), pos.reshape(1, -1)
-        cu = cu_seqlens_from_position_ids(pos)
+        rows = {name: t.reshape(1, -1) for name, t in rows.items()}
+    cu = packed_cu(rows) if mb.packed else None
+    if ctx is not None and ctx.enabled:
+        rows = shard_rows(rows, ctx, cu=cu, pad=False)
+    elif cu is not None:
         mx = int((cu[1:] - cu[:-1]).max())
-        if cp_on:
-            import ndp.cp
-
-            local = ndp.cp.shard_packed(cu, group=ctx.group)
-            index = local.index.to(device=ids.device, dtype=torch.long)
-            ids, labels, pos = ids[:, index], labels[:, index], pos[:, index]
-        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mx, max_length_k=mx)
-    elif cp_on:
-        import ndp.cp
-
-        ids, labels, pos = (ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout)
-                            for t in (ids, labels, pos))
-    return dict(input_ids=ids, position_ids=pos, use_cache=False, **extra), labels
+        rows.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mx, max_length_k=mx)
+    labels = rows.pop("labels")
+    return dict(rows, use_cache=False), labels

@@ -1,6 +1,10 @@
-"""Model presets: tiny and small Llama, Qwen2 and Mistral configs (byte-level vocab, random weights)."""
+"""Model presets: tiny and small Llama, Qwen2 and Mistral configs (byte-level vocab), the real-size architectures of
+``data/models.json`` (Llama 3, Qwen2, Mistral), all with random weights, and local Hugging Face directories (with
+weights, or config.json alone for random weights)."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 
 import torch
@@ -16,17 +20,32 @@ _SIZES = {
 _FAMILIES = ("llama", "qwen2", "mistral")
 INITS = ("full", "meta")  # how build_model materializes a preset (ndp-train --init)
 PRESETS = tuple(f"{size}-{fam}" for fam in _FAMILIES for size in _SIZES)
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def _real_models() -> dict:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "models.json"), encoding="utf-8") as f:
+        return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+
+
+REAL_MODELS = _real_models()  # name -> config.json fields of a real-size architecture (no weights)
 
 
 def preset_config(name: str):
-    """transformers config of a preset ("tiny-llama", "small-qwen2", "tiny-mistral", ...).
+    """transformers config of a preset ("tiny-llama", "small-qwen2", "tiny-mistral", ...) or of a real-size
+    architecture ("llama-3-8b", "qwen2-7b", ...: see ``REAL_MODELS``).
 
     Raises:
-        ValueError: unknown preset.
+        ValueError: unknown name.
     """
+    if name in REAL_MODELS:
+        from transformers import AutoConfig
+
+        fields = dict(REAL_MODELS[name])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {list(PRESETS)} or pass a local HF "
-                         f"model directory")
+        raise ValueError(f"unknown model {name!r}; choose a preset ({', '.join(PRESETS + tuple(REAL_MODELS))}) or "
+                         f"pass a local Hugging Face model directory (config.json alone gives random weights)")
     size, fam = name.split("-", 1)
     kw = dict(_COMMON, **_SIZES[size])
     if fam == "llama":
@@ -43,8 +62,22 @@ def preset_config(name: str):
     return MistralConfig(sliding_window=32 if size == "tiny" else 256, **kw)
 
 
+def has_weights(directory: str) -> bool:
+    """Whether a model directory holds weights (else its config.json alone is built with random weights)."""
+    return any(glob.glob(os.path.join(directory, pattern)) for pattern in _WEIGHTS)
+
+
+def model_config(name_or_dir: str):
+    """The transformers config of a preset, a real-size architecture or a local model directory."""
+    if os.path.isdir(name_or_dir):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name_or_dir)
+    return preset_config(name_or_dir)
+
+
 def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str = "full"):
-    """Build a causal LM from a preset (random weights from ``seed``) or load a local HF directory.
+    """Build a causal LM from a preset or a config (random weights from ``seed``) or load a local HF directory.
 
     A preset is always built on the meta device first. ``init="full"`` then allocates it on CPU and initializes
     it with ``ndp.hf.init_weights`` (the model's own ``_init_weights`` per module, each module's generator
@@ -54,8 +87,9 @@ def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str =
     without building the rest of the model: see ``ndp.parallel.init``.
 
     Args:
-        name_or_dir: a preset name or a local HF model directory; seed: the run seed; dtype: parameter dtype.
-        init: "full" (materialized on CPU) or "meta" (presets only).
+        name_or_dir: a preset or real-size name, or a local HF model directory (config.json alone: random
+            weights); seed: the run seed; dtype: parameter dtype.
+        init: "full" (materialized on CPU) or "meta" (random weights only).
     Returns:
         the model on CPU (or on meta) in ``dtype``, identical on every rank.
     Raises:
@@ -65,14 +99,14 @@ def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str =
 
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}; got {init!r}")
-    if os.path.isdir(name_or_dir):
+    if os.path.isdir(name_or_dir) and has_weights(name_or_dir):
         if init == "meta":
-            raise ValueError(f"--init meta builds a preset's random weights shard by shard; {name_or_dir!r} is a "
-                             f"model directory whose weights are loaded whole. Use --init full for it.")
+            raise ValueError(f"--init meta builds random weights shard by shard; {name_or_dir!r} is a model directory "
+                             f"whose weights are loaded whole. Use --init full for it.")
         cfg = AutoConfig.from_pretrained(name_or_dir)
         cfg._attn_implementation = "sdpa"
         return AutoModelForCausalLM.from_pretrained(name_or_dir, config=cfg, dtype=dtype)
-    cfg = preset_config(name_or_dir)
+    cfg = model_config(name_or_dir)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -83,15 +117,3 @@ def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str =
 
     to_empty(model, device="cpu")
     return ndp.hf.init_weights(model, seed=seed)
-
-
-def model_dims(name_or_dir: str) -> tuple[int, int]:
-    """(num_attention_heads, num_key_value_heads) without building the model."""
-    if os.path.isdir(name_or_dir):
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(name_or_dir)
-    else:
-        cfg = preset_config(name_or_dir)
-    heads = cfg.num_attention_heads
-    return heads, getattr(cfg, "num_key_value_heads", None) or heads

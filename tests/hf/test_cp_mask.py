@@ -28,13 +28,13 @@ def _mask_body(rank, world, impl):
     t0 = time.perf_counter()
     if holder:
         with pytest.raises(ValueError, match="cannot honour an attention mask with masked positions"):
-            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
     else:
         with pytest.raises(ValueError, match=r"refused their input: rank \d .*cannot honour an attention mask"):
-            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
     assert time.perf_counter() - t0 < 10
     # afterwards the model still runs on every rank
-    assert model(input_ids=b["input_ids"]).logits.shape == (1, 32 // world, 256)
+    assert model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits.shape == (1, 32 // world, 256)
 
 
 @pytest.mark.parametrize("impl,world", [("ring", 2), ("ulysses", 2), ("usp", 4)])

@@ -42,6 +42,13 @@ def test_loss_and_shard_batch_errors():
     with pytest.raises(ValueError, match=r"logits \[batch, local_seq, vocab\] and labels \[batch, local_seq\]; got "
                                          r"logits \(2, 8, 256\), labels \(2, 16\)"):
         ndp.hf.loss(torch.zeros(2, 8, 256), ids, model)
+    with pytest.raises(ValueError, match=r"needs integer class labels .* dtype torch.float32"):
+        ndp.hf.loss(torch.zeros(2, 16, 256), ids.float(), model)
+    with pytest.raises(ValueError, match=r"every tensor in one \[batch, seq\] shape; got \{'input_ids': \(2, 16\), "
+                                         r"'labels': \(2, 15\)\}"):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=ids[:, 1:])
+    with pytest.raises(ValueError, match=r"takes \[batch, seq\] tensors; \['labels'\]"):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=ids.flatten())
     # one process: the global batch is this rank's batch
     b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids)
     assert b["input_ids"] is ids

@@ -48,12 +48,52 @@ def test_yaml_and_env_precedence(tmp_path):
         parse_config(["--config", str(y)], env={})
 
 
+def test_yaml_values_take_the_flags_types(tmp_path):
+    y = tmp_path / "c.yaml"
+    # YAML reads 3e-3 as a string and "8" is quoted: both must mean what --lr 3e-3 / --steps 8 mean
+    y.write_text('lr: 3e-3\nsteps: "8"\npack_docs: "true"\nparallel:\n  cp: "2"\n')
+    cfg = parse_config(["--config", str(y)], env={})
+    assert (cfg.lr, cfg.steps, cfg.pack_docs, cfg.parallel.cp_size) == (3e-3, 8, True, 2)
+    for text, match in (("steps: 2.5\n", r"steps must be an integer \(as its flag --steps\); got 2.5"),
+                        ("lr: fast\n", r"lr must be a number \(as its flag --lr\); got 'fast'"),
+                        ("dtype: fp8\n", r"dtype must be one of \['fp32', 'bf16'\]; got 'fp8'")):
+        y.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            parse_config(["--config", str(y)], env={})
+
+
+def test_models_the_planner_names_and_config_only_directories(tmp_path):
+    from ndp.plan.spec import real_model_names
+    from ndp.train.presets import build_model, preset_config
+
+    for name in real_model_names():  # every name ndp-plan prints builds (random weights)
+        TrainConfig(model=name, seq_len=4096).check(1)
+    with pytest.warns(UserWarning, match=r"--seq-len 16384 is above the model's max_position_embeddings=8192"):
+        TrainConfig(model="llama-3-8b", seq_len=16384).check(1)
+    model = build_model("llama-3-8b", seed=0, init="meta")
+    assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
+    preset_config("tiny-qwen2").save_pretrained(tmp_path / "cfg")  # config.json only: random weights
+    a = build_model(str(tmp_path / "cfg"), seed=1)
+    b = build_model("tiny-qwen2", seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--export-hf .*file.* is a file; it must be a directory"):
+        TrainConfig(export_hf=str(tmp_path / "file")).check(1)
+
+
+def test_cli_reports_an_error_found_after_start_up_in_one_line(tmp_path):
+    r = subprocess.run([PY, "-m", "ndp.train", "--data", str(tmp_path / "missing.txt"), "--steps", "1",
+                        "--no-progress", "--device", "cpu"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "ndp-train: error:" in r.stderr and "missing.txt" in r.stderr
+
+
 @pytest.mark.parametrize("kw, world, match", [
     (dict(parallel=ParallelismConfig(dp_shard_size=2, cp_size=2)), 2, "= 4, world_size=2"),
     (dict(parallel=ParallelismConfig(tp_size=4)), 4, "divisible by tp_size"),
     (dict(parallel=ParallelismConfig(cp_size=2), seq_len=66), 2, "zigzag sharding needs seq_len divisible"),
     (dict(parallel=ParallelismConfig(dp_shard_size=2), batch_size=3), 2, "--batch-size .* divisible"),
-    (dict(model="tiny-gpt"), 1, "unknown model preset"),
+    (dict(model="tiny-gpt"), 1, "unknown model 'tiny-gpt'; choose a preset .*llama-3-8b"),
 ])
 def test_bad_config_raises_before_process_group(kw, world, match):
     cfg = TrainConfig(**kw)

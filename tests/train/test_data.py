@@ -4,10 +4,10 @@ import torch
 
 import ndp.cp
 from dist import spawn
+from ndp.hf.attention import cu_from_position_ids
 from ndp.parallel import CPContext
 from ndp.train.data import (DEFAULT_CORPUS, IGNORE_INDEX, ByteTokenizer, TokenDataset, batch_from_documents,
-                            cu_seqlens_from_position_ids, load_documents, microbatches, model_inputs,
-                            tokenize_documents)
+                            load_documents, microbatches, model_inputs, tokenize_documents)
 
 
 def _dataset(pack=False, seed=0, B=8, S=64):
@@ -44,7 +44,7 @@ def test_packed_docs_positions_and_labels():
         for r in restarts.tolist():  # a document starts at r: no loss for predicting it from r-1
             assert lab[r - 1] == IGNORE_INDEX
             assert pos[r - 1] > 0
-        cu = cu_seqlens_from_position_ids(pos)
+        cu = cu_from_position_ids(pos[None])
         assert cu[0] == 0 and cu[-1] == pos.numel() and len(cu) == len(restarts) + 2
 
 
@@ -79,7 +79,7 @@ def _cp_shards(rank, world, layout):
     # packed rows: per-document balanced pieces, global cu_seqlens for the attention
     gp = _dataset(pack=True, B=2, S=64).global_batch(0)
     kw, labels = model_inputs(gp, ctx, "cpu")
-    cu = cu_seqlens_from_position_ids(gp.position_ids.reshape(1, -1))
+    cu = cu_from_position_ids(gp.position_ids.reshape(1, -1))
     assert torch.equal(kw["cu_seq_lens_q"], cu)
     idx = ndp.cp.shard_packed(cu, group=None).index.long()
     assert torch.equal(kw["input_ids"][0], gp.input_ids.reshape(-1)[idx])

@@ -1,0 +1,197 @@
+"""A batch the way Hugging Face trainers make it, cut into this rank's piece.
+
+Dense rows are padded to the multiple the CP layout needs and sharded with ``shard_sequence``. Packed rows
+(``DataCollatorWithFlattening``: position_ids that restart inside a row, or ``cu_seq_lens_q``/``cu_seq_lens_k``
+with ``max_length_q``/``max_length_k``, or ``seq_idx``) are flattened into one sequence of documents and sharded
+per document with ``shard_packed``; the global document table travels with them as ``cu_seq_lens_q`` so that the
+attention of every layer runs the documents apart, on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+import ndp.cp
+from ndp.parallel import CP_ATTR, PARALLEL_ATTR
+
+from .attention import cu_from_position_ids
+
+# Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def parallel_state(model, what):
+    """(ParallelState, CPContext) of a model that went through ``ndp.parallelize``; ValueError otherwise."""
+    state, ctx = getattr(model, PARALLEL_ATTR, None), getattr(model, CP_ATTR, None)
+    if state is None or ctx is None:
+        raise ValueError(f"{what} needs a model returned by ndp.parallelize / ndp.hf.parallelize (it carries the "
+                         f"parallel degrees and groups); got a {type(model).__name__} that was not parallelized.")
+    return state, ctx
+
+
+def _rows(tensors):
+    """The [batch, seq] tensors (every key but the document table), checked to have one shape."""
+    rows = {k: t for k, t in tensors.items() if k not in PACKING_KEYS}
+    bad = [k for k, t in rows.items() if not torch.is_tensor(t) or t.dim() != 2]
+    if bad:
+        got = [tuple(rows[k].shape) if torch.is_tensor(rows[k]) else type(rows[k]).__name__ for k in bad]
+        raise ValueError(f"shard_batch takes [batch, seq] tensors; {bad} are not (shapes {got}). Pass input_ids, "
+                         f"labels, position_ids, ... of one shape.")
+    shapes = {k: tuple(t.shape) for k, t in rows.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shard_batch needs every tensor in one [batch, seq] shape; got {shapes}. Build labels and "
+                         f"position_ids from the same rows as input_ids.")
+    return rows
+
+
+def packed_cu(tensors) -> torch.Tensor | None:
+    """The global int32 cu_seqlens of a packed batch (rows flattened in order), or None for dense rows.
+
+    Raises:
+        ValueError: a document table that does not cover the rows, or q and k tables that differ.
+    """
+    rows = _rows(tensors)
+    if not rows:
+        return None
+    total = next(iter(rows.values())).numel()
+    cu = tensors.get("cu_seq_lens_q")
+    if cu is not None:
+        cu_k = tensors.get("cu_seq_lens_k")
+        if cu_k is not None and not torch.equal(cu_k.cpu(), cu.cpu()):
+            raise ValueError("shard_batch: cu_seq_lens_k differs from cu_seq_lens_q; ndp's attention is "
+                             "self-attention over one packed sequence, so the two document tables must be equal.")
+        if cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(f"shard_batch: cu_seq_lens_q must run from 0 to the {total} tokens of the batch "
+                             f"(rows flattened); got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}.")
+        return cu.to(torch.int32)
+    seq_idx = tensors.get("seq_idx")
+    if seq_idx is not None:
+        starts = torch.ones_like(seq_idx, dtype=torch.bool)
+        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        idx = torch.nonzero(starts.reshape(-1)).flatten()
+        return torch.cat([idx, idx.new_tensor([total])]).to(torch.int32)
+    pos = tensors.get("position_ids")
+    if pos is not None and pos.shape[1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+        return cu_from_position_ids(pos)
+    return None
+
+
+def _pad_value(name, pad_id):
+    if name == "labels":
+        return -100
+    if name == "attention_mask":
+        return 1  # pads sit after every real token: under a causal mask no real token sees them
+    return pad_id
+
+
+def pad_rows(rows, multiple, pad_id=0):
+    """Dense rows padded at the end to a multiple of `multiple` tokens: labels -100, positions continued, attention
+    mask 1, other tensors (input_ids) `pad_id`."""
+    seq = next(iter(rows.values())).shape[1]
+    extra = -seq % multiple
+    if not extra:
+        return rows
+    out = {}
+    for name, t in rows.items():
+        if name == "position_ids":
+            tail = t[:, -1:] + torch.arange(1, extra + 1, device=t.device, dtype=t.dtype)
+        else:
+            tail = torch.full((t.shape[0], extra), _pad_value(name, pad_id), dtype=t.dtype, device=t.device)
+        out[name] = torch.cat([t, tail], dim=1)
+    return out
+
+
+def _take_dp_rows(state, rows):
+    dp_size = state.config.dp_size
+    dp_rank = state.axis("dp").get_local_rank()
+    out = {}
+    for name, t in rows.items():
+        if t.shape[0] % dp_size:
+            raise ValueError(f"shard_batch(global_batch=True): {name} has batch size {t.shape[0]}, not divisible by "
+                             f"the data-parallel size {dp_size} (dp_replicate_size={state.config.dp_replicate_size}"
+                             f" x dp_shard_size={state.config.dp_shard_size}). Use a global batch that is a "
+                             f"multiple of {dp_size}.")
+        n = t.shape[0] // dp_size
+        out[name] = t[dp_rank * n:(dp_rank + 1) * n]
+    return out
+
+
+def _positions_in_documents(cu, like):
+    """[batch, seq] positions restarting at every document of the flattened rows (RoPE of a packed batch)."""
+    cu = cu.to(like.device, torch.int64)
+    t = torch.arange(like.numel(), device=like.device)
+    doc = torch.searchsorted(cu, t, right=True) - 1
+    return (t - cu[doc]).reshape(like.shape)
+
+
+def _shard_packed(rows, cu, ctx):
+    shard = ndp.cp.shard_packed(cu, world_size=ctx.size, rank=ctx.rank)
+    out = {name: t.reshape(1, -1)[:, shard.index.to(t.device)] for name, t in rows.items()}
+    like = next(iter(rows.values()))
+    if "position_ids" not in out:
+        out["position_ids"] = shard.position_ids.to(like.device)[None]
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    cu = cu.to(device=like.device, dtype=torch.int32)
+    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return out
+
+
+def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensors):
+    """This rank's piece of a batch: its data-parallel rows, then its context-parallel shard.
+
+    Shift labels *before* sharding (``labels[:, i]`` is the target of token i; -100 for none).
+
+    Args:
+        model: a model returned by ``ndp.hf.parallelize``.
+        global_batch: False (default): the tensors are this data-parallel rank's own batch. True: the global batch,
+            the same on every rank; this rank takes ``batch / dp_size`` consecutive rows (block r of the ``dp``
+            axis), then its CP shard.
+        pad: pad dense rows at the end to the multiple the CP layout needs (2 x cp_size for zigzag, cp_size
+            otherwise): labels -100, position_ids continued, input_ids the model's pad_token_id (0 without one),
+            attention_mask 1. Under a causal mask no real token sees the pads, so the loss and gradients equal the
+            unpadded ones. False: such a length raises.
+        tensors: ``[batch, seq]`` tensors (``input_ids``, ``labels``, ``position_ids``, ``seq_idx``, ...) and, for a
+            packed batch, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` as
+            ``DataCollatorWithFlattening`` makes them.
+    Returns:
+        dict of the same names; position_ids added when missing (global positions; packed: positions inside each
+        document), so that RoPE sees true positions. Dense: ``[batch (/ dp_size), seq / cp_size]``. Packed under
+        CP: ``[1, local_tokens]`` (documents balanced by
+        ``shard_packed``) plus ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global table the attention needs),
+        ``max_length_q``/``max_length_k``; pass all but ``labels`` to the model.
+    Raises:
+        ValueError: the model was not parallelized by ndp; tensors of different shapes; a document table that does
+            not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
+            (pad=False) a length the layout cannot shard.
+    """
+    state, ctx = parallel_state(model, "shard_batch")
+    rows = _rows(tensors)
+    if global_batch and state.config.dp_size > 1:
+        if "cu_seq_lens_q" in tensors:
+            raise ValueError("shard_batch(global_batch=True) cannot split a packed batch with cu_seq_lens_q over "
+                             f"{state.config.dp_size} data-parallel ranks (its rows share one document table). Give "
+                             f"each data-parallel rank its own packed batch and global_batch=False.")
+        rows = _take_dp_rows(state, rows)
+    cu = packed_cu({**tensors, **rows})
+    if not ctx.enabled:
+        if cu is not None and rows and "position_ids" not in rows:
+            rows["position_ids"] = _positions_in_documents(cu, next(iter(rows.values())))
+        return {**tensors, **rows}
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return shard_rows(rows, ctx, cu=cu, pad=pad, pad_id=pad_id if isinstance(pad_id, int) else 0)
+
+
+def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
+    """This rank's context-parallel piece of ``[batch, seq]`` rows (what :func:`shard_batch` does after the
+    data-parallel split): packed rows (`cu`: their global document table) per document, dense rows padded (`pad`)
+    and sharded in ``ctx.layout``; position_ids added when missing."""
+    if cu is not None:
+        return _shard_packed(rows, cu, ctx)
+    if rows and "position_ids" not in rows:
+        like = next(iter(rows.values()))
+        rows = dict(rows, position_ids=torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous())
+    if pad and rows:
+        rows = pad_rows(rows, 2 * ctx.size if ctx.layout == "zigzag" else ctx.size, pad_id)
+    return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
+
+
+__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "parallel_state", "PACKING_KEYS"]

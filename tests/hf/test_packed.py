@@ -1,0 +1,141 @@
+"""Packed SFT batches the way transformers' DataCollatorWithFlattening makes them (position_ids restarting,
+cu_seq_lens_q/k + max_length_q/k, seq_idx) through ``shard_batch`` + the model + ``ndp.hf.loss``: loss and every
+gradient equal a per-document 1-process reference (float64, 1e-6) at cp 1, 2 and 4, ring / all-gather / Ulysses /
+USP, llama / qwen2 / mistral (sliding window 8 inside documents of up to 16 tokens). Odd lengths: dense rows padded
+by shard_batch give the unpadded loss and gradients."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from transformers import DataCollatorWithFlattening
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dist import spawn  # noqa: E402
+import _zoo  # noqa: E402
+
+DOCS = [10, 14, 8, 16, 16]
+MODES = {"position_ids": {}, "flash_attn_kwargs": dict(return_flash_attn_kwargs=True),
+         "seq_idx": dict(return_seq_idx=True)}
+MODELS = ("llama", "qwen2", "mistral")
+TOL = 1e-6
+
+
+def _documents():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, _zoo.VOCAB, (n,), generator=g).tolist() for n in DOCS]
+
+
+def collated(mode):
+    """The collator's batch with labels shifted (ndp's convention: labels[i] is the target of token i)."""
+    b = DataCollatorWithFlattening(**MODES[mode])([{"input_ids": d} for d in _documents()])
+    b["labels"] = F.pad(b["labels"][:, 1:], (0, 1), value=-100)
+    if mode == "seq_idx":  # the collator adds position_ids too: leave only seq_idx to say where documents start
+        del b["position_ids"]
+    return dict(b)
+
+
+def reference(model_type):
+    """Each document alone through the model's eager attention: (mean loss, {name: grad})."""
+    model = _zoo.tiny_model(model_type).train()
+    total, count = 0.0, 0
+    for d in _documents():
+        ids = torch.tensor([d])
+        labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+        logits = model(input_ids=ids, position_ids=torch.arange(len(d))[None]).logits
+        total = total + F.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
+        count += int((labels != -100).sum())
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def run_packed(model_type, mode, world, impl):
+    """Relative difference (loss and every gradient) of the packed batch under ndp vs :func:`reference`."""
+    import ndp
+    import ndp.hf
+
+    ref_loss, ref_grads = reference(model_type)
+    extra = dict(ulysses_size=2) if impl == "usp" else {}
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, **extra)
+    mesh = cfg.build_device_mesh("cpu") if world > 1 else None
+    model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), cfg, mesh)
+    if world == 1:
+        ndp.hf.register_attention()
+        model.set_attn_implementation("ndp_ring")
+    b = ndp.hf.shard_batch(model, **collated(mode))
+    labels = b.pop("labels")
+    logits = model(**b).logits
+    loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    loss.backward()
+    rel = _rel(mean.double(), ref_loss)
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        rel = max(rel, _rel(g, ref_grads[n.replace("_checkpoint_wrapped_module.", "")]))
+    return rel
+
+
+def run_odd_length(model_type, world, impl, seq=30):
+    """Relative difference of dense rows of `seq` tokens (not a multiple of 2 x cp) padded by shard_batch vs the
+    unpadded rows on 1 process."""
+    import ndp
+    import ndp.hf
+
+    ids = torch.randint(3, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(5))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    ref = _zoo.tiny_model(model_type).train()
+    logits = ref(input_ids=ids).logits
+    ref_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    ref_loss.backward()
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl)
+    model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+    with pytest.raises(ValueError, match="zigzag sharding needs seqlen divisible by 2[*]cp_size"):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=labels, pad=False)
+    b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels)
+    loss, mean = ndp.hf.loss(model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits, b["labels"],
+                             model, return_mean=True)
+    loss.backward()
+    rel = _rel(mean.double(), ref_loss.detach())
+    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        rel = max(rel, _rel(g, r.grad))
+    return rel
+
+
+def _combos(impls):
+    """Every impl with every model, the collator modes cycling so each (impl, mode) and (model, mode) appears."""
+    modes = list(MODES)
+    return [(mt, modes[(i + j) % len(modes)], impl) for i, impl in enumerate(impls) for j, mt in enumerate(MODELS)]
+
+
+def _body(rank, world, impls):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    for mt, mode, impl in _combos(impls):
+        rel = run_packed(mt, mode, world, impl)
+        assert rel <= TOL, (mt, mode, impl, world, rel)
+    if world == 2:
+        for mt, impl in (("llama", "ring"), ("mistral", "ulysses")):
+            rel = run_odd_length(mt, world, impl)
+            assert rel <= TOL, ("odd length", mt, impl, rel)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_packed_without_cp_is_per_document(mode):
+    for mt in MODELS:
+        assert run_packed(mt, mode, 1, "ring") <= TOL, (mt, mode)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world,impls", [(2, ("ring", "allgather", "ulysses")), (4, ("ring", "usp"))])
+def test_packed_under_cp_is_per_document(tmp_path, world, impls):
+    spawn(_body, world, tmp_path, impls, timeout_s=300)

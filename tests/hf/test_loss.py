@@ -31,6 +31,15 @@ def test_loss_is_the_mean_cross_entropy_on_one_rank():
     assert ndp.hf.loss(logits, torch.full_like(labels, -100), model).item() == 0.0
 
 
+def test_loss_keeps_float64_logits_in_float64():
+    model = _model()
+    logits = torch.randn(2, 16, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss = ndp.hf.loss(logits, labels, model)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), labels.flatten()), rtol=1e-13, atol=0)
+
+
 def test_loss_and_shard_batch_errors():
     ids = torch.zeros(2, 16, dtype=torch.long)
     plain = build_model("tiny-llama", seed=0)

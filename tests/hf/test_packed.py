@@ -136,6 +136,7 @@ def test_packed_without_cp_is_per_document(mode):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world,impls", [(2, ("ring", "allgather", "ulysses")), (4, ("ring", "usp"))])
+@pytest.mark.parametrize("world,impls", [(2, ("ring", "allgather", "ulysses")),
+                                         (4, ("ring", "allgather", "ulysses", "usp"))])
 def test_packed_under_cp_is_per_document(tmp_path, world, impls):
     spawn(_body, world, tmp_path, impls, timeout_s=300)

@@ -205,7 +205,8 @@ def test_init_bad_value_names_the_choices(tmp_path):
 
 def test_init_meta_refuses_a_model_directory(tmp_path):
     build_model("tiny-llama", seed=0).save_pretrained(tmp_path / "m")
-    with pytest.raises(ValueError, match="--init meta builds a preset's random weights.*Use --init full"):
+    with pytest.raises(ValueError, match="--init meta builds random weights shard by shard.*weights are loaded "
+                                         "whole.*Use --init full"):
         TrainConfig(model=str(tmp_path / "m"), init="meta").check(1)
 
 

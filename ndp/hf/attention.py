@@ -18,6 +18,7 @@ import functools
 import weakref
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -38,13 +39,19 @@ def _window(sliding_window, causal):
     return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
 
 
-def cu_from_position_ids(pos):
-    # Packed documents in [batch, seq] rows, flattened: a document starts at each row and wherever the position does
-    # not continue (transformers' rule, masking_utils.find_packed_sequence_indices).
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+def cu_from_starts(starts):
+    """int32 cu_seqlens of [batch, seq] rows flattened, from a bool mask of the tokens that start a document (a
+    document also starts at every row)."""
+    starts = starts.clone()
+    starts[:, 0] = True
     idx = torch.nonzero(starts.reshape(-1)).flatten()
-    return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
+    return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
+
+
+def cu_from_position_ids(pos):
+    # Packed documents: a document starts wherever the position does not continue (transformers' rule,
+    # masking_utils.find_packed_sequence_indices).
+    return cu_from_starts(F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0)))
 
 
 def _cu_of_chunks(batch, seq, chunk, device):

@@ -9,11 +9,12 @@ attention of every layer runs the documents apart, on every rank.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import ndp.cp
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
-from .attention import cu_from_position_ids
+from .attention import cu_from_position_ids, cu_from_starts
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -65,10 +66,7 @@ def packed_cu(tensors) -> torch.Tensor | None:
         return cu.to(torch.int32)
     seq_idx = tensors.get("seq_idx")
     if seq_idx is not None:
-        starts = torch.ones_like(seq_idx, dtype=torch.bool)
-        starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-        idx = torch.nonzero(starts.reshape(-1)).flatten()
-        return torch.cat([idx, idx.new_tensor([total])]).to(torch.int32)
+        return cu_from_starts(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0)))
     pos = tensors.get("position_ids")
     if pos is not None and pos.shape[1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
         return cu_from_position_ids(pos)

@@ -169,7 +169,7 @@ CASES = [
      r"ulysses_size must divide cp_size; got ulysses_size=3"),
     # ---- training config, CLI/YAML, data, parallelize
     ("unknown preset", lambda: _train_config(model="huge-llama").check(1), ValueError,
-     r"unknown model preset 'huge-llama'; choose one of \['tiny-llama'.*or pass a local HF model directory"),
+     r"unknown model 'huge-llama'; choose a preset \(tiny-llama, .*llama-3-8b.*\) or pass a local Hugging Face model directory"),
     ("yaml unknown key", lambda: _yaml("sq_len: 3\n"), ValueError,
      r"unknown option 'sq_len'; did you mean 'seq_len'\? Valid options: .*batch_size"),
     ("yaml not a mapping", lambda: _yaml("- a\n- b\n"), ValueError, r"expected a mapping of options, got list"),

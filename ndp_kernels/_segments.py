@@ -276,6 +276,25 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
+def check_softcap(softcap) -> float:
+    """The logit soft-cap as a float: 0.0 (off) for None or 0, else a finite number > 0 (flash-attn's
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask and the softmax).
+
+    Raises:
+        TypeError: not a real number.  ValueError: negative or not finite.
+    """
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 or None = no soft-capping); got {softcap!r} "
+                        f"({type(softcap).__name__})")
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = no soft-capping); got softcap={cap!r}. Pass the "
+                         f"model's cap (Gemma 2: config.attn_logit_softcapping = 50.0) or 0.")
+    return cap
+
+
 def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Validate public attention arguments and turn them into 4-D views plus a segment table.

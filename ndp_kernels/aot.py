@@ -33,10 +33,13 @@ DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads",
-                   "bwd_dq", "bwd_dq_tma", "merge")
+                   "bwd_dq", "bwd_dq_tma", "merge", "fwd_softcap", "bwd_dkdv_softcap", "bwd_dq_softcap")
 # Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
 WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads", "bwd_dq",
-                 "bwd_dq_tma")
+                 "bwd_dq_tma", "fwd_softcap", "bwd_dkdv_softcap", "bwd_dq_softcap")
+# The attention kernels with logit soft-capping (SOFTCAP: a tanh per score, and its derivative in the backward;
+# soft-capped gradients always take the split backward, with configs.with_softcap's tiles).
+SOFTCAP_SUFFIX = "_softcap"
 # The key-block backward kernels with a GQA group's query heads split over programs (HEAD_SPLITS, here 4 parts;
 # configs.head_splits): what runs where the grid is small against the GPU, fp16/bf16 only.
 HEADS_KERNELS = ("bwd_heads", "bwd_dkdv_heads")
@@ -48,7 +51,7 @@ TMA_PTX = "cp.async.bulk.tensor"
 # (kernel, head_dim bucket) that run mma.sync on sm_90 by design, with the reason (configs.py):
 # the split dK/dV kernel at head_dim 256 spills with any key block of 64 rows, so it takes 16.
 WGMMA_EXEMPT = {("bwd_dkdv", 256): "dk+dv of a 64-row key block at head_dim 256 spill registers",
-                ("bwd_dkdv_heads", 256): "as bwd_dkdv"}
+                ("bwd_dkdv_heads", 256): "as bwd_dkdv", ("bwd_dkdv_softcap", 256): "as bwd_dkdv"}
 WGMMA_EXEMPT_MARK = "no (by design)"
 
 
@@ -137,7 +140,14 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     strides of [B, S, H, D] tensors are multiples of 16, the lse/delta sequence stride is 1.
     """
     from . import flash, merge
-    from .configs import block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config, merge_config
+    from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config, merge_config,
+                          with_softcap)
+
+    if kernel.endswith(SOFTCAP_SUFFIX):
+        base = kernel.removesuffix(SOFTCAP_SUFFIX)
+        fn, sig, consts, attrs, cfg = _spec(base, dtype, head_dim, arch)
+        cfg = with_softcap(base, cfg, head_dim)
+        return fn, sig, {**consts, "SOFTCAP": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, attrs, cfg
 
     torch_dtype = _torch_dtype(dtype)
 
@@ -149,6 +159,8 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     def build(fn, args, constexprs, cfg):
         sig, attrs = {}, {}
         names = fn.arg_names
+        if "SOFTCAP" in names:  # the plain variant; the _softcap kernels set it
+            constexprs = {"SOFTCAP": False, **constexprs}
         for name in names:
             if name in constexprs:
                 sig[name] = "constexpr"
@@ -175,7 +187,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         kv = f"tensordesc<{dtype}[1,{cfg.block_n},1,{bd}]>" if tma else ptr + ":16"
         args = [("q_ptr", ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
                 ("out_ptr", ("*fp32" if acc else ptr) + ":16"), ("lse_ptr", "*fp32:16"),
-                ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("num_segments", "i32"),
+                ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
                 ("group_size", "i32")]
         for p in ("q", "k", "v", "o"):
             args += strides(p, ("b", "s", "h"))
@@ -188,7 +200,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
                 ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
                 ("seg_ptr", "*i32:16"), ("dq_ptr", "*fp32:16"), ("dk_ptr", "*fp32:16"),
-                ("dv_ptr", "*fp32:16"), ("softmax_scale", "fp32"), ("qk_scale", "fp32"),
+                ("dv_ptr", "*fp32:16"), ("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"),
                 ("num_segments", "i32"), ("group_size", "i32")]
         for p in ("q", "k", "v", "do"):
             args += strides(p, ("b", "s", "h"))
@@ -212,7 +224,7 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
                 ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
                 ("seg_ptr", "*i32:16")]
         args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
-        args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("num_segments", "i32"),
+        args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
                  ("group_size", "i32")]
         if dkdv:  # per-part dK/dV buffers (GQA heads split over programs) are stacked along the batch
             args += [("batch", "i32")]

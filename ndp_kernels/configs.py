@@ -481,6 +481,15 @@ def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
     return _pick("bwd_dq", table, arch, head_dim, device, dtype)
 
 
+def with_softcap(kind: str, cfg: KernelConfig, head_dim: int) -> KernelConfig:
+    """The tile a soft-capped launch of `kind` takes: the dK/dV kernel keeps one more score-sized tile live
+    (the cap's derivative) and at head_dim bucket 256 spills with the plain tile, so it takes half the key rows
+    (`python -m ndp_kernels.aot`, kernels *_softcap)."""
+    if kind == "bwd_dkdv" and head_dim_bucket(head_dim) == 256:
+        return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    return cfg
+
+
 def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deterministic: bool = False,
              device: torch.device | None = None) -> str:
     """Which backward to run: ``"split"`` (atomic-free dK/dV + dQ kernels) or ``"atomic"`` (``_flash_bwd_kernel``).

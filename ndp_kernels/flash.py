@@ -29,7 +29,8 @@ import triton.language as tl
 
 from . import _segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies, tma_here)
+                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies, tma_here,
+                      with_softcap)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -138,11 +139,40 @@ def _tma_block(desc, kv_coord, start_n, BLOCK_N: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp, to a few fp32 ulps (libdevice's tanh has no interpreter form). The fast division: an
+    IEEE one is a subroutine with a stack frame (`python -m ndp_kernels.aot` counts it as a spill)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = tl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(s, qk_scale, cap_in, SOFTCAP: tl.constexpr):
+    """Base-2 scores of the raw dots ``s = q k^T``: ``s * qk_scale`` (qk_scale = scale * log2 e), or soft-capped
+    with cap c, ``tanh(s * cap_in) * qk_scale`` (the launcher passes cap_in = scale / c, qk_scale = c * log2 e)."""
+    if SOFTCAP:
+        return _tanh(s * cap_in) * qk_scale
+    return s * qk_scale
+
+
+@triton.jit
+def _through_cap(ds, s2, qk_scale, SOFTCAP: tl.constexpr):
+    """A gradient of the capped scores taken back to the raw ones: ``ds * (1 - tanh^2)``, tanh = s2 / qk_scale
+    (linear in ds: callers apply it to P before the dP product)."""
+    if SOFTCAP:
+        t = s2 * (1.0 / qk_scale)  # one division per tile, not per element (see _tanh)
+        return ds * (1.0 - t * t)
+    return ds
+
+
+@triton.jit
 def _fwd_step(
     acc, m_i, l_i, q, k_base, v_base, start_n,
-    offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale,
+    offs_m, offs_n, offs_d, d_ok, k_len, band_lo, col_hi, qk_scale, cap_in,
     stride_k_s, stride_v_s, kv_coord,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of the forward over the key block at ``start_n``; returns (acc, m, l).
 
@@ -171,7 +201,7 @@ def _fwd_step(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, cap_in, SOFTCAP)
     if MASKED:
         # Row i sees keys [i + band_lo, min(i + band_hi, k_len - 1)]: two compares per score.
         visible = (cols[None, :] >= (offs_m + band_lo)[:, None]) & (cols[None, :] <= col_hi[:, None])
@@ -203,7 +233,7 @@ def _fwd_step(
 @triton.jit
 def _flash_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_ptr,
-    qk_scale,
+    qk_scale, cap_in,
     num_segments, group_size,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -213,12 +243,14 @@ def _flash_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """out = softmax(scale * q k^T + mask) v and lse = logsumexp(scale * q k^T + mask), per segment.
 
     Program (pid_m, b * num_segments + seg, h) owns query rows [pid_m*BLOCK_M, +BLOCK_M) of
     segment ``seg``. ``qk_scale = softmax_scale * log2(e)``: the running max ``m`` and sum ``l``
-    are kept in base 2, ``lse = (m + log2 l) * ln 2``. Only key blocks that intersect the
+    are kept in base 2, ``lse = (m + log2 l) * ln 2``. SOFTCAP: the scores are soft-capped
+    (see _scores). Only key blocks that intersect the
     band of some row of the tile are visited: first the interior blocks that every row of the
     tile sees whole (the lean step, no mask arithmetic), then the edge blocks (band edges, the
     ragged key end) with the masked step. The online softmax is order-independent:
@@ -260,16 +292,18 @@ def _flash_fwd_kernel(
     for start_n in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
-            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s, kv_coord,
-            MASKED=False, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA)
+            band_lo, col_hi, qk_scale, cap_in, stride_k_s, stride_v_s, kv_coord,
+            MASKED=False, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+            SOFTCAP=SOFTCAP)
     for e in range(0, num_edge):
         # Edge blocks: the ones before the interior (lower band edge), then the ones after it
         # (upper band edge, ragged key end).
         start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
         acc, m_i, l_i = _fwd_step(
             acc, m_i, l_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d, d_ok, k_len,
-            band_lo, col_hi, qk_scale, stride_k_s, stride_v_s, kv_coord,
-            MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA)
+            band_lo, col_hi, qk_scale, cap_in, stride_k_s, stride_v_s, kv_coord,
+            MASKED=True, EVEN_D=HEAD_DIM == BLOCK_D, DOT_PRECISION=DOT_PRECISION, USE_TMA=USE_TMA,
+            SOFTCAP=SOFTCAP)
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -360,7 +394,7 @@ def _flash_bwd_preprocess_kernel(
 def _flash_bwd_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
     dq_ptr, dk_ptr, dv_ptr,
-    softmax_scale, qk_scale,
+    softmax_scale, qk_scale, cap_in,
     num_segments, group_size,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -374,6 +408,7 @@ def _flash_bwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ATOMIC_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Gradients of attention for one key block of one segment and one kv head.
 
@@ -437,8 +472,10 @@ def _flash_bwd_kernel(
             diff = offs_n[:, None] - rows[None, :]
             # Always masked: a per-tile "fully visible" branch here costs registers (spills on sm_80).
             visible = col_ok[:, None] & row_ok[None, :] & (diff >= band_lo) & (diff <= band_hi)
-            p_t = tl.where(visible, tl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
+            s_t = _scores(s_t, qk_scale, cap_in, SOFTCAP)
+            p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            p_t = _through_cap(p_t, s_t, qk_scale, SOFTCAP)  # as in _bwd_dkdv_step
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
             ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
             dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -467,9 +504,9 @@ def _flash_bwd_kernel(
 @triton.jit
 def _bwd_dkdv_step(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, start_m,
-    offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
+    offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale, cap_in,
     stride_q_s, stride_do_s, stride_lse_s,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """dk += dS^T q and dv += P^T dout for the query block at ``start_m`` (key block in k, v).
 
@@ -489,13 +526,15 @@ def _bwd_dkdv_step(
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     # lse = -inf marks a row without keys: shift by +inf so that its P is exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-    p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+    s_t = _scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), qk_scale, cap_in, SOFTCAP)  # [N, M]
+    p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:
         diff = offs_n[:, None] - rows[None, :]
         # where, not a multiply: an out-of-band exp2 may be inf.
         p_t = tl.where((diff >= band_lo) & (diff <= band_hi), p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    # P times the cap's derivative as soon as dV has P: the scores die before the dP dot (registers).
+    p_t = _through_cap(p_t, s_t, qk_scale, SOFTCAP)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
@@ -506,7 +545,7 @@ def _bwd_dkdv_step(
 def _flash_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
     dk_ptr, dv_ptr,
-    softmax_scale, qk_scale,
+    softmax_scale, qk_scale, cap_in,
     num_segments, group_size, batch,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -518,7 +557,7 @@ def _flash_bwd_dkdv_kernel(
     stride_dv_b, stride_dv_s, stride_dv_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1,
+    DOT_PRECISION: tl.constexpr, HEAD_SPLITS: tl.constexpr = 1, SOFTCAP: tl.constexpr = False,
 ):
     """dK and dV of one key block of one segment and one kv head, without atomics.
 
@@ -573,15 +612,17 @@ def _flash_bwd_dkdv_kernel(
         for i in range(full_a, full_b):
             dk, dv = _bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, m_begin + i * BLOCK_M,
-                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
-                stride_q_s, stride_do_s, stride_lse_s, MASKED=False, DOT_PRECISION=DOT_PRECISION)
+                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale, cap_in,
+                stride_q_s, stride_do_s, stride_lse_s, MASKED=False, DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP)
         for e in range(0, num_edge):
             # Edge blocks: indices [0, full_a), then [full_b, num_blocks).
             i = tl.where(e < full_a, e, e + (full_b - full_a))
             dk, dv = _bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, m_begin + i * BLOCK_M,
-                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale,
-                stride_q_s, stride_do_s, stride_lse_s, MASKED=True, DOT_PRECISION=DOT_PRECISION)
+                offs_m0, offs_n, offs_d, d_ok, q_len, band_lo, band_hi, qk_scale, cap_in,
+                stride_q_s, stride_do_s, stride_lse_s, MASKED=True, DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP)
 
     if HEAD_SPLITS > 1:
         # Each part adds into its own buffer: dk/dv are [HEAD_SPLITS * batch, ...] and part p owns batch rows
@@ -632,9 +673,9 @@ def _add_cols(base_ptr, acc, offs_r, row_ok, COL0: tl.constexpr, stride_s, HEAD_
 @triton.jit
 def _bwd_dq_step(
     dq, q, do, lse2, delta, k_base, v_base, start_n,
-    offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+    offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale, cap_in,
     stride_k_s, stride_v_s, kv_coord,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """dq += dS k (unscaled) for the key block at ``start_n``.
 
@@ -663,11 +704,12 @@ def _bwd_dq_step(
                     other=0.0)
         v = tl.load(v_base + cols.to(tl.int64)[:, None] * stride_v_s + offs_d[None, :], mask=kv_mask,
                     other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-    p = tl.exp2(s * qk_scale - lse2[:, None])
+    s = _scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, cap_in, SOFTCAP)  # [M, N]
+    p = tl.exp2(s - lse2[:, None])
     if MASKED:
         diff = cols[None, :] - offs_m[:, None]
         p = tl.where((cols < k_len)[None, :] & (diff >= band_lo) & (diff <= band_hi), p, 0.0)
+    p = _through_cap(p, s, qk_scale, SOFTCAP)  # the scores die before the dP dot (registers)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     ds = (p * (dp - delta[:, None])).to(k.dtype)
     return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
@@ -677,7 +719,7 @@ def _bwd_dq_step(
 def _flash_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, dout_ptr, lse_ptr, delta_ptr, seg_ptr,
     dq_ptr,
-    softmax_scale, qk_scale,
+    softmax_scale, qk_scale, cap_in,
     num_segments, group_size,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -688,7 +730,7 @@ def _flash_bwd_dq_kernel(
     stride_dq_b, stride_dq_s, stride_dq_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block of one segment and one query head, without atomics.
 
@@ -731,16 +773,16 @@ def _flash_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
-                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale, cap_in,
                           stride_k_s, stride_v_s, kv_coord, MASKED=False, DOT_PRECISION=DOT_PRECISION,
-                          USE_TMA=USE_TMA)
+                          USE_TMA=USE_TMA, SOFTCAP=SOFTCAP)
     for e in range(0, num_edge):
         # Edge blocks: the ones before the interior, then the ones after it.
         start_n = tl.where(e < num_lo_edge, n_begin + e * BLOCK_N, full_hi + (e - num_lo_edge) * BLOCK_N)
         dq = _bwd_dq_step(dq, q, do, lse2, delta, k_base, v_base, start_n,
-                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale,
+                          offs_m, offs_n0, offs_d, d_ok, k_len, band_lo, band_hi, qk_scale, cap_in,
                           stride_k_s, stride_v_s, kv_coord, MASKED=True, DOT_PRECISION=DOT_PRECISION,
-                          USE_TMA=USE_TMA)
+                          USE_TMA=USE_TMA, SOFTCAP=SOFTCAP)
 
     _add_tile(dq_ptr + b * stride_dq_b + (q_row0 + m0) * stride_dq_s + h * stride_dq_h, dq * softmax_scale,
               tl.arange(0, BLOCK_M), row_ok, stride_dq_s, HEAD_DIM, BLOCK_D)
@@ -780,7 +822,13 @@ def _segment_args(segs, device):
     return table, table.shape[0]
 
 
-def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
+def _score_args(softmax_scale, softcap) -> tuple:
+    """(qk_scale, cap_in) of the kernels' ``_scores`` for a scale and a soft-cap (0 = off)."""
+    scale, cap = float(softmax_scale), float(softcap or 0.0)
+    return (cap * LOG2E, scale / cap) if cap else (scale * LOG2E, 0.0)
+
+
+def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, softcap=0.0):
     """Forward attention of 4-D q/k/v over a segment table.
 
     Args:
@@ -789,6 +837,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
         segs: ``ndp_kernels._segments.Segments``.
         softmax_scale: float.
         out_acc, lse_acc: optional fp32 accumulators [B, Sq, H, D] and [B, H, Sq], merged in place by LSE.
+        softcap: logit soft-cap c > 0 (scores c * tanh(scores / c)), 0 = off.
     Returns:
         (out [B, Sq, H, D] in q's dtype, lse fp32 [B, H, Sq]); or (out_acc, lse_acc) when given.
         Rows in no segment: out 0 and lse -inf (untouched in the accumulators).
@@ -823,7 +872,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     with launch_device(q4.device):
         _flash_fwd_kernel[grid](
             q4, k_arg, v_arg, out, lse, table,
-            float(softmax_scale) * LOG2E,
+            *_score_args(softmax_scale, softcap),
             nseg, H // Hkv,
             q4.stride(0), q4.stride(1), q4.stride(2),
             k4.stride(0), k4.stride(1), k4.stride(2),
@@ -831,7 +880,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2),
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype), USE_TMA=use_tma,
+            ACCUMULATE=accumulate, DOT_PRECISION=_dot_precision(q4.dtype), USE_TMA=use_tma, SOFTCAP=bool(softcap),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out, lse
@@ -884,7 +933,7 @@ def _delta(out4, dout4):
     return delta
 
 
-def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
+def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap):
     """Launch ``_flash_bwd_kernel``: dq by fp32 atomics, dk/dv atomically only where segments share keys."""
     B, _, H, D = q4.shape
     Hkv = k4.shape[2]
@@ -898,7 +947,7 @@ def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
         _flash_bwd_kernel[grid](
             q4, k4, v4, dout4, lse3, delta, table,
             dq, dk, dv,
-            float(softmax_scale), float(softmax_scale) * LOG2E,
+            float(softmax_scale), *_score_args(softmax_scale, softcap),
             nseg, H // Hkv,
             q4.stride(0), q4.stride(1), q4.stride(2),
             k4.stride(0), k4.stride(1), k4.stride(2),
@@ -911,17 +960,17 @@ def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
             dv.stride(0), dv.stride(1), dv.stride(2),
             HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             ATOMIC_KV=segs.keys_overlap or splits > 1, DOT_PRECISION=_dot_precision(q4.dtype), HEAD_SPLITS=splits,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SOFTCAP=bool(softcap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
-def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
+def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap):
     """Launch the atomic-free backward: one dQ launch, one dK/dV launch per key-disjoint segment group."""
     B, _, H, D = q4.shape
     Hkv = k4.shape[2]
     arch = current_arch(q4.device)
     prec = _dot_precision(q4.dtype)
-    scale, qk_scale = float(softmax_scale), float(softmax_scale) * LOG2E
+    scale, (qk_scale, cap_in) = float(softmax_scale), _score_args(softmax_scale, softcap)
     common = (
         q4.stride(0), q4.stride(1), q4.stride(2),
         k4.stride(0), k4.stride(1), k4.stride(2),
@@ -932,6 +981,8 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
     )
     with launch_device(q4.device):
         cfg = bwd_dkdv_config(arch, D, q4.device, dtype=q4.dtype)
+        if softcap:
+            cfg = with_softcap("bwd_dkdv", cfg, D)
         groups = [(g, *_segment_args(g, q4.device)) for g in segs.key_groups()]
         splits = [head_splits(triton.cdiv(g.max_k_len, cfg.block_n) * B * nseg * Hkv, H // Hkv, q4.device,
                               q4.dtype) for g, _, nseg in groups]
@@ -944,10 +995,11 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
             grid = (triton.cdiv(group.max_k_len, cfg.block_n), B * nseg, Hkv * n)
             _flash_bwd_dkdv_kernel[grid](
                 q4, k4, v4, dout4, lse3, delta, table, dk_out, dv_out,
-                scale, qk_scale, nseg, H // Hkv, B, *common,
+                scale, qk_scale, cap_in, nseg, H // Hkv, B, *common,
                 *dk_out.stride()[-4:-1], *dv_out.stride()[-4:-1],
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                DOT_PRECISION=prec, HEAD_SPLITS=n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                DOT_PRECISION=prec, HEAD_SPLITS=n, SOFTCAP=bool(softcap), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )
         if parts > 1:
             dk.add_(dk_out.sum(0))
@@ -959,15 +1011,16 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale):
             k_arg, v_arg, use_tma = _kv_args("bwd_dq", cfg, k4, v4, D)
             _flash_bwd_dq_kernel[grid](
                 q4, k_arg, v_arg, dout4, lse3, delta, table, dq,
-                scale, qk_scale, nseg, H // Hkv, *common,
+                scale, qk_scale, cap_in, nseg, H // Hkv, *common,
                 dq.stride(0), dq.stride(1), dq.stride(2),
                 HEAD_DIM=D, BLOCK_D=block_d(D), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                DOT_PRECISION=prec, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                DOT_PRECISION=prec, USE_TMA=use_tma, SOFTCAP=bool(softcap), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )
 
 
 def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
-                      dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False):
+                      dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False, softcap=0.0):
     """Backward attention of 4-D q/k/v over a segment table.
 
     Args:
@@ -978,6 +1031,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         dq_acc, dk_acc, dv_acc: optional fp32 buffers shaped like q/k/v; gradients are added into them.
         deterministic: True gives bitwise-reproducible gradients (the atomic-free split backward);
             False lets ``configs.bwd_impl`` pick the faster backward for the arch and head_dim.
+        softcap: the forward's logit soft-cap (0 = off).
     Returns:
         (dq, dk, dv): the accumulators when given, else fresh tensors in the input dtypes.
         GQA: dk/dv are summed over the query heads of each kv head.
@@ -1011,9 +1065,11 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         if dout4.dtype != q4.dtype:
             # The tensor-core dots take dout in q's dtype (a ring may hand in an fp32 gradient).
             dout4 = dout4.to(q4.dtype)
-        impl = bwd_impl(current_arch(q4.device), D, q4.dtype, deterministic=bool(deterministic), device=q4.device)
+        # Soft-capped gradients take the split backward: the atomic kernel spills with the cap (ndp_kernels.aot).
+        impl = "split" if softcap else bwd_impl(current_arch(q4.device), D, q4.dtype,
+                                                 deterministic=bool(deterministic), device=q4.device)
         launch = _bwd_split if impl == "split" else _bwd_atomic
-        launch(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale)
+        launch(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap)
     return (dq if dq_acc is not None else dq.to(q4.dtype),
             dk if dk_acc is not None else dk.to(k4.dtype),
             dv if dv_acc is not None else dv.to(v4.dtype))
@@ -1025,7 +1081,7 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
 
 def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                   out_acc=None, lse_acc=None):
+                   out_acc=None, lse_acc=None, softcap=0.0):
     """Flash attention forward (Triton) returning the output and the log-sum-exp.
 
     Args:
@@ -1036,6 +1092,7 @@ def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -
         cu_seqlens_q/k: int32 [num_seqs + 1] document offsets for packed input; max_seqlen_q/k.
         out_acc, lse_acc: optional fp32 accumulators shaped like out and lse; merged in place by LSE
             in the kernel epilogue (the block result is never rounded to q's dtype).
+        softcap: logit soft-capping (flash-attn's keyword): scores ``softcap * tanh(scores / softcap)``; 0 = off.
     Returns:
         (out, lse): out like q in q's dtype, lse fp32 [B, H, Sq] (or [H, Tq] when packed);
         or (out_acc, lse_acc) when given.
@@ -1046,12 +1103,12 @@ def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -
     return _segments.run_fwd(
         attn_fwd_segments, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc)
+        max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc, softcap=_segments.check_softcap(softcap))
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
                    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                   dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False):
+                   dq_acc=None, dk_acc=None, dv_acc=None, deterministic=False, softcap=0.0):
     """Flash attention backward (Triton).
 
     Args:
@@ -1061,6 +1118,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, wi
             gradients are added into them.
         deterministic: True gives bitwise-reproducible gradients (the atomic-free split backward,
             flash-attn's keyword); False lets ``ndp_kernels.configs.bwd_impl`` pick the faster one.
+        softcap: the forward's soft-cap (0 = off).
     Returns:
         (dq, dk, dv) in the input dtypes, or the accumulators when given.
     Raises:
@@ -1070,7 +1128,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, wi
         attn_bwd_segments, dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
-        deterministic=deterministic)
+        deterministic=deterministic, softcap=_segments.check_softcap(softcap))
 
 
 class FlashAttnFunction(torch.autograd.Function):

@@ -2,7 +2,8 @@
 
 Math (per head h, kv head h // (H / Hkv), visibility mask M from the segment table)::
 
-    S   = scale * Q K^T, masked to -inf outside M
+    S   = scale * Q K^T                     (soft-capped: S = c * tanh(S / c) for softcap c > 0)
+    S   = S masked to -inf outside M
     lse = logsumexp(S, -1)                  (-inf for a row that sees no key)
     P   = exp(S - lse)                      (0 on rows with lse = -inf)
     O   = P V
@@ -13,6 +14,8 @@ Backward, given the FINAL output O and lse of each row (as the ring backward pas
     dV = P^T dO          dP = dO V^T         dS = P * (dP - delta)
     dQ = scale * dS K    dK = scale * dS^T Q  (dK, dV summed over the query heads of each kv head)
 
+With a soft-cap, dS is taken through the tanh: dS *= 1 - (S / c)^2 with S the capped score.
+
 Computation is fp32 (fp64 stays fp64); ``upcast=False`` computes in the input dtype, which gives the
 low-precision baseline of the fp16/bf16 error bound in docs/design.md. Dense masks make this O(S^2) in memory:
 it is for checking and for small CPU runs, not for speed.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._segments import acc_dtype, check_merge_args, run_bwd, run_fwd
+from ._segments import acc_dtype, check_merge_args, check_softcap, run_bwd, run_fwd
 
 __all__ = ["attn_fwd_segments_ref", "attn_bwd_segments_ref", "flash_attn_fwd_ref", "flash_attn_bwd_ref",
            "merge_attn_states_ref"]
@@ -33,13 +36,19 @@ def _compute_dtype(dtype, upcast):
     return acc_dtype(dtype)
 
 
-def _probs(q4, k4, segs, scale, ct):
+def _scores(qf, kf, scale, softcap):
+    """scale * q k^T ([B, H, Sq, D] x [B, H, Sk, D]), soft-capped when softcap > 0."""
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
+def _probs(q4, k4, segs, scale, ct, softcap=0.0):
     """P [B, H, Sq, Sk] and lse [B, H, Sq] in dtype ct."""
     b, sq, h, d = q4.shape
     sk, hk = k4.shape[1], k4.shape[2]
     qf = q4.to(ct).transpose(1, 2)                                          # B H Sq D
     kf = k4.to(ct).transpose(1, 2).repeat_interleave(h // hk, dim=1)        # B H Sk D
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    s = _scores(qf, kf, scale, softcap)
     mask = segs.mask(sq, sk, device=q4.device)
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -81,18 +90,20 @@ def merge_attn_states_ref(out_acc, lse_acc, block_out, block_lse):
     return out_acc, lse_acc
 
 
-def attn_fwd_segments_ref(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, upcast=True):
+def attn_fwd_segments_ref(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, upcast=True,
+                          softcap=0.0):
     """Segment-level forward (see ``ndp_kernels._segments``).
 
     Args:
         q4: ``[B, Sq, H, D]``; k4, v4: ``[B, Sk, Hkv, D]``; segs: ``Segments``.
         out_acc / lse_acc: optional accumulators (fp32, fp64 for fp64 input), merged into in place.
+        softcap: logit soft-cap c (0 = off): scores c * tanh(scores / c).
     Returns:
         (out ``[B, Sq, H, D]`` in q's dtype, lse ``[B, H, Sq]`` fp32), or (out_acc, lse_acc).
     """
     ct = _compute_dtype(q4.dtype, upcast)
     h, hk = q4.shape[2], k4.shape[2]
-    p, lse = _probs(q4, k4, segs, softmax_scale, ct)
+    p, lse = _probs(q4, k4, segs, softmax_scale, ct, softcap)
     vf = v4.to(ct).transpose(1, 2).repeat_interleave(h // hk, dim=1)
     out = torch.matmul(p, vf).transpose(1, 2)                                # B Sq H D
     lse = lse.to(acc_dtype(q4.dtype))
@@ -103,8 +114,8 @@ def attn_fwd_segments_ref(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_
 
 
 def attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None,
-                          dv_acc=None, upcast=True):
-    """Segment-level backward with the rows' final out and lse.
+                          dv_acc=None, upcast=True, softcap=0.0):
+    """Segment-level backward with the rows' final out and lse (softcap as in the forward).
 
     Returns:
         (dq, dk, dv) in the input dtypes, or the accumulators with the gradients added.
@@ -118,7 +129,7 @@ def attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
     vf = v4.to(ct).transpose(1, 2).repeat_interleave(g, dim=1)
     do = dout4.to(ct).transpose(1, 2)
     o = out4.to(ct).transpose(1, 2)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale
+    s = _scores(qf, kf, softmax_scale, softcap)
     mask = segs.mask(sq, sk, device=q4.device)
     lse = lse3.to(ct)
     seen = torch.isfinite(lse)[..., None] & mask
@@ -128,6 +139,8 @@ def attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
     dv = torch.matmul(p.transpose(-1, -2), do)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     ds = p * (dp - delta)
+    if softcap:
+        ds = ds * (1 - (s / softcap) ** 2)  # through the tanh: d(c tanh(x / c)) / dx = 1 - tanh^2
     dq = torch.matmul(ds, kf) * softmax_scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * softmax_scale
     # Sum the gradients of the query heads that share a kv head (GQA/MQA).
@@ -144,7 +157,7 @@ def attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
 
 def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, out_acc=None, lse_acc=None,
-                       upcast=True):
+                       upcast=True, softcap=0.0):
     """Reference of ``ndp_kernels.flash_attn_fwd`` (same signature, plus ``upcast``).
 
     Args:
@@ -158,12 +171,12 @@ def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-
     return run_fwd(attn_fwd_segments_ref, q, k, v, causal=causal, softmax_scale=softmax_scale,
                    window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc,
-                   upcast=upcast)
+                   upcast=upcast, softcap=check_softcap(softcap))
 
 
 def flash_attn_bwd_ref(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dq_acc=None,
-                       dk_acc=None, dv_acc=None, deterministic=False, upcast=True):
+                       dk_acc=None, dv_acc=None, deterministic=False, upcast=True, softcap=0.0):
     """Reference of ``ndp_kernels.flash_attn_bwd`` (same signature, plus ``upcast``). Plain PyTorch matmuls are
     reproducible run to run, so ``deterministic`` changes nothing here.
 
@@ -175,4 +188,4 @@ def flash_attn_bwd_ref(dout, q, k, v, out, lse, causal=False, softmax_scale=None
     return run_bwd(attn_bwd_segments_ref, dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                    window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc,
-                   dv_acc=dv_acc, upcast=upcast)
+                   dv_acc=dv_acc, upcast=upcast, softcap=check_softcap(softcap))

@@ -1,5 +1,5 @@
 """Attention written from its definition (materialised scores, fp64), independent of ndp: the reference for
-features no other implementation here has (attention sinks, chunked attention)."""
+features no other implementation here has (attention sinks, chunked attention, logit soft-capping)."""
 import torch
 
 
@@ -24,7 +24,8 @@ def dense_allowed(case, n):
 
 def dense_reference(case, q, k, v, dout, sinks=None):
     """Materialised fp64 attention, the softmax with one extra logit per head when `sinks` are given (the sink,
-    no value): (out, lse, dq, dk, dv[, dsinks]). Written from the definition, independently of ndp."""
+    no value), the scores soft-capped (``c * tanh(s / c)``) when the case has ``softcap`` c:
+    (out, lse, dq, dk, dv[, dsinks]). Written from the definition, independently of ndp."""
     if sinks is None:
         sinks = torch.full((q.shape[-2],), float("-inf"), dtype=torch.float64)
         with_sinks = False
@@ -36,6 +37,8 @@ def dense_reference(case, q, k, v, dout, sinks=None):
     rep = q4.shape[2] // k4.shape[2]
     kr, vr = (x.repeat_interleave(rep, dim=2) for x in (k4, v4))
     s = torch.einsum("bqhd,bkhd->bhqk", q4, kr) * q4.shape[-1] ** -0.5
+    if case.get("softcap"):
+        s = case["softcap"] * torch.tanh(s / case["softcap"])
     s = s.masked_fill(~dense_allowed(case, s.shape[-1]), float("-inf"))
     snk = sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
     full = torch.cat([s, snk], dim=-1)

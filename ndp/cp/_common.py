@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.sinks import check_sinks
-from ndp_kernels._segments import Segments, acc_dtype
+from ndp_kernels._segments import Segments, acc_dtype, check_softcap
 
 from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
 from .schedule import Mask, Placement, Step
@@ -20,10 +20,11 @@ __all__ = ["Call", "LocalEngine", "prepare_call", "to_segments", "run_fwd_step",
 
 @dataclass(frozen=True)
 class LocalEngine:
-    """How a CP call runs its blocks: the ndp.ops backend ("auto" = measured per block) and whether the
-    gradients must be bitwise reproducible."""
+    """How a CP call runs its blocks: the ndp.ops backend ("auto" = measured per block), whether the
+    gradients must be bitwise reproducible, and the logit soft-cap of every block (0 = none)."""
     backend: str = "auto"
     deterministic: bool = False
+    softcap: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +46,8 @@ class Call:
 
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
-                 deterministic=False, sinks=None, chunk_size=None, extra=None, pre_check=None) -> Call:
+                 deterministic=False, sinks=None, chunk_size=None, softcap=0.0, extra=None,
+                 pre_check=None) -> Call:
     """Validates a public CP call on this rank, then agrees with the other ranks (one small all-gather).
 
     A local failure does not raise before the exchange: the rank reports it there, so that every rank
@@ -66,7 +68,7 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
                                              window_size=window_size, cu_seqlens=cu_seqlens)
         layout = check_layout(layout)
         resolve_backend(backend, q.device)
-        engine = local_engine(backend, deterministic)
+        engine = local_engine(backend, deterministic, softcap)
         check_sinks(sinks, q.shape[-2], q.device)
         if pre_check is not None:
             pre_check(world)
@@ -79,11 +81,15 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
                 q.shape[-2], k.shape[-2], q.shape[-1])
 
 
-def local_engine(backend, deterministic) -> LocalEngine:
-    """The validated LocalEngine of a call. Raises TypeError when deterministic is not a bool."""
+def local_engine(backend, deterministic, softcap=0.0) -> LocalEngine:
+    """The validated LocalEngine of a call.
+
+    Raises:
+        TypeError when deterministic is not a bool; TypeError / ValueError for a bad softcap.
+    """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
-    return LocalEngine(backend, deterministic)
+    return LocalEngine(backend, deterministic, check_softcap(softcap))
 
 
 def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra, sinks=None, chunk_size=None):
@@ -94,7 +100,8 @@ def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, ext
                 scale=scale, dtype=str(q.dtype), device=q.device.type,
                 q_shape=tuple(q.shape[-2:]) if packed else tuple(q.shape),
                 kv_shape=tuple(k.shape[-2:]) if packed else tuple(k.shape), packed=cu_desc,
-                backend=backend.backend, deterministic=backend.deterministic, extra=extra)
+                backend=backend.backend, deterministic=backend.deterministic, softcap=backend.softcap,
+                extra=extra)
 
 
 def placement_for(impl, q, world, rank, layout, cu_seqlens, chunk_size=None):
@@ -150,7 +157,7 @@ def run_fwd_step(q4, k4, v4, step: Step, out_acc, lse_acc, *, scale, backend: Lo
 
     for segs in to_segments(step):
         attention_fwd(q4, k4, v4, segs, softmax_scale=scale, out_acc=out_acc, lse_acc=lse_acc,
-                      backend=backend.backend)
+                      backend=backend.backend, softcap=backend.softcap)
     b, _, h, d = q4.shape
     record_flops(4 * b * h * d * step.pairs)
 
@@ -162,7 +169,8 @@ def run_bwd_step(dout4, q4, k4, v4, out4, lse, step: Step, dq_acc, dk_acc, dv_ac
 
     for segs in to_segments(step):
         attention_bwd(dout4, q4, k4, v4, out4, lse, segs, softmax_scale=scale, dq_acc=dq_acc, dk_acc=dk_acc,
-                      dv_acc=dv_acc, backend=backend.backend, deterministic=backend.deterministic)
+                      dv_acc=dv_acc, backend=backend.backend, deterministic=backend.deterministic,
+                      softcap=backend.softcap)
     b, _, h, d = q4.shape
     record_flops(int(2.5 * 4 * b * h * d * step.pairs), backward=True)
 

@@ -218,7 +218,7 @@ class AllGatherAttnFunction(torch.autograd.Function):
 
 def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                         window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                        chunk_size=None):
+                        chunk_size=None, softcap=0.0):
     """Exact attention over a sequence sharded on the group, by all-gathering K/V (autograd).
 
     Args:
@@ -226,7 +226,7 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
             or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
         k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
         group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
-            chunk_size: as in ``ndp.ring_attention``.
+            chunk_size, softcap: as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and the lse when asked.
     Raises:
@@ -234,7 +234,7 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
     """
     call = prepare_call("allgather_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size)
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
     plan = _allgather_plan(call)
     out, lse = AllGatherAttnFunction.apply(q, k, v, sinks, plan, call.packed)
     return (out, lse) if return_lse else out

@@ -156,7 +156,7 @@ class RingAttnFunction(torch.autograd.Function):
 
 def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                    window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                   chunk_size=None):
+                   chunk_size=None, softcap=0.0):
     """Exact attention over a sequence sharded on the CP group, by passing K/V around a ring (autograd).
 
     Args:
@@ -177,6 +177,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
             gradient covers this rank's rows (data parallelism over the CP group sums the ranks' parts).
         chunk_size: chunked attention (Llama4): a query sees only keys of its own chunk of chunk_size global
             positions (with the causal mask / window inside it); dense input only.
+        softcap: logit soft-capping (Gemma 2): every block's scores ``softcap * tanh(scores / softcap)``;
+            0 = off (blocks run on an engine with soft-capping: triton, or the reference).
     Returns:
         out, q's shape and dtype (and lse when asked).
     Raises:
@@ -185,7 +187,7 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
     """
     call = prepare_call("ring_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size)
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)
     out, lse = RingAttnFunction.apply(q, k, v, sinks, plan, call.packed)

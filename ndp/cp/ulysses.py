@@ -260,7 +260,7 @@ class UlyssesAttnFunction(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                       window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                      chunk_size=None):
+                      chunk_size=None, softcap=0.0):
     """Exact attention over a sequence sharded on the group, by all-to-all to head sharding (autograd).
 
     Args:
@@ -275,6 +275,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         deterministic: bitwise-reproducible gradients.
         sinks: optional ``[heads]`` attention sinks (as in ``ndp.ring_attention``; each rank joins its heads').
         chunk_size: chunked attention, as in ``ndp.ring_attention``.
+        softcap: logit soft-capping, as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and lse when asked.
     Raises:
@@ -283,7 +284,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
     """
     call = prepare_call("ulysses_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
                         window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
+                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
                         pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n))
     rep = check_heads("ulysses_attention", q.shape[-2], k.shape[-2], call.world)
     plan = _ulysses_plan(call, rep)

@@ -165,7 +165,7 @@ class UspAttnFunction(torch.autograd.Function):
 
 def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_scale=None, layout="zigzag",
                   backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False,
-                  sinks=None, chunk_size=None):
+                  sinks=None, chunk_size=None, softcap=0.0):
     """Exact attention with Ulysses inside `ulysses_group` and a ring across `ring_group` (autograd).
 
     Args:
@@ -175,7 +175,7 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         ulysses_group, ring_group: from ``ndp.cp.split_cp_group(cp_group, ulysses_size)`` (CP rank
             c = ring_rank * U + ulysses_rank).
         causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
-            chunk_size: as in ring_attention
+            chunk_size, softcap: as in ring_attention
             (a PackedShard passed as cu_seqlens must be for the whole CP group).
     Returns:
         out (q's shape and dtype), and the lse when asked.
@@ -197,7 +197,7 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         window, scale, packed = local()
         layout = check_layout(layout)
         resolve_backend(backend, q.device)
-        engine = local_engine(backend, deterministic)
+        engine = local_engine(backend, deterministic, softcap)
         check_sinks(sinks, q.shape[-2], q.device)
         rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
         n, c = u_size * r_size, g * u_size + u

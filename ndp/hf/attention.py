@@ -66,8 +66,8 @@ _NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
             "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "is_causal",
             "position_embeddings", "return_dict", "output_hidden_states", "seq_idx", "logits_to_keep"}
 # Arguments that change the attention: refused by name unless they are None (or 0).
-_REFUSED = {"sinks": "per-token attention sinks", "softcap": "logit soft-capping (softcap)",
-            "head_mask": "a head mask", "attention_chunk_size": "chunked attention"}
+_REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
+            "attention_chunk_size": "chunked attention"}
 
 
 _CHECKED = {"positions": None}
@@ -107,7 +107,7 @@ def _dense_shard_positions(total, size, rank, layout, device):
 
 def _check_kwargs(kwargs):
     for name, value in kwargs.items():
-        if value is None or value is False or (name == "softcap" and not value):
+        if value is None or value is False:
             continue
         if name in _REFUSED:
             raise Unsupported(f"ndp attention does not implement {_REFUSED[name]}; this model passes {name}. "
@@ -131,9 +131,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
             ``max_length_q``, ``position_ids`` (packed documents without CP are found from them), ``is_causal``,
-            ``s_aux`` (attention sinks: one logit per query head, gpt-oss).
-            Arguments that change attention and that ndp does not implement (soft-capping, a head mask,
-            unknown ones) are refused, never dropped.
+            ``s_aux`` (attention sinks: one logit per query head, gpt-oss), ``softcap`` (logit soft-capping,
+            Gemma 2). Arguments that change attention and that ndp does not implement (per-token sinks, a head
+            mask, unknown ones) are refused, never dropped.
     Raises:
         ValueError: a padding mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
             on one rank raises on every rank of the CP group (no rank is left waiting in the ring).
@@ -144,6 +144,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     spec = spec_of(attention_mask)
     causal = kwargs.pop("is_causal", None)
     sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
+    softcap = kwargs.pop("softcap", None) or 0.0  # Gemma 2: scores softcap * tanh(scores / softcap)
     _check_kwargs(kwargs)
     error = None
     if dropout:
@@ -197,15 +198,17 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
         if cu is None:
-            out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks)
+            out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks,
+                                    softcap=softcap)
         else:
             mx = int(kwargs.get("max_length_q") or 0) if not flat else 0
             mx = mx or int((cu[1:] - cu[:-1]).max())
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
-                                    cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, sinks=sinks)
+                                    cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, sinks=sinks,
+                                    softcap=softcap)
     else:
         kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window, sinks=sinks,
-                  chunk_size=chunk)
+                  chunk_size=chunk, softcap=softcap)
         if cu is not None:
             kw["cu_seqlens"] = cu
         if impl == "ring":

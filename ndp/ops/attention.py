@@ -13,7 +13,7 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import reference
-from ndp_kernels._segments import prepare, run_bwd
+from ndp_kernels._segments import check_softcap, prepare, run_bwd
 
 from . import _flash_attn, _sdpa
 from .engines import ENGINES, block_class, capable, choose, engine_available
@@ -47,7 +47,7 @@ def resolve_backend(backend: str, device) -> str:
     return backend
 
 
-def engine_for(backend, segs, q4, k4, *, deterministic=False) -> str:
+def engine_for(backend, segs, q4, k4, *, deterministic=False, softcap=0.0) -> str:
     """The engine that runs this block: the forced one (checked to be exact for it) or auto's choice.
 
     Raises:
@@ -55,34 +55,38 @@ def engine_for(backend, segs, q4, k4, *, deterministic=False) -> str:
         engine cannot run this block (names the block and the engines that can).
     """
     if backend == "auto":
-        return choose(segs, q4, k4, deterministic=deterministic)
+        return choose(segs, q4, k4, deterministic=deterministic, softcap=softcap)
     resolve_backend(backend, q4.device)
-    ok, why = capable(backend, segs, q4, k4, deterministic=deterministic)
+    ok, why = capable(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
     if not ok:
         able = [e for e in ENGINES if engine_available(e, q4.device)[0]
-                and capable(e, segs, q4, k4, deterministic=deterministic)[0]]
+                and capable(e, segs, q4, k4, deterministic=deterministic, softcap=softcap)[0]]
         cls = block_class(segs, q4.shape[1], k4.shape[1])
-        err = TypeError if q4.dtype == torch.float64 else ValueError
+        err = TypeError if q4.dtype == torch.float64 and not softcap else ValueError
+        traits = (", deterministic" if deterministic else "") + (f", softcap {softcap:g}" if softcap else "")
         raise err(f"backend {backend!r} cannot run this {cls} attention block ({q4.dtype}, head_dim "
-                  f"{q4.shape[-1]}{', deterministic' if deterministic else ''}): {why}. Engines that can here: "
-                  f"{able}; use one of them or backend='auto'.")
+                  f"{q4.shape[-1]}{traits}): {why}. Engines that can here: {able}; use one of them or "
+                  f"backend='auto'.")
     return backend
 
 
-def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto"):
+def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto", softcap=0.0):
     """Segment-level forward of one block (what a ring step calls).
 
     Args:
         q4: ``[B, Sq, H, D]``; k4, v4: ``[B, Sk, Hkv, D]``; segs: ``ndp_kernels.Segments``.
         out_acc: optional fp32 ``[B, Sq, H, D]``; lse_acc: optional fp32 ``[B, H, Sq]``; merged into in place.
         backend: "auto" (per-block measured choice) or one engine of ``ENGINES``.
+        softcap: logit soft-cap c > 0 (scores c * tanh(scores / c)), 0 = off (``SOFTCAP_ENGINES`` only).
     Returns:
         (out, lse) or (out_acc, lse_acc).
     Raises:
         ValueError / RuntimeError for an unknown or unavailable backend, or one that cannot run the block.
     """
-    be = engine_for(backend, segs, q4, k4)
+    be = engine_for(backend, segs, q4, k4, softcap=softcap)
     kw = dict(softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
+    if softcap:  # only the engines of SOFTCAP_ENGINES get here with it
+        kw["softcap"] = softcap
     if be == "torch":
         return reference.attn_fwd_segments_ref(q4, k4, v4, segs, **kw)
     if be == "sdpa":
@@ -93,16 +97,19 @@ def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None
 
 
 def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
-                  backend="auto", deterministic=False):
+                  backend="auto", deterministic=False, softcap=0.0):
     """Segment-level backward of one block, given the rows' final out and lse.
 
     Args:
         deterministic: bitwise-reproducible gradients (engines without such a mode are not used).
+        softcap: the forward's soft-cap (0 = off).
     Returns:
         (dq, dk, dv), or the fp32 accumulators with this block's gradients added.
     """
-    be = engine_for(backend, segs, q4, k4, deterministic=deterministic)
+    be = engine_for(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
     kw = dict(softmax_scale=softmax_scale, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc)
+    if softcap:
+        kw["softcap"] = softcap
     if be == "torch":
         return reference.attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, **kw)
     if be == "sdpa":
@@ -117,13 +124,13 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, segs, scale, packed, backend, deterministic):
+    def forward(ctx, q, k, v, sinks, segs, scale, softcap, packed, backend, deterministic):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
-        out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend)
+        out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend, softcap=softcap)
         if sinks is not None:
             out, lse = add_sinks(out, lse, sinks, q.dtype)
         ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.segs, ctx.scale, ctx.packed, ctx.backend = segs, scale, packed, backend
+        ctx.segs, ctx.scale, ctx.softcap, ctx.packed, ctx.backend = segs, scale, softcap, packed, backend
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
         return (out[0], lse[0]) if packed else (out, lse)
@@ -133,16 +140,16 @@ class _AttentionFunction(torch.autograd.Function):
         q4, k4, v4, out, lse, sinks = ctx.saved_tensors
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
         dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out, lse, ctx.segs, softmax_scale=ctx.scale,
-                                   backend=ctx.backend, deterministic=ctx.deterministic)
+                                   backend=ctx.backend, deterministic=ctx.deterministic, softcap=ctx.softcap)
         dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
         if ctx.packed:
             dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, backend="auto", return_lse=False,
-              deterministic=False, sinks=None):
+              deterministic=False, sinks=None, softcap=0.0):
     """Attention on one device, differentiable with respect to q, k and v.
 
     Args:
@@ -156,6 +163,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         deterministic: bitwise-reproducible gradients (flash-attn's word).
         sinks: optional ``[heads]`` attention sinks (gpt-oss): a learnable logit per head joining every row's
             softmax denominator; differentiable, the returned lse includes it (see ``ndp/ops/sinks.py``).
+        softcap: logit soft-capping (Gemma 2; flash-attn's keyword): scores ``softcap * tanh(scores /
+            softcap)`` before the mask and the softmax; 0 or None = off. Engines: triton, torch (``auto`` takes
+            only these for it).
     Returns:
         out in q's dtype and shape (and lse when asked).
     Raises:
@@ -165,10 +175,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     q4, k4, v4, segs, scale, packed = prepare(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    softcap = check_softcap(softcap)
     # Refuse an engine that cannot run this block before any work (forward and backward alike).
-    engine_for(backend, segs, q4, k4, deterministic=deterministic)
+    engine_for(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
     check_sinks(sinks, q.shape[-2], q.device)
-    out, lse = _AttentionFunction.apply(q, k, v, sinks, segs, scale, packed, backend, bool(deterministic))
+    out, lse = _AttentionFunction.apply(q, k, v, sinks, segs, scale, softcap, packed, backend,
+                                        bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -176,5 +188,6 @@ def attention_backward(dout, q, k, v, out, lse, **kwargs):
     """Public-signature backward (same keywords as ``flash_attn_bwd`` plus ``backend`` and ``deterministic``)."""
     backend = kwargs.pop("backend", "auto")
     det = kwargs.pop("deterministic", False)
-    return run_bwd(lambda *a, **kw: attention_bwd(*a, backend=backend, deterministic=det, **kw), dout, q, k, v, out,
-                   lse, **kwargs)
+    cap = check_softcap(kwargs.pop("softcap", 0.0))
+    return run_bwd(lambda *a, **kw: attention_bwd(*a, backend=backend, deterministic=det, softcap=cap, **kw), dout, q,
+                   k, v, out, lse, **kwargs)

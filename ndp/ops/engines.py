@@ -10,13 +10,14 @@ class:
 - ``other``:  anything else (the zigzag ring's diagonal step, overlapping key ranges, ...).
 
 An engine is *capable* of a block when it computes it exactly (no engine ever approximates a mask), in
-the block's dtype, with deterministic gradients when asked. ``auto`` runs, per block, the first capable
+the block's dtype, with deterministic gradients when asked, and with the logits soft-capped when asked
+(``SOFTCAP_ENGINES``). ``auto`` runs, per block, the first capable
 engine of a measured preference order for (device, class, dtype, head_dim bucket). The orders come from
 a table written by ``python -m ndp.ops.tune`` on the device (user cache, see ``ndp_kernels.tuning``) or
 shipped with ndp for that device; where no table has a row, ``auto`` uses a fixed default order and
 ``python -m ndp.info`` says so; on a GPU (``AUTO_PROBE``) such a row is measured once on first use instead and
-saved into the user's table. The ``torch`` engine (the materialising reference) is never chosen by
-``auto``.
+saved into the user's table. The ``torch`` engine (the materialising reference) is chosen by ``auto`` only
+for a block no other engine here can run exactly (a soft-capped block on CPU), with a warning once.
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
 ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
-AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines auto may pick (never the reference)
+AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines auto picks first (the reference last)
+# Engines that soft-cap the logits (Gemma 2's attn_logit_softcapping) in forward and backward.
+SOFTCAP_ENGINES = ("triton", "torch")
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
 # Used only where no measured table has a row for the block and none could be measured (printed as such by
@@ -113,9 +116,11 @@ def engine_available(engine: str, device) -> tuple[bool, str]:
     raise ValueError(f"unknown attention engine {engine!r}; engines are {ENGINES}")
 
 
-def capable(engine: str, segs, q4, k4, *, deterministic: bool = False) -> tuple[bool, str]:
+def capable(engine: str, segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -> tuple[bool, str]:
     """Whether `engine` computes this block exactly here (assumes it is available), and why not."""
     dtype = q4.dtype
+    if softcap and engine not in SOFTCAP_ENGINES:
+        return False, f"{engine} has no logit soft-capping in ndp (engines with it: {SOFTCAP_ENGINES})"
     if engine in ("triton", "flash_attn", "flash_attn3") and dtype == torch.float64:
         return False, f"{engine} has no float64 kernels"
     if engine == "triton" and deterministic and not _triton_has_deterministic():
@@ -226,14 +231,28 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
     return order
 
 
-def choose(segs, q4, k4, *, deterministic: bool = False) -> str:
+_WARNED_REFERENCE: set = set()
+
+
+def _reference_as_last_resort(cls: str, q4, reasons: dict) -> str:
+    """auto's answer for a block only the reference can run here: "torch", with a warning once per dtype and device."""
+    key = (q4.dtype, str(q4.device))
+    if key not in _WARNED_REFERENCE:
+        _WARNED_REFERENCE.add(key)
+        log.warning("auto: no fast attention engine can run this %s block (%s, head_dim %d) on %s (%s); running "
+                    "the materialising reference (backend='torch': memory grows with seq_q * seq_k)", cls, q4.dtype,
+                    q4.shape[-1], q4.device, "; ".join(f"{e}: {w}" for e, w in reasons.items()))
+    return "torch"
+
+
+def choose(segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -> str:
     """The engine ``auto`` runs for this block (cached on the table per dtype, head_dim, device).
 
     Raises:
         RuntimeError: no engine here can run the block (the message lists each engine's reason).
     """
     sq, sk = q4.shape[1], k4.shape[1]
-    key = ("auto", sq, sk, q4.dtype, q4.shape[-1], str(q4.device), deterministic)
+    key = ("auto", sq, sk, q4.dtype, q4.shape[-1], str(q4.device), deterministic, bool(softcap))
     hit = segs.memo.get(key)
     if hit is not None:
         return hit
@@ -250,11 +269,14 @@ def choose(segs, q4, k4, *, deterministic: bool = False) -> str:
             continue
         ok, why = engine_available(e, q4.device)
         if ok:
-            ok, why = capable(e, segs, q4, k4, deterministic=deterministic)
+            ok, why = capable(e, segs, q4, k4, deterministic=deterministic, softcap=softcap)
         if ok:
             segs.memo[key] = e
             return e
         reasons[e] = why
+    if softcap:  # soft-capping is the one feature the reference alone has on some devices (CPU)
+        segs.memo[key] = _reference_as_last_resort(cls, q4, reasons)
+        return segs.memo[key]
     detail = "; ".join(f"{e}: {w}" for e, w in reasons.items()) or "no engine is listed for this device"
     raise RuntimeError(f"no attention engine can run this {cls} block ({q4.dtype}, head_dim {q4.shape[-1]}) on "
                        f"{q4.device} with backend='auto' ({detail}). backend='torch' (the reference) runs "

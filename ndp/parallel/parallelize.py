@@ -207,7 +207,9 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
 
 def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
     """Modules under ``root`` (not yet sharded) whose own parameters have another dtype than most of root's: FSDP2
-    shards one dtype per unit, so each gets its own (e.g. a router kept in fp32 inside a bf16 model)."""
+    shards one dtype per unit, so each gets its own (e.g. a router kept in fp32 inside a bf16 model). Innermost
+    first: sharding a module after its parent would find its parameters already sharded (ernie4_5_moe's router
+    holds its fp32 bias statistics module)."""
     from torch.distributed.fsdp import FSDPModule
 
     counts: dict = {}
@@ -216,7 +218,7 @@ def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
     if len(counts) < 2:
         return []
     main = max(counts, key=counts.get)
-    return [mod for mod in root.modules() if mod is not root and not isinstance(mod, FSDPModule)
+    return [mod for mod in reversed(list(root.modules())) if mod is not root and not isinstance(mod, FSDPModule)
             and any(p.dtype != main for p in mod.parameters(recurse=False))]
 
 

@@ -30,6 +30,15 @@ CHUNK_CASES = [
     dict(batch=1, seqlen=32, heads=4, kv_heads=4, dim=16, causal=True, window=(3, 0), layout="contiguous",
          chunk=12, sinks=True),
 ]
+# Logit soft-capping (Gemma 2): dense, window + sinks, packed, chunked; a cap small enough to bend most scores.
+SOFTCAP_CASES = [
+    dict(batch=2, seqlen=32, heads=4, kv_heads=2, dim=16, causal=True, layout="zigzag", softcap=1.5),
+    dict(batch=1, seqlen=32, heads=4, kv_heads=1, dim=16, causal=True, window=(5, 0), layout="striped", sinks=True,
+         softcap=2.0),
+    dict(docs=[0, 9, 30, 1], heads=4, kv_heads=2, dim=16, causal=False, softcap=1.0),
+    dict(batch=1, seqlen=32, heads=4, kv_heads=4, dim=16, causal=True, layout="contiguous", chunk=12, softcap=3.0),
+]
+FEATURE_CASES = SINK_CASES + CHUNK_CASES + SOFTCAP_CASES
 
 
 def _flops_total(case, st):
@@ -43,7 +52,7 @@ def _flops_total(case, st):
 
 
 def _ring_body(rank, world):
-    run_all(ring_attention, cases_dense() + WINDOW_CASES + PACKED_CASES + SINK_CASES + CHUNK_CASES + [ODD_HEADS, GQA_4_1])
+    run_all(ring_attention, cases_dense() + WINDOW_CASES + PACKED_CASES + FEATURE_CASES + [ODD_HEADS, GQA_4_1])
     case = dict(batch=2, seqlen=32, heads=4, kv_heads=1, dim=16, causal=True, layout="zigzag")
     _, st = run_case(ring_attention, case)
     kv = 2 * 2 * (32 // world) * 1 * 16 * 8  # K and V, fp64
@@ -55,7 +64,7 @@ def _ring_body(rank, world):
 
 
 def _allgather_body(rank, world):
-    run_all(allgather_attention, cases_dense() + WINDOW_CASES + PACKED_CASES + SINK_CASES + CHUNK_CASES + [ODD_HEADS, GQA_4_1])
+    run_all(allgather_attention, cases_dense() + WINDOW_CASES + PACKED_CASES + FEATURE_CASES + [ODD_HEADS, GQA_4_1])
     case = dict(batch=2, seqlen=32, heads=4, kv_heads=2, dim=16, causal=True, layout="striped")
     _, st = run_case(allgather_attention, case)
     kv = 2 * 2 * (32 // world) * 2 * 16 * 8
@@ -66,7 +75,7 @@ def _allgather_body(rank, world):
 
 
 def _ulysses_body(rank, world):
-    cases = cases_dense(kv_cycle=(1, 2, 4)) + WINDOW_CASES + PACKED_CASES + SINK_CASES + CHUNK_CASES + [GQA_4_1]
+    cases = cases_dense(kv_cycle=(1, 2, 4)) + WINDOW_CASES + PACKED_CASES + FEATURE_CASES + [GQA_4_1]
     run_all(ulysses_attention, cases)
     case = dict(batch=2, seqlen=32, heads=4, kv_heads=1, dim=16, causal=False, layout="zigzag")
     _, st = run_case(ulysses_attention, case)
@@ -88,7 +97,7 @@ def _usp_body(rank, world):
         ug, rg = split_cp_group(None, u)
         fn = functools.partial(usp_attention, ulysses_group=ug, ring_group=rg)
         cases = cases_dense(kv_cycle=(1, 2, 4), seqlen=32) if u == 2 else cases_dense(kv_cycle=(2,), seqlen=32)[:2]
-        run_all(fn, cases + (WINDOW_CASES + PACKED_CASES + SINK_CASES + CHUNK_CASES + [GQA_4_1] if u == 2 else []))
+        run_all(fn, cases + (WINDOW_CASES + PACKED_CASES + FEATURE_CASES + [GQA_4_1] if u == 2 else []))
     dist.barrier()
 
 

@@ -22,7 +22,7 @@ TINY = dict(
     num_key_value_heads=2, n_kv_heads=2, num_kv_heads=2, head_dim=16, kv_channels=16,
     max_position_embeddings=512, n_positions=512, n_ctx=512, max_seq_len=512, seq_length=512,
     num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
-    moe_topk=2, top_k=2, n_group=1, topk_group=1, n_shared_experts=1, num_shared_experts=1,
+    moe_topk=2, top_k=2, moe_k=2, n_group=1, topk_group=1, n_shared_experts=1, num_shared_experts=1,
     first_k_dense_replace=1, sliding_window=8, attention_chunk_size=8, chunk_size=8, attention_window=8,
     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
     attention_dropout=0.0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, hidden_dropout=0.0,
@@ -60,8 +60,9 @@ def _shrink(cfg, seen):
         if isinstance(value, transformers.PretrainedConfig):
             _shrink(value, seen)
     d = cfg.__dict__
-    if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: the RoPE part is the "head_dim"
-        cfg.head_dim = cfg.qk_rope_head_dim
+    if "qk_rope_head_dim" in d:  # MLA
+        if "head_dim" in d:  # the RoPE part is the "head_dim"
+            cfg.head_dim = cfg.qk_rope_head_dim
         if "num_key_value_heads" in d:  # MLA projects keys for every head
             cfg.num_key_value_heads = cfg.num_attention_heads
     if "rotary_dim" in d and isinstance(d["rotary_dim"], int):
@@ -81,9 +82,25 @@ def _shrink(cfg, seen):
                 cfg.num_hidden_layers = len(kinds)
 
 
+# Families whose default config transformers cannot build a model from, or whose tiny form needs more than the
+# shrinking above: set after it.
+FIXES = {
+    # DbrxAttention reads rope_theta (the config has none) and clamps q/k/v by clip_qkv (None by default: a crash)
+    "dbrx": lambda c: c.attn_config.__dict__.update(rope_theta=10000.0, clip_qkv=8.0),
+    "cohere_compass_text": lambda c: setattr(c, "rope_parameters", {"full_attention": {"rope_type": "default",
+                                                                                        "rope_theta": 10000.0}}),
+    # 4 layers, the last 2 reading the keys/values of the first 2 (KV sharing), per-layer inputs of 16
+    "gemma3n_text": lambda c: c.__dict__.update(num_hidden_layers=4, num_kv_shared_layers=2,
+                                                layer_types=c.layer_types[:2] * 2, vocab_size_per_layer_input=VOCAB,
+                                                hidden_size_per_layer_input=16,
+                                                activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]),
+}
+
+
 def tiny_config(model_type: str):
     cfg = AutoConfig.for_model(model_type)
     _shrink(cfg, set())
+    FIXES.get(model_type, lambda c: None)(cfg)
     cfg._attn_implementation = "eager"
     return cfg
 

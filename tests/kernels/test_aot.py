@@ -30,13 +30,15 @@ def test_aot_static_report_no_spills_fits_smem_uses_wgmma():
     proc = _run_aot("--markdown", "--jobs", "2")
     assert proc.returncode == 0, f"AOT report has violations:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # 7 kernels x 2 archs x 3 dtypes (bf16, fp16, fp32) x 4 head dims (64, 80, 128, 256), plus the TMA forward
+    # 10 kernels (3 of them the soft-capped forward, dK/dV and dQ) x 2 archs x 3 dtypes (bf16, fp16, fp32) x 4 head
+    # dims (64, 80, 128, 256), plus the TMA forward
     # (8) and the TMA dQ kernel (6: head_dim <= 128) on sm_90 in bf16 and fp16, and the two key-block backward
     # kernels with split GQA heads (2 x 2 archs x bf16, fp16 x 4 head dims); a TMA variant without TMA loads in
     # its PTX is a violation (ok != "yes").
-    assert len(rows) == 214, proc.stdout
+    assert len(rows) == 286, proc.stdout
     kernels = {line.split("|")[1].strip() for line in rows}
-    assert {"bwd_dkdv", "bwd_dq", "fwd_tma", "bwd_dq_tma", "bwd_heads", "bwd_dkdv_heads"} <= kernels, kernels
+    assert {"bwd_dkdv", "bwd_dq", "fwd_tma", "bwd_dq_tma", "bwd_heads", "bwd_dkdv_heads", "fwd_softcap",
+            "bwd_dkdv_softcap", "bwd_dq_softcap"} <= kernels, kernels
     for name, count in (("fwd_tma", 8), ("bwd_dq_tma", 6)):
         tma = [r for r in rows if r.split("|")[1].strip() == name]
         assert len(tma) == count and all("| sm_90 |" in r and "/tma |" in r for r in tma), tma
@@ -51,7 +53,7 @@ def test_aot_static_report_no_spills_fits_smem_uses_wgmma():
         # fp32 runs IEEE dots on FMA units (no TF32), so only 16-bit kernels use wgmma.
         if arch == "sm_90" and kernel in WGMMA_KERNELS and dtype != "fp32":
             # The one exemption: the split dK/dV kernel at head_dim 256 (see aot.WGMMA_EXEMPT).
-            exempt = kernel in ("bwd_dkdv", "bwd_dkdv_heads") and head_dim == "256"
+            exempt = kernel in ("bwd_dkdv", "bwd_dkdv_heads", "bwd_dkdv_softcap") and head_dim == "256"
             assert wgmma == (WGMMA_EXEMPT_MARK if exempt else "yes"), row
 
 

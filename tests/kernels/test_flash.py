@@ -286,3 +286,29 @@ def test_random_segment_tables_and_tiles(seed, monkeypatch):
     reference.attn_fwd_segments_ref(q, k, v, segs, softmax_scale=scale, out_acc=ref_acc, lse_acc=ref_lacc)
     assert_close(out_acc, ref_acc, torch.float32)
     _assert_lse(lse_acc, ref_lacc, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", [
+    dict(b=2, sq=97, sk=97, h=4, hk=2, d=64, causal=True),
+    dict(b=1, sq=65, sk=130, h=8, hk=2, d=80, window_size=(20, 5)),
+    dict(b=1, sq=200, sk=257, h=2, hk=1, d=64, window_size=(100, 3)),
+    dict(docs=[1, 17, 64, 100], h=4, hk=2, d=64, causal=True),
+], ids=["causal-gqa", "window-q65-k130-d80", "wide-band", "packed"])
+def test_softcap_fwd_bwd_matches_reference(case, dtype):
+    """Logit soft-capping (Gemma 2) in the forward, the (split) backward and every kernel path (lean and edge
+    blocks, packed documents), against the reference, whose soft-capping tests/ops checks against autograd."""
+    kw = dict(causal=case.get("causal", False), window_size=case.get("window_size", (-1, -1)), softcap=2.5)
+    if "docs" in case:
+        n = sum(case["docs"])
+        cu = torch.tensor([0] + torch.tensor(case["docs"]).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v, dout = qkv(1, n, n, case["h"], case["hk"], case["d"], dtype, seed=2, packed=True)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case["docs"]), max_seqlen_k=max(case["docs"]))
+    else:
+        q, k, v, dout = qkv(case["b"], case["sq"], case["sk"], case["h"], case["hk"], case["d"], dtype, seed=2)
+    q = q * 3  # scores of a few units: most of them bent by the cap
+    _check(q, k, v, dout, dtype, **kw)
+    # The cap changes the result (a kernel that dropped it would fail above against the capped reference).
+    plain = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), **{**kw, "softcap": 0.0})[0]
+    capped = reference.flash_attn_fwd_ref(q.float(), k.float(), v.float(), **kw)[0]
+    assert (plain - capped).abs().max() > 0.05

@@ -173,3 +173,56 @@ def test_sinks_rows_without_keys_and_bad_shapes():
         ndp.ops.attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float64))
     with pytest.raises(TypeError, match="sinks must be a floating-point tensor"):
         ndp.ops.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(causal=False, window=(4, 2)), dict(causal=False),
+                                  dict(causal=True, docs=[7, 0, 12, 1]), dict(causal=True, sinks=True)])
+def test_softcap_matches_definition(backend, case):
+    """Logit soft-capping (Gemma 2) on the engines that have it (auto picks one of them, on CPU the reference):
+    out, lse and every gradient against attention written from the definition."""
+    if backend == "triton" and not ndp_kernels.interpreter_active():
+        pytest.skip("triton backend on CPU runs only under TRITON_INTERPRET=1")
+    case = dict(case, softcap=1.5)
+    n = sum(case["docs"]) if "docs" in case else 19
+    q, k, v = (x * 2 for x in _qkv(1, n, n, 4, 2, 16))
+    kw = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=1.5)
+    if "docs" in case:
+        cu = torch.tensor([0] + torch.tensor(case["docs"]).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v = (x[0] for x in (q, k, v))
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case["docs"]), max_seqlen_k=max(case["docs"]))
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) if case.get("sinks") \
+        else None
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = dense_reference(case, q, k, v, dout, sinks)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
+    out, lse = ndp.ops.attention(*inputs[:3], backend=backend, return_lse=True, sinks=inputs[3] if sinks is not None
+                                 else None, **kw)
+    grads = torch.autograd.grad(out, inputs, dout.to(dt))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + grads, want):
+        assert_close(g, w, dt, "out" if name in ("out", "lse") else "grad", msg=f"{backend} {name} {case}")
+    plain = ndp.ops.attention(*(x.detach() for x in inputs[:3]), backend="torch", **{**kw, "softcap": 0.0})
+    assert (plain - out).abs().max() > 0.05  # the cap bends these scores: dropping it would be seen
+
+
+def test_softcap_routing_and_bad_values():
+    q, k, v = (x.detach() for x in _qkv(1, 16, 16, 4, 2, 16))
+    # An engine without soft-capping is refused by name, with the engines that have it.
+    with pytest.raises(ValueError, match=r"backend 'sdpa' cannot run this causal attention block .*softcap 30\): "
+                                         r"sdpa has no logit soft-capping.*Engines that can here: \[.*'torch'\]"):
+        ndp.ops.attention(q, k, v, causal=True, backend="sdpa", softcap=30.0)
+    # auto on CPU: the reference, bitwise.
+    auto = ndp.ops.attention(q, k, v, causal=True, softcap=30.0)
+    assert torch.equal(auto, ndp.ops.attention(q, k, v, causal=True, backend="torch", softcap=30.0))
+    # 0 and None are "no cap": the same as leaving it out.
+    plain = ndp.ops.attention(q, k, v, causal=True, backend="torch")
+    for off in (0, 0.0, None):
+        assert torch.equal(ndp.ops.attention(q, k, v, causal=True, backend="torch", softcap=off), plain)
+    for bad, exc, match in ((-1.0, ValueError, r"softcap must be finite and >= 0 \(0 = no soft-capping\); got "
+                                               r"softcap=-1.0"),
+                            (float("inf"), ValueError, "softcap must be finite"),
+                            ("50", TypeError, "softcap must be a real number"),
+                            (True, TypeError, "softcap must be a real number")):
+        with pytest.raises(exc, match=match):
+            ndp.ops.attention(q, k, v, causal=True, softcap=bad)

@@ -10,9 +10,10 @@ from torch import nn
 from ndp.parallel import ModelPlan, ParallelismConfig
 from ndp.parallel import parallelize as _parallelize
 
-from .attention import IMPL_NAMES, ndp_attention_forward, register_attention
+from .attention import IMPL_NAMES, guard_outside_layers, ndp_attention_forward, register_attention
 from .batch import parallel_state, shard_batch
-from .models import Unsupported, attention_modules, check_cp_model, decoder_layers, text_config
+from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
+                     layer_stacks, outside_layers, text_config)
 
 # Used when a model's config carries no base_model_tp_plan (same split as Llama's).
 DEFAULT_TP_PLAN = {
@@ -51,20 +52,25 @@ def hf_plan(model: nn.Module) -> ModelPlan:
     """ModelPlan of a transformers decoder-only model.
 
     TP comes from the model's own ``config.base_model_tp_plan`` when it has one (else DEFAULT_TP_PLAN);
-    the decoder layers (the ModuleList holding the attention modules) are the FSDP/AC blocks; every module that
-    calls transformers' AttentionInterface, wherever it sits, receives the CP context; CP switches
-    ``config._attn_implementation`` to ``ndp_<impl>`` through ``set_attn_implementation``.
+    the layers of the text decoder's stacks (``layer_stacks``) are the FSDP/AC blocks; every module of
+    the decoder layers that calls transformers' AttentionInterface, wherever it sits, receives the CP context;
+    CP switches ``config._attn_implementation`` to ``ndp_<impl>`` through ``set_attn_implementation``; attention
+    and token mixers outside the decoder layers (vision / audio towers) refuse to run under CP.
     """
     prefix = _base_prefix(model)
     base_plan = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN
     tp_plan = {prefix + k: v for k, v in base_plan.items()}
 
+    outside = outside_layers(model)
+
     def enable_cp(m, ctx):
         register_attention()
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
+        if ctx.enabled:
+            guard_outside_layers(m, outside, ctx)
 
-    blocks, _ = decoder_layers(model)
-    return ModelPlan(tp_plan=tp_plan, blocks=(blocks,) if blocks else (), attention=tuple(attention_modules(model)),
+    blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
+    return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),
                      enable_cp=enable_cp, init_module=model._init_weights)
 
 
@@ -165,4 +171,4 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
 
 __all__ = ["shard_batch", "loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
            "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers",
-           "check_cp_model", "text_config"]
+           "layer_stacks", "check_cp_model", "text_config"]

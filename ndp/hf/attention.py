@@ -71,6 +71,8 @@ _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
 
 
 _CHECKED = {"positions": None}
+# Refusals found outside an attention call, raised at this rank's next CP attention call: {id(CPContext): error}.
+_PENDING: dict = {}
 
 
 def _shard_positions_error(pos, ctx, seq, impl):
@@ -146,22 +148,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
     softcap = kwargs.pop("softcap", None) or 0.0  # Gemma 2: scores softcap * tanh(scores / softcap)
     _check_kwargs(kwargs)
-    error = None
-    if dropout:
-        error = ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
-                           f"attention_dropout to 0.")
-    elif spec is None and attention_mask is not None and not bool(attention_mask.all()):
-        error = ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
-                           "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
-    elif cp_on and kwargs.get("cu_seq_lens_q") is None:
-        error = _shard_positions_error(kwargs.get("position_ids"), ctx, query.shape[2], impl)
+    error = _call_error(ctx if cp_on else None, spec, attention_mask, dropout, query.shape[2], impl, kwargs)
     if error is not None:
         if cp_on:
-            # Only this rank may see the problem (its shard): join the other ranks' validity exchange so that
-            # every rank of the CP group raises instead of waiting in the ring.
-            groups = (dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group) if impl == "usp"
-                      else dict(group=ctx.group))
-            ndp.cp.raise_on_all_ranks(error, what=f"ndp_{impl} attention", **groups)
+            raise_on_cp_ranks(error, ctx, f"ndp_{impl} attention")
         raise error
     if spec is not None:  # the mask transformers asked for is the truth (it is what eager attention applies)
         causal, sliding_window = spec.causal, spec.window
@@ -224,6 +214,48 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out[..., :dv], None
+
+
+def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
+    """The first reason this attention call cannot run exactly (ctx: the CP context when CP is on), or None."""
+    if ctx is not None and id(ctx) in _PENDING:
+        return _PENDING.pop(id(ctx))
+    if spec is not None and spec.refused:
+        return Unsupported(spec.refused)
+    if dropout:
+        return ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
+                          f"attention_dropout to 0.")
+    if spec is None and attention_mask is not None and not bool(attention_mask.all()):
+        return ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
+                          "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
+    if ctx is not None and kwargs.get("cu_seq_lens_q") is None:
+        return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)
+    return None
+
+
+def raise_on_cp_ranks(error: BaseException, ctx, what: str) -> None:
+    """Raise `error` here and on every rank of ctx's CP group: only this rank may see the problem (its shard), so
+    it joins the validity exchange the other ranks run at their next CP attention call instead of leaving them
+    waiting in the ring."""
+    groups = (dict(ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group) if ctx.impl == "usp"
+              else dict(group=ctx.group))
+    ndp.cp.raise_on_all_ranks(error, what=what, **groups)
+
+
+def guard_outside_layers(model, names, ctx) -> None:
+    """Under CP, the modules `names` (token mixers and attention outside the decoder layers: vision and audio
+    towers, ``ndp.hf.models.outside_layers``) are refused when they run: they would see this rank's shard or a
+    modality ndp does not shard. Text-only batches never call them. The refusal waits for this rank's next CP
+    attention call, which raises it on every rank: raised here, it would leave the other ranks in the FSDP
+    all-gather of the next decoder layer while this one joined the attention's validity exchange."""
+    def refuse(module, args):
+        _PENDING.setdefault(id(ctx), Unsupported(
+            f"{type(module).__name__} runs outside the decoder layers (a vision or audio tower, or a token mixer "
+            f"before them) under context parallelism (cp_size={ctx.size}): ndp shards the text sequence only. "
+            f"Train batches of that modality with cp_size=1, or text-only batches under CP."))
+
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(refuse)
 
 
 def _same_head_dim(q, k, v, scaling):

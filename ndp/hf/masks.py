@@ -4,8 +4,10 @@ transformers builds each layer type's mask from a *mask function* (``masking_uti
 chunked, packed-sequence pieces joined by ``and_masks``). ndp's attention builds no dense mask: it applies
 causality, a window or document boundaries itself. :func:`describe` reads the mask function's pieces (their code
 and closure values) into a :class:`MaskSpec`, so that the attention call applies exactly that mask; a piece ndp
-cannot express (a learned or arbitrary mask, ``or_masks``, bidirectional image blocks) raises
-:class:`~ndp.hf.models.Unsupported` instead of being dropped.
+cannot express (a learned or arbitrary mask, ``or_masks``) raises :class:`~ndp.hf.models.Unsupported` instead of
+being dropped. Bidirectional image blocks (``blockwise_overlay`` or-ed to the causal mask: git, Gemma 4) are honoured
+when the batch has no image block (text-only training: the or-ed piece is false everywhere) and refused otherwise;
+that refusal depends on the data, so it travels in the spec and the attention raises it on every CP rank at once.
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ from .models import Unsupported
 class MaskSpec:
     """A mask ndp applies itself: ``causal``; ``window`` (transformers' sliding window: a query sees itself and
     the ``window - 1`` keys before it); ``chunk`` (queries see keys of their own ``chunk``-token block only);
-    ``packed`` (documents told apart by position_ids that do not continue)."""
+    ``packed`` (documents told apart by position_ids that do not continue); ``refused``: why this batch cannot
+    be attended exactly (a data-dependent refusal the attention raises on every rank), else None."""
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     packed: bool = False
+    refused: str | None = None
 
 
 def _code(factory, *args):
@@ -40,6 +44,11 @@ _WINDOW = _code("sliding_window_overlay", 1)
 _CHUNK = _code("chunked_overlay", 1, None)
 _PACKED = _code("packed_sequence_mask_function", None)
 _REMAP = _code("remap_positions_for_packed_sequence", mu.causal_mask_function, None)
+_OR = _code("or_masks", mu.causal_mask_function)
+_BLOCKWISE = _code("blockwise_overlay", None)
+_IMAGE_BLOCKS = ("the batch has bidirectional image blocks (tokens with a block_sequence_ids / token_type_ids "
+                 "group): ndp attention applies causal, sliding-window, chunked and packed-document masks only. "
+                 "Train on text-only batches with ndp, or use the model's own attention implementation (cp_size=1).")
 
 
 def _closure(fn) -> dict:
@@ -47,10 +56,16 @@ def _closure(fn) -> dict:
 
 
 def _pieces(fn):
-    """The mask function as a flat list of its and-ed pieces (packed remapping unwrapped)."""
+    """The mask function as a flat list of its and-ed pieces (packed remapping unwrapped; an or-ed image-block
+    piece is kept as itself, for ``describe`` to judge)."""
     code = getattr(fn, "__code__", None)
     if code is _AND:
         return [p for f in _closure(fn)["mask_functions"] for p in _pieces(f)]
+    if code is _OR:
+        fns = _closure(fn)["mask_functions"]
+        blocks = [f for f in fns if getattr(f, "__code__", None) is _BLOCKWISE]
+        if len(blocks) == len(fns) - 1:  # base OR image blocks: the base's pieces, and the blocks to judge
+            return _pieces(next(f for f in fns if f not in blocks)) + blocks
     if code is _REMAP:  # positions remapped inside each packed document: the inner mask, per document
         return _pieces(_closure(fn)["mask_function"])
     return [fn]
@@ -62,7 +77,7 @@ def describe(mask_function) -> MaskSpec:
     Raises:
         Unsupported: a piece ndp cannot apply exactly (named in the message).
     """
-    causal, window, chunk, packed = False, None, None, False
+    causal, window, chunk, packed, refused = False, None, None, False, None
     for piece in _pieces(mask_function):
         code = getattr(piece, "__code__", None)
         if code is _CAUSAL:
@@ -81,6 +96,10 @@ def describe(mask_function) -> MaskSpec:
             chunk = int(cl["chunk_size"])
         elif code is _PACKED:
             packed = True
+        elif code is _BLOCKWISE:
+            ids = _closure(piece)["block_sequence_ids"]
+            if torch.is_tensor(ids) and bool((ids >= 0).any()):
+                refused = _IMAGE_BLOCKS
         else:
             name = getattr(piece, "__qualname__", type(piece).__name__)
             raise Unsupported(
@@ -89,7 +108,7 @@ def describe(mask_function) -> MaskSpec:
                 f"own attention implementation.")
     if chunk is not None and window is not None:
         raise Unsupported(f"a mask that is both chunked ({chunk}) and windowed ({window}): ndp applies one of them.")
-    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed)
+    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, refused=refused)
 
 
 class _Marker(torch.Tensor):

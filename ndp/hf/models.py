@@ -5,7 +5,9 @@ ndp's CP replaces one thing, the attention call made through transformers' ``Att
 mixes information along the sequence (a recurrent or state-space layer, a causal convolution, an attention the
 model computes itself, a sparse "indexer" that picks keys from the whole sequence) would run on each rank's shard
 alone and give a different model. Such a model is refused by name (:class:`Unsupported`) on every rank, before
-any work.
+any work. Token mixers and attention outside the decoder layers (a multimodal model's vision or audio tower) run on
+their own modality's inputs, never on the sharded text: they are allowed, and refused when they run under CP
+(:func:`outside_layers`; ``ndp.hf.attention.guard_outside_layers``), so text-only batches train exactly.
 """
 from __future__ import annotations
 
@@ -48,27 +50,71 @@ def attention_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if name and _calls_interface(type(m))]
 
 
-def decoder_layers(model: nn.Module) -> tuple[str, list[str]]:
-    """(``<list>.*`` pattern, names) of the decoder layers: the ModuleList holding the most attention modules."""
+def _text_decoder(model: nn.Module) -> str:
+    """Name of the text decoder transformers' ``get_decoder()`` returns ("" for the model itself or none): a
+    multimodal model's vision or audio encoder may hold more attention layers than its language model."""
+    try:
+        dec = model.get_decoder()
+    except Exception:  # noqa: BLE001 - not every model defines it; the whole model is searched then
+        return ""
+    return next((name for name, m in model.named_modules() if m is dec), "")
+
+
+def layer_stacks(model: nn.Module) -> list[str]:
+    """The text decoder's layer stacks: of its ModuleLists that hold attention modules, the shallowest ones (a
+    tower inside the decoder module nests deeper: phi4_multimodal's audio encoder; hrm_text has two stacks), the
+    one holding the most attention modules first."""
     attn = attention_modules(model)
-    best, best_count = None, 0
+    dec = _text_decoder(model)
+    found = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (not dec or _inside(name, [dec])):
             count = sum(1 for a in attn if a.startswith(f"{name}."))
-            if count > best_count:
-                best, best_count = name, count
-    if best is None:
+            if count:
+                found.append((name.count("."), -count, name))
+    depth = min((f[0] for f in found), default=None)
+    return [name for d, _, name in sorted(found) if d == depth]
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, list[str]]:
+    """(``<list>.*`` pattern, names) of the decoder layers: the first of the text decoder's stacks."""
+    stacks = layer_stacks(model)
+    if not stacks:
         return "", []
+    best = stacks[0]
     return f"{best}.*", [f"{best}.{i}" for i in range(len(model.get_submodule(best)))]
 
 
+def _mixer_names(module: nn.Module) -> list[str]:
+    return [name for name, m in module.named_modules()
+            if isinstance(m, nn.Conv1d) or _RECURRENT.search(type(m).__name__) or _INDEXER.search(type(m).__name__)]
+
+
+def _inside(name: str, layers: list[str]) -> bool:
+    return any(name == layer or name.startswith(f"{layer}.") for layer in layers)
+
+
+def outside_layers(model: nn.Module) -> list[str]:
+    """Names of the outermost token mixers and attention modules that sit outside the decoder layers (vision and
+    audio towers); empty when the model has no decoder layers (then every mixer is the text model's)."""
+    layers = layer_stacks(model)
+    if not layers:
+        return []
+    found = [n for n in _mixer_names(model) + attention_modules(model) if n and not _inside(n, layers)]
+    return sorted(n for n in found if not any(_inside(n, [o]) and n != o for o in found))
+
+
+def cp_attention_modules(model: nn.Module) -> list[str]:
+    """The attention modules CP runs: those not in :func:`outside_layers`."""
+    outside = outside_layers(model)
+    return [name for name in attention_modules(model) if not _inside(name, outside)]
+
+
 def _mixers(module: nn.Module) -> list[str]:
-    found = []
-    for name, m in module.named_modules():
-        cls = type(m).__name__
-        if isinstance(m, nn.Conv1d) or _RECURRENT.search(cls) or _INDEXER.search(cls):
-            found.append(f"{name or '.'} ({cls})")
-    return found
+    """The token mixers CP cannot split, as ``name (class)``: those of the decoder layers (or all, without any)."""
+    outside = outside_layers(module)
+    return [f"{name or '.'} ({type(module.get_submodule(name)).__name__})" for name in _mixer_names(module)
+            if not _inside(name, outside)]
 
 
 def check_cp_model(model: nn.Module) -> None:
@@ -92,7 +138,7 @@ def check_cp_model(model: nn.Module) -> None:
             f"{kind}: no attention module calls transformers' AttentionInterface (the model computes attention "
             f"itself), so ndp's context parallelism cannot reach it and each rank would attend within its own "
             f"shard. Run it with cp_size=1, or use a model whose attention goes through the AttentionInterface.")
-    _, layers = decoder_layers(model)
+    layers = [f"{s}.{i}" for s in layer_stacks(model) for i in range(len(model.get_submodule(s)))]
     without = [name for name in layers if not any(a.startswith(f"{name}.") for a in attn)]
     if without:
         raise Unsupported(
@@ -100,4 +146,5 @@ def check_cp_model(model: nn.Module) -> None:
             f"ndp's context parallelism cannot reach what mixes tokens there. Run it with cp_size=1.")
 
 
-__all__ = ["Unsupported", "text_config", "attention_modules", "decoder_layers", "check_cp_model"]
+__all__ = ["Unsupported", "text_config", "attention_modules", "decoder_layers", "outside_layers",
+           "cp_attention_modules", "layer_stacks", "check_cp_model"]

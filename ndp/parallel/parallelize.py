@@ -199,10 +199,37 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
         for sub in _odd_dtype_modules(blk):
             fully_shard(sub, reshard_after_forward=reshard_after_forward and not last, **kw)
         fully_shard(blk, reshard_after_forward=reshard_after_forward and not last, **kw)
+        tie_experts(blk)  # after fully_shard: its hook runs once FSDP has gathered the parameters
     for sub in _odd_dtype_modules(model):
         fully_shard(sub, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
+
+
+def _expert_params(block: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in block.named_parameters() if p.requires_grad and "expert" in n.lower()]
+
+
+def _tie_hook(module, args, kwargs):
+    if not torch.is_grad_enabled():
+        return None
+    # 0 * one element of each expert parameter: its gradient is a zero tensor of the parameter's shape.
+    tie = sum((p.to_local() if isinstance(p, DTensor) else p).reshape(-1)[0] for p in _expert_params(module)) * 0
+    if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+        return (args[0] + tie.to(args[0].dtype),) + tuple(args[1:]), kwargs
+    hidden = kwargs.get("hidden_states")
+    if torch.is_tensor(hidden) and hidden.is_floating_point():
+        return args, {**kwargs, "hidden_states": hidden + tie.to(hidden.dtype)}
+    return None
+
+
+def tie_experts(block: nn.Module) -> None:
+    """MoE blocks under FSDP2: every rank must reduce-scatter the same parameters, but an expert that no token of
+    this rank's batch reached gets no gradient here (transformers' experts skip it), the ranks' collectives then
+    disagree (gloo aborts, NCCL hangs). A zero-valued tie from each expert parameter (name containing "expert")
+    into the block's input hidden states gives each a gradient, zero where unused, on every rank; it adds 0."""
+    if _expert_params(block):
+        block.register_forward_pre_hook(_tie_hook, with_kwargs=True)
 
 
 def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:

@@ -119,7 +119,10 @@ SEQ, BATCH = 32, 2
 # Families that compute part of a layer in float32 inside a float64 model: a parameter's gradient summed over the
 # tokens in another order differs by float32 rounding (checked parameter by parameter), so 1e-5 there.
 FP32_INSIDE = {"apertus": "xIELU activation (alpha_p, alpha_n) in float32",
-               "gemma4_unified_text": "RMSNorm of q/k in float32"}
+               "gemma4_unified_text": "RMSNorm of q/k in float32",
+               "gemma3n_text": "RMSNorm in float32 (Gemma3nRMSNorm upcasts)",
+               "gemma4_unified": "its text model's RMSNorm of q/k in float32",
+               "longcat_flash": "router logits in float32"}
 
 
 def _rel(a, b, floor=1e-30):
@@ -134,7 +137,9 @@ def batch():
 
 
 def _forward(model, ids, pos):
-    takes_pos = "position_ids" in inspect.signature(model.forward).parameters
+    params = inspect.signature(model.forward).parameters
+    # position_ids named, or through **kwargs (moss_transcribe_diarize hands them to its language model)
+    takes_pos = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
     return model(input_ids=ids, position_ids=pos).logits if takes_pos else model(input_ids=ids).logits
 
 

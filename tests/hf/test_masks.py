@@ -20,6 +20,22 @@ def test_describe_reads_causal_window_chunk_and_packing():
     assert describe(mu.bidirectional_mask_function) == MaskSpec(causal=False)
 
 
+def test_image_blocks_honoured_when_absent_refused_when_present():
+    # git / Gemma 4: causal OR bidirectional image blocks (block_sequence_ids >= 0 inside an image).
+    text = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.full((2, 8), -1)))
+    assert describe(text) == MaskSpec(causal=True)
+    windowed = mu.and_masks(text, mu.sliding_window_overlay(4))
+    assert describe(windowed) == MaskSpec(causal=True, window=4)
+    ids = torch.full((2, 8), -1)
+    ids[1, 2:5] = 0
+    spec = describe(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)))
+    assert spec.refused and "bidirectional image blocks" in spec.refused
+    # The refusal depends on the batch: the attention raises it (under CP on every rank of the group).
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(Unsupported, match="bidirectional image blocks"):
+        ndp_attention_forward(_Attn(), q, q, q, marker(spec, "cpu"))
+
+
 def test_describe_refuses_what_it_cannot_apply():
     with pytest.raises(Unsupported, match="or_mask"):
         describe(mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function))
@@ -60,6 +76,18 @@ def test_value_head_size_unlike_query(dv):
     torch.testing.assert_close(out, _ref(q, k, v, 16 ** -0.5).transpose(1, 2), rtol=1e-10, atol=1e-10)
 
 
+def test_softcap_applied():
+    # Gemma 2's attention passes softcap: scores c * tanh(s / c) before the mask.
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64) * 3 for _ in range(3))
+    out, _ = ndp_attention_forward(_Attn(), q, k, v, None, scaling=0.25, softcap=2.0)
+    s = 2.0 * torch.tanh((q @ k.transpose(-1, -2)) * 0.25 / 2.0)
+    i = torch.arange(12)
+    want = torch.softmax(s.masked_fill(i[None, :] > i[:, None], float("-inf")), -1) @ v
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=1e-10, atol=1e-10)
+    assert (out - _ref(q, k, v, 0.25).transpose(1, 2)).abs().max() > 0.1
+
+
 def test_window_from_the_mask_wins():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 12, 16, generator=g, dtype=torch.float64) for _ in range(3))
@@ -68,7 +96,7 @@ def test_window_from_the_mask_wins():
 
 
 @pytest.mark.parametrize("kw,match", [(dict(sinks=torch.zeros(2)), "per-token attention sinks"),
-                                      (dict(softcap=30.0), "soft-capping"),
+                                      (dict(head_mask=torch.ones(2)), "a head mask"),
                                       (dict(position_bias=torch.zeros(1)), "position_bias")])
 def test_attention_arguments_are_refused_not_dropped(kw, match):
     q = torch.zeros(1, 2, 4, 8)

@@ -1,13 +1,21 @@
 """A new user's mistakes under CP get one clear error on every rank, before any work: a batch that did not go
 through shard_batch (dense or packed), a packed batch without its document table, parallelize without a mesh in a
-multi-process job."""
+multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DataCollatorWithFlattening
 
-from dist import spawn
-from ndp.train.presets import build_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dist import spawn  # noqa: E402
+from ndp.hf.attention import guard_outside_layers  # noqa: E402
+from ndp.hf.models import check_cp_model, cp_attention_modules, decoder_layers, outside_layers  # noqa: E402
+from ndp.train.presets import build_model  # noqa: E402
+from _zoo import tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -50,3 +58,38 @@ def _mistakes_body(rank, world):
 
 def test_cp_mistakes_raise_on_every_rank(tmp_path):
     spawn(_mistakes_body, 2, tmp_path, timeout_s=60)
+
+
+def _towers_body(rank, world):
+    import ndp
+    import ndp.hf
+
+    cfg = ndp.ParallelismConfig(cp_size=world)
+    model = ndp.parallelize(build_model("tiny-llama", seed=0), cfg, cfg.build_device_mesh("cpu"))
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    b = ndp.hf.shard_batch(model, input_ids=ids)
+    # A module outside the decoder layers (here the embedding, standing in for a vision / audio tower) that runs
+    # on rank 0 only, as an image in one rank's batch would make it: rank 0 refuses, rank 1 learns it at its first
+    # CP attention call instead of waiting in the ring.
+    if rank == 0:
+        guard_outside_layers(model, ["model.embed_tokens"], model.ndp_cp)
+    match = r"Embedding runs outside the decoder layers .* ndp shards the text sequence only"
+    with pytest.raises(ndp.hf.Unsupported if rank == 0 else ValueError, match=match):
+        model(**b)
+
+
+def test_towers_outside_the_decoder_refuse_under_cp_on_every_rank(tmp_path):
+    spawn(_towers_body, 2, tmp_path, timeout_s=60)
+
+
+def test_decoder_layers_are_the_text_decoders():
+    # A multimodal model's audio encoder holds more attention layers than its language model (24 vs 2 here): the
+    # FSDP / checkpoint blocks and the CP attention are the language model's; the towers are guarded instead.
+    model = tiny_model("phi4_multimodal")
+    assert decoder_layers(model)[0] == "model.layers.*"
+    assert cp_attention_modules(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    towers = outside_layers(model)
+    assert "model.embed_tokens_extend.audio_embed.encoder.encoders" not in towers  # the outermost mixers only
+    assert any(t.startswith("model.embed_tokens_extend.audio_embed") for t in towers)
+    assert any(t.startswith("model.embed_tokens_extend.image_embed") for t in towers)
+    check_cp_model(model)  # no token mixer in the decoder layers: allowed

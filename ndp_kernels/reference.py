@@ -157,7 +157,7 @@ def attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
 
 def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, out_acc=None, lse_acc=None,
-                       upcast=True, softcap=0.0):
+                       softcap=0.0, upcast=True):
     """Reference of ``ndp_kernels.flash_attn_fwd`` (same signature, plus ``upcast``).
 
     Args:
@@ -176,7 +176,7 @@ def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-
 
 def flash_attn_bwd_ref(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dq_acc=None,
-                       dk_acc=None, dv_acc=None, deterministic=False, upcast=True, softcap=0.0):
+                       dk_acc=None, dv_acc=None, deterministic=False, softcap=0.0, upcast=True):
     """Reference of ``ndp_kernels.flash_attn_bwd`` (same signature, plus ``upcast``). Plain PyTorch matmuls are
     reproducible run to run, so ``deterministic`` changes nothing here.
 

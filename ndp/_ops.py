@@ -1,7 +1,9 @@
 """Loads the compiled ops (``ndp._C`` -> ``torch.ops.ndp.*``) and registers their fake and autograd kernels.
 
 Importing this module never fails: when the extension is missing or does not load, ``load_error`` says why
-and how to fix it, and ``torch.ops.ndp.*`` stays undefined (callers fall back to Python implementations).
+and how to fix it, and ``torch.ops.ndp.*`` stays undefined (callers fall back to Python implementations). A build
+without nvcc (most runtime containers) has CPU kernels only: :func:`runs_on` tells whether an op runs on a device,
+and :func:`shard_gather` / :func:`unshard` take the same rows by indexing where it does not.
 
 Ops (schemas in csrc/ops.cpp, semantics in docs/design.md):
     merge_attn_states_(out_acc, lse_acc, block_out, block_lse) -> ()     # in place, fp32 accumulators
@@ -71,6 +73,33 @@ def has_kernel(op: str, dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
 
 
+def runs_on(op: str, device) -> bool:
+    """Whether ``torch.ops.ndp.<op>`` runs on tensors of `device`: loaded, with a kernel for its dispatch key (a
+    CUDA tensor reaching a CPU-only build raises NotImplementedError in the middle of training)."""
+    return has_kernel(op, "CUDA" if torch.device(device).type == "cuda" else "CPU")
+
+
+def shard_gather(x: torch.Tensor, dim: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+    """This rank's shard of `x` along `dim` (``torch.ops.ndp.shard_gather``, or its rows by ``index_select`` where
+    the op has no kernel for x's device)."""
+    if runs_on("shard_gather", x.device):
+        return torch.ops.ndp.shard_gather(x, dim, world_size, rank, layout)
+    d = _seq_dim(dim, x.dim())
+    return x.index_select(d, torch.ops.ndp.shard_index(x.shape[d], world_size, rank, layout).to(x.device))
+
+
+def unshard(chunks: torch.Tensor, dim: int, world_size: int, layout: str) -> torch.Tensor:
+    """The full tensor from ``torch.stack`` of every rank's shard (``torch.ops.ndp.unshard``, or by ``index_copy``
+    where the op has no kernel for the chunks' device)."""
+    if runs_on("unshard", chunks.device):
+        return torch.ops.ndp.unshard(chunks, dim, world_size, layout)
+    d = _seq_dim(dim, chunks.dim() - 1)
+    n = chunks.shape[1 + d] * world_size
+    idx = torch.cat([torch.ops.ndp.shard_index(n, world_size, r, layout) for r in range(world_size)])
+    flat = torch.cat(chunks.unbind(0), dim=d)  # rank 0's rows, then rank 1's, ...: row i goes to position idx[i]
+    return flat.new_empty(flat.shape).index_copy(d, idx.to(flat.device), flat)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Fake (meta) kernels: shapes only, for torch.compile / FakeTensorMode.
 
@@ -130,8 +159,7 @@ def _unshard_setup(ctx, inputs, output):
 
 
 def _unshard_backward(ctx, grad):
-    shards = [torch.ops.ndp.shard_gather(grad, ctx.dim, ctx.world_size, r, ctx.layout)
-              for r in range(ctx.world_size)]
+    shards = [shard_gather(grad, ctx.dim, ctx.world_size, r, ctx.layout) for r in range(ctx.world_size)]
     return torch.stack(shards), None, None, None
 
 

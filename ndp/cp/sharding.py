@@ -71,7 +71,7 @@ class _ShardFn(torch.autograd.Function):
     def forward(ctx, x, dim, group, world, rank, layout):
         ctx.dim, ctx.group, ctx.world, ctx.rank, ctx.layout = dim, group, world, rank, layout
         ctx.full_shape = x.shape
-        return torch.ops.ndp.shard_gather(x, dim, world, rank, layout)
+        return ndp._ops.shard_gather(x, dim, world, rank, layout)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,7 +81,7 @@ class _ShardFn(torch.autograd.Function):
             full = grad.new_zeros(ctx.full_shape).index_copy(ctx.dim, idx.to(grad.device), grad)
         else:
             # x is replicated on the group: its gradient is every rank's shard gradient, gathered.
-            full = torch.ops.ndp.unshard(_all_gather_stack(grad, ctx.group, ctx.world), ctx.dim, ctx.world, ctx.layout)
+            full = ndp._ops.unshard(_all_gather_stack(grad, ctx.group, ctx.world), ctx.dim, ctx.world, ctx.layout)
         return full, None, None, None, None, None
 
 
@@ -89,12 +89,12 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, world, rank, layout):
         ctx.dim, ctx.world, ctx.rank, ctx.layout = dim, world, rank, layout
-        return torch.ops.ndp.unshard(_all_gather_stack(x, group, world), dim, world, layout)
+        return ndp._ops.unshard(_all_gather_stack(x, group, world), dim, world, layout)
 
     @staticmethod
     def backward(ctx, grad):
         # The gathered tensor is used replicated on every rank: each keeps its own shard of the gradient.
-        return (torch.ops.ndp.shard_gather(grad.contiguous(), ctx.dim, ctx.world, ctx.rank, ctx.layout),
+        return (ndp._ops.shard_gather(grad.contiguous(), ctx.dim, ctx.world, ctx.rank, ctx.layout),
                 None, None, None, None, None)
 
 

@@ -150,7 +150,7 @@ def _merge(out_acc, lse_acc, piece, o, lse):
     """Merges a piece result (o [B, n, H, D], lse [B, H, n]) into the rows of the accumulators."""
     oa = out_acc[:, piece.q0:piece.q1]
     la = lse_acc[:, :, piece.q0:piece.q1]
-    if out_acc.dtype == torch.float32 and _ops.available():
+    if out_acc.dtype == torch.float32 and _ops.runs_on("merge_attn_states_", out_acc.device):
         torch.ops.ndp.merge_attn_states_(oa, la, o, lse.float())
     else:
         reference.merge_attn_states_ref(oa, la, o, lse.to(lse_acc.dtype))

@@ -4,7 +4,9 @@ torch.compile, autograd and the error messages of bad input."""
 import pytest
 import torch
 
+import ndp.cp
 from ndp import _ops
+from ndp.ops import _pieces
 from tolerances import assert_close
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -442,3 +444,38 @@ def test_load_error_explains_missing_or_stale_extension(monkeypatch):
     monkeypatch.setattr(_ops.glob, "glob", lambda pattern: ["/x/ndp/_C.cpython-311-x86_64-linux-gnu.so"])
     msg = _ops._explain(ImportError("/x/ndp/_C.so: undefined symbol: _ZN3c104impl"))
     assert "built against another torch than the installed" in msg and "rebuild" in msg
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+def test_ops_without_a_kernel_for_the_device_are_never_called(layout, monkeypatch):
+    """A build without nvcc has CPU kernels only: CUDA tensors must take the Python path, not raise
+    NotImplementedError mid-training. Stand-in: the ops report no kernel for this (CPU) device, and calling them
+    fails; sharding, unsharding (with autograd) and the engines' piece merge still give the compiled ops' results."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    want = [ndp.cp.shard_sequence(x, dim=1, world_size=4, rank=r, layout=layout) for r in range(4)]
+    full = _ops.unshard(torch.stack([w.detach() for w in want]), 1, 4, layout)
+    oa, la = torch.randn(1, 6, 2, 8, generator=g), torch.randn(1, 2, 6, generator=g)
+    blk_o, blk_l = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 2, 4, generator=g)
+    piece = _pieces.Piece("full", 1, 5, 0, 4)
+    merged = [t.clone() for t in (oa, la)]
+    _pieces._merge(*merged, piece, blk_o, blk_l)
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no kernel for this device's dispatch key")
+
+    monkeypatch.setattr(_ops, "runs_on", lambda op, device: False)
+    for op in ("shard_gather", "unshard", "merge_attn_states_"):
+        monkeypatch.setattr(torch.ops.ndp, op, no_kernel)
+    for r in range(4):
+        got = ndp.cp.shard_sequence(x, dim=1, world_size=4, rank=r, layout=layout)
+        assert torch.equal(got, want[r])
+        gx, = torch.autograd.grad(got.sum(), x)
+        gw, = torch.autograd.grad(want[r].sum(), x)
+        assert torch.equal(gx, gw)
+    assert torch.equal(_ops.unshard(torch.stack([w.detach() for w in want]), 1, 4, layout), full)
+    assert torch.equal(full, x.detach())
+    fallback = [t.clone() for t in (oa, la)]
+    _pieces._merge(*fallback, piece, blk_o, blk_l)
+    for a, b in zip(fallback, merged):
+        assert_close(a, b, torch.float32)

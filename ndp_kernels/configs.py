@@ -272,7 +272,10 @@ def tma_here(kind: str, dtype: torch.dtype, device: torch.device | None, head_di
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-_LOCAL = threading.local()  # .cfg: the override() stack of this thread; .no_probe: inside no_probe()
+# The override() choices and the no_probe() flag, process-wide: autograd runs a CUDA backward on its own worker
+# thread, so a thread-local choice made around loss.backward() would not reach the kernels it launches.
+_SCOPE = {"cfg": {}, "no_probe": False}
+_SCOPE_LOCK = threading.Lock()
 _TUNED: dict = {}
 
 
@@ -312,8 +315,8 @@ def override(kind: str, cfg):
     """Within the block, kernels of `kind` (``fwd``, ``bwd``, ``bwd_dkdv``, ``bwd_dq``) launch with the
     KernelConfig `cfg`; with kind ``bwd_impl`` the non-deterministic backward is `cfg` (``atomic`` or
     ``split``); with kind ``head_splits`` the backward splits a GQA group's query heads over up to `cfg`
-    programs (``head_splits``). This thread only. Used by the tuner to time candidates through the public
-    launchers, and by tests."""
+    programs (``head_splits``). Every thread of the process, the autograd worker that runs a CUDA backward
+    included. Used by the tuner to time candidates through the public launchers, and by tests."""
     if kind == "bwd_impl":
         if cfg not in IMPLS:
             raise ValueError(f"a bwd_impl override must be one of {IMPLS}; got {cfg!r}")
@@ -322,18 +325,19 @@ def override(kind: str, cfg):
             raise ValueError(f"a head_splits override must be an int >= 1; got {cfg!r}")
     elif kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, 'bwd_impl' or 'head_splits'; got {kind!r}")
-    stack = getattr(_LOCAL, "cfg", {})
-    old = stack.get(kind)
-    _LOCAL.cfg = {**stack, kind: cfg}
+    with _SCOPE_LOCK:
+        old = _SCOPE["cfg"].get(kind)
+        _SCOPE["cfg"] = {**_SCOPE["cfg"], kind: cfg}
     try:
         yield
     finally:
-        _LOCAL.cfg = {**_LOCAL.cfg, kind: old} if old is not None else \
-            {k: v for k, v in _LOCAL.cfg.items() if k != kind}
+        with _SCOPE_LOCK:
+            _SCOPE["cfg"] = {**_SCOPE["cfg"], kind: old} if old is not None else \
+                {k: v for k, v in _SCOPE["cfg"].items() if k != kind}
 
 
 def _forced(kind: str):
-    return getattr(_LOCAL, "cfg", {}).get(kind)
+    return _SCOPE["cfg"].get(kind)
 
 
 # First-use measurement. The static tables leave choices unmeasured on a GPU: whether the forward and the dQ
@@ -348,13 +352,13 @@ _PROBE_FAILED: set = set()
 
 @contextlib.contextmanager
 def no_probe():
-    """Within the block (this thread), missing rows take the static tables instead of being measured."""
-    old = getattr(_LOCAL, "no_probe", False)
-    _LOCAL.no_probe = True
+    """Within the block (every thread, as ``override``), missing rows take the static tables instead of being
+    measured."""
+    old, _SCOPE["no_probe"] = _SCOPE["no_probe"], True
     try:
         yield
     finally:
-        _LOCAL.no_probe = old
+        _SCOPE["no_probe"] = old
 
 
 def probe_marker(part: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
@@ -369,7 +373,7 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
 
     rows = tuned_table(device)
     marker = probe_marker(part, arch, head_dim, dtype)
-    if marker in rows or getattr(_LOCAL, "no_probe", False) or not tuning.may_measure(device, AUTO_PROBE):
+    if marker in rows or _SCOPE["no_probe"] or not tuning.may_measure(device, AUTO_PROBE):
         return rows
 
     failed = (tuning.device_key(device), marker)

@@ -5,6 +5,7 @@
 is broken (docs/design.md, "Facts the code relies on"); bf16 is covered by the AOT compile (tests/kernels/test_aot.py).
 """
 import random
+import threading
 
 import pytest
 import torch
@@ -221,6 +222,26 @@ def test_flash_attn_func_deterministic_autograd():
                                        causal=True, window_size=(10, 0))
     for x, r in zip((q, k, v), ref):
         assert_close(x.grad, r, torch.float32, "grad")
+
+
+def test_override_and_no_probe_reach_other_threads():
+    # autograd runs a CUDA backward on its own worker thread: a choice made around loss.backward() must reach it.
+    plain = configs.bwd_impl("interpreter", 64, torch.float32)
+    forced = "atomic" if plain == "split" else "split"
+    seen = {}
+
+    def worker():
+        seen["impl"] = configs.bwd_impl("interpreter", 64, torch.float32)
+        seen["tile"] = configs.fwd_config("interpreter", 64)
+        seen["no_probe"] = configs._SCOPE["no_probe"]
+
+    tile = KernelConfig(16, 16, 4, 1)
+    with configs.override("bwd_impl", forced), configs.override("fwd", tile), configs.no_probe():
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+    assert seen == {"impl": forced, "tile": tile, "no_probe": True}
+    assert configs.bwd_impl("interpreter", 64, torch.float32) == plain and not configs._SCOPE["no_probe"]
 
 
 def test_bwd_impl_selection(monkeypatch):

@@ -86,9 +86,12 @@ def save_measured(path: Path, data) -> bool:
 
 def may_measure(device, device_types) -> bool:
     """Whether a first-use measurement (the kernels' and the engines' probes) may run now on `device`: its type is
-    in `device_types`, and torch is neither compiling a graph nor capturing a CUDA graph on the current stream
-    (timing there would be wrong or break the capture)."""
+    in `device_types`, ``NDP_AUTO_PROBE=0`` is not set (the switch a launcher turns them off with: then the
+    shipped and tuned tables, else the static defaults), and torch is neither compiling a graph nor capturing a
+    CUDA graph on the current stream (timing there would be wrong or break the capture)."""
     if device is None or device.type not in device_types or torch.compiler.is_compiling():
+        return False
+    if os.environ.get("NDP_AUTO_PROBE", "1").strip() == "0":
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 

@@ -261,6 +261,9 @@ def test_no_probe_where_it_is_switched_off(probe_env, monkeypatch):
     with monkeypatch.context() as m:  # torch.compile tracing (or a CUDA graph capture) never measures
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         _grads_match(q, k, v, do)
+    with monkeypatch.context() as m:  # the launcher's switch
+        m.setenv("NDP_AUTO_PROBE", "0")
+        _grads_match(q, k, v, do)
     monkeypatch.setattr(configs, "AUTO_PROBE", ())
     _grads_match(q, k, v, do)
     assert configs.bwd_impl("interpreter", 16, torch.float32, device=None) == "atomic"  # no device: no table

@@ -897,10 +897,11 @@ def _kv_args(kind, cfg, k4, v4, head_dim: int):
 
 
 def _tma_aligned(*tensors) -> bool:
-    """Whether these tensors meet the hardware's descriptor rules: contiguous last dim, 16-byte aligned base and
-    strides; otherwise the pointer loads run."""
+    """Whether these tensors meet the hardware's descriptor rules: no empty dim (a zero-size box asserts), positive
+    strides (an expanded K/V has stride 0), contiguous last dim, 16-byte aligned base and strides; otherwise the
+    pointer loads run."""
     for t in tensors:
-        if t.stride(-1) != 1:
+        if t.numel() == 0 or t.stride(-1) != 1 or any(st <= 0 for st in t.stride()):
             return False
         size = t.element_size()
         if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):

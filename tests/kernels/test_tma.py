@@ -90,6 +90,14 @@ def test_descriptor_rules_fall_back_to_pointer_loads(descriptors):
         assert len(descriptors) == 1
     assert not flash._tma_aligned(torch.zeros(1, 8, 1, 60, dtype=torch.float16))  # 120-byte row stride
     assert flash._tma_aligned(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16))
+    assert not flash._tma_aligned(torch.zeros(1, 0, 1, 64, dtype=torch.bfloat16))  # no key rows
+    assert not flash._tma_aligned(torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16).expand(2, 8, 1, 64))  # stride 0
+    made = len(descriptors)
+    with override("fwd", TMA):  # no key at all: every row sees nothing (a TMA descriptor of it would assert)
+        q0 = torch.randn(1, 8, 2, 64).half()
+        k0 = torch.zeros(1, 0, 2, 64, dtype=torch.float16)
+        out0, lse0 = flash.flash_attn_fwd(q0, k0, k0, causal=False)
+    assert len(descriptors) == made and torch.equal(out0, torch.zeros_like(out0)) and torch.isneginf(lse0).all()
     ref = reference.flash_attn_fwd_ref(q, kv.float(), kv.float(), causal=True)[0]
     assert_close(out16.float(), ref, torch.float16)
     assert_close(out16b.float(), reference.flash_attn_fwd_ref(q16.float(), k16.float(), v16.float(),

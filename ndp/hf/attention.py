@@ -48,10 +48,14 @@ def cu_from_starts(starts):
     return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
 
 
+def position_restarts(pos):
+    """[batch, seq] bool: the tokens whose position does not continue the previous one's, where packed documents
+    start (transformers' rule, masking_utils.find_packed_sequence_indices); all False for dense rows."""
+    return F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0))
+
+
 def cu_from_position_ids(pos):
-    # Packed documents: a document starts wherever the position does not continue (transformers' rule,
-    # masking_utils.find_packed_sequence_indices).
-    return cu_from_starts(F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0)))
+    return cu_from_starts(position_restarts(pos))
 
 
 def _cu_of_chunks(batch, seq, chunk, device):
@@ -178,9 +182,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if chunk is not None and not cp_on and seq > chunk:
         cu, flat = _cu_of_chunks(batch, seq, chunk, q.device), True
     elif cu is None and not cp_on and position_ids is not None and seq > 1:
-        pos = position_ids.expand(batch, seq)
-        if bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-            cu, flat = cu_from_position_ids(pos), True
+        starts = position_restarts(position_ids.expand(batch, seq))
+        if bool(starts.any()):
+            cu, flat = cu_from_starts(starts), True
     if cu is not None:
         if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ndp.cp
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
-from .attention import cu_from_position_ids, cu_from_starts
+from .attention import cu_from_starts, position_restarts
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -68,9 +68,8 @@ def packed_cu(tensors) -> torch.Tensor | None:
     if seq_idx is not None:
         return cu_from_starts(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0)))
     pos = tensors.get("position_ids")
-    if pos is not None and pos.shape[1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-        return cu_from_position_ids(pos)
-    return None
+    starts = None if pos is None else position_restarts(pos)
+    return cu_from_starts(starts) if starts is not None and bool(starts.any()) else None
 
 
 def _pad_value(name, pad_id):
@@ -127,10 +126,15 @@ def _shard_packed(rows, cu, ctx):
     like = next(iter(rows.values()))
     if "position_ids" not in out:
         out["position_ids"] = shard.position_ids.to(like.device)[None]
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    cu = cu.to(device=like.device, dtype=torch.int32)
-    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    out.update(document_table(cu, like.device))
     return out
+
+
+def document_table(cu, device) -> dict:
+    """The packed batch's global document table as transformers' attention kwargs (``PACKING_KEYS``)."""
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    cu = cu.to(device=device, dtype=torch.int32)
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
 
 
 def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensors):
@@ -192,4 +196,4 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
 
 
-__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "parallel_state", "PACKING_KEYS"]
+__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "parallel_state", "PACKING_KEYS"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ndp.hf.batch import packed_cu, shard_rows
+from ndp.hf.batch import document_table, packed_cu, shard_rows
 
 IGNORE_INDEX = -100
 DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
@@ -210,7 +210,6 @@ def model_inputs(mb: Batch, ctx=None, device=None) -> tuple[dict, torch.Tensor]:
     if ctx is not None and ctx.enabled:
         rows = shard_rows(rows, ctx, cu=cu, pad=False)
     elif cu is not None:
-        mx = int((cu[1:] - cu[:-1]).max())
-        rows.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=mx, max_length_k=mx)
+        rows.update(document_table(cu, device))
     labels = rows.pop("labels")
     return dict(rows, use_cache=False), labels

@@ -191,10 +191,30 @@ def _entry(rank, fn, world, tmp, args, backend="gloo"):
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
+    ok = False
     try:
         fn(rank, world, *args)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        end_rank(ok)
+
+
+def end_rank(ok: bool) -> None:
+    """Leave a benchmark's process group: every rank together, then without the C++ teardown on success.
+
+    torch 2.13's gloo can abort in its static destructors at interpreter exit ("terminate called without an
+    active exception") after every rank finished, failing a run whose results are already written. A
+    failing rank (ok False) only destroys its group and lets its exception reach mp.spawn.
+    """
+    import torch.distributed as dist
+
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
+    if ok:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def comm_bytes(worlds=(2, 4), shapes=None):

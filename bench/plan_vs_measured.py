@@ -71,6 +71,7 @@ def _bytes_worker(rank, world, tmp, model, names, seq_len, batch, out_file):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     res = {}
+    ok = False
     try:
         for name in names:
             pc = ParallelismConfig(**CONFIGS[name])
@@ -114,8 +115,9 @@ def _bytes_worker(rank, world, tmp, model, names, seq_len, batch, out_file):
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(allres, f)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        bench_cp.end_rank(ok)
 
 
 def measure_bytes(model="small-llama", names=tuple(CONFIGS), seq_len=128, batch=4):
@@ -201,18 +203,19 @@ def _rates_worker(rank, barrier, args, out_file, tmp):
     world = barrier.parties
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    ok = False
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = init_device_mesh("cpu", (world,))
         r["dtensor_launch"] = _optimizer_op_us(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(r, f)
+        ok = True
     finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(r, f)
-    barrier.wait()
+        bench_cp.end_rank(ok)
 
 
 def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None) -> dict:
@@ -249,6 +252,7 @@ def _gloo_worker(rank, world, tmp, nbytes, out_file):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    ok = False
     try:
         def med(fn, n):
             return bench_cp._timed(fn, CPU, 1, n, dist.barrier)
@@ -263,8 +267,9 @@ def _gloo_worker(rank, world, tmp, nbytes, out_file):
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(r, f)
+        ok = True
     finally:
-        dist.destroy_process_group()
+        bench_cp.end_rank(ok)
 
 
 def gloo_link(world=2, nbytes=4 << 20) -> tuple[float, float, float]:
@@ -566,8 +571,7 @@ def _terms_worker(args):
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(both, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    bench_cp.end_rank(True)
 
 
 def main(argv=None):

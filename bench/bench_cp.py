@@ -206,11 +206,9 @@ def end_rank(ok: bool) -> None:
     active exception") after every rank finished, failing a run whose results are already written. A
     failing rank (ok False) only destroys its group and lets its exception reach mp.spawn.
     """
-    import torch.distributed as dist
+    import ndp
 
-    if ok:
-        dist.barrier()
-    dist.destroy_process_group()
+    ndp.shutdown(barrier=ok)
     if ok:
         sys.stdout.flush()
         sys.stderr.flush()

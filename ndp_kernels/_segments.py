@@ -199,8 +199,9 @@ def check_qkv(q, k, v, *, packed: bool):
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device; got q={q.device}, k={k.device}, v={v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k={tuple(k.shape)}, v={tuple(v.shape)}. Pass the keys "
-                         f"and values of the same tokens and kv heads.")
+        raise ValueError(f"k and v must have the same shape (the attention functions also take a different value "
+                         f"head size); got k={tuple(k.shape)}, v={tuple(v.shape)}. Pass the keys and values of the "
+                         f"same tokens and kv heads.")
     if not packed and k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size; got q={q.shape[0]}, k={k.shape[0]}. Pass k and v "
                          f"with q's batch ({q.shape[0]}).")
@@ -293,6 +294,39 @@ def check_softcap(softcap) -> float:
         raise ValueError(f"softcap must be finite and >= 0 (0 = no soft-capping); got softcap={cap!r}. Pass the "
                          f"model's cap (Gemma 2: config.attn_logit_softcapping = 50.0) or 0.")
     return cap
+
+
+def _value_head_differs(q, k, v) -> bool:
+    """q, k, v are tensors of one layout whose only difference is the value head size (MLA)."""
+    if not all(torch.is_tensor(x) and x.dim() in (3, 4) for x in (q, k, v)):
+        return False
+    return q.dim() == k.dim() == v.dim() and k.shape[-1] == q.shape[-1] and v.shape[:-1] == k.shape[:-1] \
+        and v.shape[-1] != k.shape[-1] and v.shape[-1] > 0
+
+
+def any_value_head(fn):
+    """Let the attention function ``fn(q, k, v, *, softmax_scale, return_lse, ...)`` take a value head size
+    unlike the query/key one (MLA: DeepSeek-V2/V3, MiniCPM3, Kimi; ``v`` ``[..., head_dim_v]``), exactly: the
+    scale is fixed from q's head size first, then the smaller side is padded with zero columns to one head size
+    (zero value columns add zero to the output; zero query/key columns leave every score unchanged) and the
+    output is cut back to ``head_dim_v``. The kernels and the CP transfers see the padded V (the same cost as
+    a value head of the query/key size); gradients flow through the pad and the cut."""
+    @functools.wraps(fn)
+    def call(q, k, v, *args, softmax_scale=None, return_lse=False, **kwargs):
+        if not _value_head_differs(q, k, v):
+            return fn(q, k, v, *args, softmax_scale=softmax_scale, return_lse=return_lse, **kwargs)
+        d, dv = q.shape[-1], v.shape[-1]
+        if softmax_scale is None:
+            softmax_scale = d ** -0.5
+        if dv < d:
+            v = torch.nn.functional.pad(v, (0, d - dv))
+        else:
+            q, k = (torch.nn.functional.pad(x, (0, dv - d)) for x in (q, k))
+        res = fn(q, k, v, *args, softmax_scale=softmax_scale, return_lse=return_lse, **kwargs)
+        if return_lse:
+            return res[0][..., :dv].contiguous(), res[1]
+        return res[..., :dv].contiguous()
+    return call
 
 
 def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,

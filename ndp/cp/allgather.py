@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ndp.ops.sinks import add_sinks, sinks_grad
+from ndp_kernels._segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import build_step
@@ -216,6 +217,7 @@ class AllGatherAttnFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None
 
 
+@any_value_head
 def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                         window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
                         chunk_size=None, softcap=0.0):
@@ -224,7 +226,8 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
     Args:
         q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence`` over `group`),
             or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
-        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
+        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``); v's head size
+            may differ (MLA; ``any_value_head``: out then has v's).
         group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
             chunk_size, softcap: as in ``ndp.ring_attention``.
     Returns:

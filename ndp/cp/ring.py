@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ndp.ops.sinks import add_sinks, sinks_grad
+from ndp_kernels._segments import any_value_head
 
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
 from .schedule import RingSchedule
@@ -154,6 +155,7 @@ class RingAttnFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None
 
 
+@any_value_head
 def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                    window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
                    chunk_size=None, softcap=0.0):
@@ -162,7 +164,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
     Args:
         q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence(x, dim=1,
             group=group, layout=layout)``), or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
-        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
+        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``); v's head size
+            may differ (MLA; ``any_value_head``: out then has v's).
         group: the CP ProcessGroup (None = default group) or a 1-D DeviceMesh.
         causal: causal mask over global positions.  softmax_scale: default head_dim ** -0.5.
         layout: "zigzag" | "contiguous" | "striped", the layout the inputs were sharded with.

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.sinks import add_sinks, sinks_grad
+from ndp_kernels._segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import Placement, build_step
@@ -258,6 +259,7 @@ class UlyssesAttnFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None
 
 
+@any_value_head
 def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                       window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
                       chunk_size=None, softcap=0.0):
@@ -266,7 +268,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
     Args:
         q: this rank's shard ``[batch, seq/N, heads, head_dim]`` (``ndp.shard_sequence`` over `group`,
             any layout), or packed ``[local_tokens, heads, head_dim]`` with cu_seqlens.
-        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``).
+        k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``); v's head size
+            may differ (MLA; ``any_value_head``: out then has v's).
         group: the CP group (its size is the Ulysses degree N); None = default group.
         causal, softmax_scale, window_size: mask and scale over global positions.
         layout: the layout the inputs were sharded with.  backend: local attention backend.

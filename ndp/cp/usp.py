@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.sinks import add_sinks, check_sinks
+from ndp_kernels._segments import any_value_head
 
 from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
@@ -163,6 +164,7 @@ class UspAttnFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None
 
 
+@any_value_head
 def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_scale=None, layout="zigzag",
                   backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False,
                   sinks=None, chunk_size=None, softcap=0.0):

@@ -168,7 +168,6 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         # autocast dtype, as the model's other matmuls do.
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    q, k, v, scaling, dv = _same_head_dim(q, k, v, scaling)
     batch, seq = q.shape[0], q.shape[1]
     cu = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
@@ -217,7 +216,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
             raise ValueError(f"unknown CP impl {impl!r}; expected one of {sorted(IMPL_NAMES)}")
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
-    return out[..., :dv], None
+    return out, None
 
 
 def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
@@ -260,19 +259,6 @@ def guard_outside_layers(model, names, ctx) -> None:
 
     for name in names:
         model.get_submodule(name).register_forward_pre_hook(refuse)
-
-
-def _same_head_dim(q, k, v, scaling):
-    """q, k, v with one head size, the scale fixed first. A value head size unlike the query/key one (MLA) is
-    padded with zero columns (cut from the output); query/key padded with zeros leave the scores unchanged."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if scaling is None:
-        scaling = d ** -0.5
-    if dv < d:
-        v = torch.nn.functional.pad(v, (0, d - dv))
-    elif dv > d:
-        q, k = (torch.nn.functional.pad(t, (0, dv - d)) for t in (q, k))
-    return q, k, v, scaling, dv
 
 
 def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,

@@ -13,7 +13,7 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import reference
-from ndp_kernels._segments import check_softcap, prepare, run_bwd
+from ndp_kernels._segments import any_value_head, check_softcap, prepare, run_bwd
 
 from . import _flash_attn, _sdpa
 from .engines import ENGINES, block_class, capable, choose, engine_available
@@ -147,6 +147,7 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
+@any_value_head
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, backend="auto", return_lse=False,
               deterministic=False, sinks=None, softcap=0.0):
@@ -154,7 +155,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     Args:
         q: ``[batch, seq_q, heads, head_dim]`` (packed: ``[total_tokens, heads, head_dim]`` with cu_seqlens).
-        k, v: ``[batch, seq_k, kv_heads, head_dim]`` with ``heads % kv_heads == 0``.
+        k, v: ``[batch, seq_k, kv_heads, head_dim]`` with ``heads % kv_heads == 0``; v's head size may differ
+            (MLA; ``any_value_head``: out then has v's).
         causal: bottom-right aligned causal mask.  window_size: (left, right), -1 = unlimited.
         cu_seqlens_q / cu_seqlens_k: int32 ``[num_seqs + 1]`` for packed documents.
         backend: "auto" (the fastest exact engine for the block, from measurements) or one of

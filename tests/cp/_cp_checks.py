@@ -13,15 +13,12 @@ def make_inputs(case, seed=0):
     """Full q, k, v, dout on every rank from the same seed (packed: [T, H, D])."""
     g = torch.Generator().manual_seed(seed)
     h, hk, d = case["heads"], case["kv_heads"], case["dim"]
-    if case.get("docs") is not None:
-        t = sum(case["docs"])
-        shp_q, shp_k = (t, h, d), (t, hk, d)
-    else:
-        shp_q, shp_k = (case["batch"], case["seqlen"], h, d), (case["batch"], case["seqlen"], hk, d)
-    q = torch.randn(shp_q, generator=g, dtype=torch.float64)
-    k = torch.randn(shp_k, generator=g, dtype=torch.float64)
-    v = torch.randn(shp_k, generator=g, dtype=torch.float64)
-    dout = torch.randn(shp_q, generator=g, dtype=torch.float64)
+    dv = case.get("dim_v", d)  # MLA: a value head size of its own
+    rows = (sum(case["docs"]),) if case.get("docs") is not None else (case["batch"], case["seqlen"])
+    q = torch.randn(*rows, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(*rows, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(*rows, hk, dv, generator=g, dtype=torch.float64)
+    dout = torch.randn(*rows, h, dv, generator=g, dtype=torch.float64)
     return q, k, v, dout
 
 
@@ -75,7 +72,7 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
     sinks = None
     if case.get("sinks"):
         sinks = torch.randn(case["heads"], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    if sinks is not None or case.get("chunk") or case.get("softcap"):
+    if sinks is not None or case.get("chunk") or case.get("softcap") or case.get("dim_v"):
         ref = dense_reference(case, *(x.to(dtype) for x in (q, k, v)), dout,
                               None if sinks is None else sinks.to(dtype))
     else:

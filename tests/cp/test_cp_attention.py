@@ -38,7 +38,14 @@ SOFTCAP_CASES = [
     dict(docs=[0, 9, 30, 1], heads=4, kv_heads=2, dim=16, causal=False, softcap=1.0),
     dict(batch=1, seqlen=32, heads=4, kv_heads=4, dim=16, causal=True, layout="contiguous", chunk=12, softcap=3.0),
 ]
-FEATURE_CASES = SINK_CASES + CHUNK_CASES + SOFTCAP_CASES
+# A value head size unlike the query/key one (MLA: DeepSeek-V2/V3): smaller, larger; with sinks, window, packed.
+MLA_CASES = [
+    dict(batch=2, seqlen=32, heads=4, kv_heads=2, dim=24, dim_v=16, causal=True, layout="zigzag"),
+    dict(batch=1, seqlen=32, heads=4, kv_heads=1, dim=16, dim_v=32, causal=True, window=(5, 0), layout="striped",
+         sinks=True),
+    dict(docs=[0, 9, 30, 1], heads=4, kv_heads=4, dim=32, dim_v=16, causal=True, softcap=2.0),
+]
+FEATURE_CASES = SINK_CASES + CHUNK_CASES + SOFTCAP_CASES + MLA_CASES
 
 
 def _flops_total(case, st):

@@ -206,6 +206,40 @@ def test_softcap_matches_definition(backend, case):
     assert (plain - out).abs().max() > 0.05  # the cap bends these scores: dropping it would be seen
 
 
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton", "auto"])
+@pytest.mark.parametrize("d,dv", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(causal=False, window=(4, 2), sinks=True),
+                                  dict(causal=True, docs=[7, 0, 12, 1], softcap=2.0)])
+def test_value_head_unlike_query_head(backend, d, dv, case):
+    """MLA (DeepSeek-V2/V3): v's head size differs from q/k's; out has v's, the scale is q's; out, lse and every
+    gradient against attention written from the definition."""
+    if backend == "triton" and not ndp_kernels.interpreter_active():
+        pytest.skip("triton backend on CPU runs only under TRITON_INTERPRET=1")
+    if backend == "sdpa" and case.get("softcap"):
+        pytest.skip("sdpa has no soft-capping (test_softcap_routing_and_bad_values)")
+    n = sum(case["docs"]) if "docs" in case else 19
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, n, 4, d, generator=g, dtype=torch.float64), torch.randn(1, n, 2, d, generator=g,
+                                                                                   dtype=torch.float64)
+    v = torch.randn(1, n, 2, dv, generator=g, dtype=torch.float64)
+    kw = dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0))
+    if "docs" in case:
+        cu = torch.tensor([0] + torch.tensor(case["docs"]).cumsum(0).tolist(), dtype=torch.int32)
+        q, k, v = (x[0] for x in (q, k, v))
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case["docs"]), max_seqlen_k=max(case["docs"]))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64) if case.get("sinks") else None
+    dout = torch.randn(*q.shape[:-1], dv, generator=g, dtype=torch.float64)
+    want = dense_reference(case, q, k, v, dout, sinks)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
+    out, lse = ndp.ops.attention(*inputs[:3], backend=backend, return_lse=True,
+                                 sinks=inputs[3] if sinks is not None else None, **kw)
+    assert out.shape == (*q.shape[:-1], dv) and out.is_contiguous()
+    grads = torch.autograd.grad(out, inputs, dout.to(dt))
+    for name, got, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + grads, want):
+        assert_close(got, w, dt, "out" if name in ("out", "lse") else "grad", msg=f"{backend} {name} {case}")
+
+
 def test_softcap_routing_and_bad_values():
     q, k, v = (x.detach() for x in _qkv(1, 16, 16, 4, 2, 16))
     # An engine without soft-capping is refused by name, with the engines that have it.

@@ -1,0 +1,230 @@
+"""One command measures a GPU: ``make gpu-report`` (``python bench/gpu_report.py``).
+
+Parts, each a fresh process with its own time limit, run in this order (``--parts`` / ``PARTS=`` picks some):
+
+- ``tests``: the GPU tests (``pytest -m gpu``: the CUDA ops of ``ndp._C``, the CUDA sdpa and flash-attn engines,
+  the kernels on the device).
+- ``kernels``: ``bench_kernels.py`` with every provider (ndp, its forced backwards, TMA, torch SDPA default /
+  cuDNN / flash, flash-attn): TFLOP/s by sequence length, forward, backward, forward+backward, plus its PNG.
+- ``engines``: ``bench_engines.py --only single``: ``ndp.ops.attention`` per engine against SDPA.
+- ``hf``: ``bench_engines.py --only hf``: a Hugging Face Llama trained with ndp's attention against
+  ``attn_implementation="sdpa"``, tokens/s, losses compared.
+- ``first_call``: ``first_call.py`` in a fresh process with empty Triton and tuning caches (cold), then again
+  with the caches it filled (warm): the first forward+backward and the steady state.
+
+Every part writes JSON under ``<out>/<gpu>/<part>/``; the report is ``<out>/<gpu>/report.md`` (figures from this
+run only, the part's command and its status: a part that fails or runs past its limit is reported as such and the
+others still run). The full run fits in 10 minutes on one H100.
+
+Without a CUDA device it runs the smoke mode: every part on tiny CPU shapes (Triton interpreter), in well under a
+minute, to check the whole path; the report says that no GPU figure was measured.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records)
+
+PARTS = ("tests", "kernels", "engines", "hf", "first_call")
+# (arguments on a GPU, arguments in the smoke mode, time limit on a GPU in seconds)
+COMMANDS = {
+    "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], None, 150),
+    "kernels": (["bench/bench_kernels.py", "--seqlens", "1024,4096,16384", "--head-dims", "128"],
+                ["bench/bench_kernels.py", "--smoke", "--no-static-report"], 240),
+    "engines": (["bench/bench_engines.py", "--only", "single", "--seqlens", "1024,4096,16384"],
+                ["bench/bench_engines.py", "--only", "single", "--seqlens", "128", "--iters", "2"], 60),
+    "hf": (["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "4096", "--hf-steps", "5"],
+           ["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "128", "--hf-steps", "2"], 90),
+    "first_call": (["bench/first_call.py", "--shape", "2,4096,32,8,128", "--dtype", "bfloat16"],
+                   ["bench/first_call.py", "--shape", "1,128,4,2,64", "--dtype", "float32"], 120),
+}
+
+
+def run_part(part: str, gpu: bool, out: str, limit_s: float | None) -> dict:
+    """Runs one part in fresh processes; returns its record (status, seconds, command, output tail)."""
+    args = COMMANDS[part][0 if gpu else 1]
+    if args is None:
+        return dict(part=part, status="skipped", reason="no CUDA device: the GPU tests need one", seconds=0.0)
+    limit = limit_s or (COMMANDS[part][2] if gpu else 300)
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    runs = [("", args)]
+    if part == "first_call":
+        caches = tempfile.mkdtemp(prefix="ndp-first-call-")
+        env.update(TRITON_CACHE_DIR=os.path.join(caches, "triton"), NDP_TUNING_DIR=os.path.join(caches, "tuning"))
+        runs = [(label, args + ["--label", label, "--out", out]) for label in ("cold", "warm")]
+    elif part != "tests":
+        runs = [("", args + ["--out", out])]
+    t0, tail, status = time.perf_counter(), "", "ok"
+    for _, a in runs:
+        left = limit - (time.perf_counter() - t0)
+        try:
+            proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=max(left, 1))
+        except subprocess.TimeoutExpired as e:
+            status, tail = f"ran past its {limit:.0f} s limit", _text(e.stdout) + _text(e.stderr)
+            break
+        tail = proc.stdout + proc.stderr
+        if proc.returncode:
+            status = f"failed (exit {proc.returncode})"
+            break
+    with open(os.path.join(out, "output.txt"), "w") as f:
+        f.write(tail)
+    return dict(part=part, status=status, seconds=round(time.perf_counter() - t0, 1),
+                command=" ".join(["python"] + args), tail=tail[-1500:])
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def _load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def kernels_section(d: str) -> list[str]:
+    """TFLOP/s (p50) per provider by sequence length, one table per (mode, mask); smoke: errors and times."""
+    rows = next((_load(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.startswith("kernels_")
+                 and f.endswith(".json") and not f.endswith("_ratios.json")), None) if os.path.isdir(d) else None
+    if not rows:
+        return ["no kernel rows were written"]
+    if "tflops_p50" not in rows[0]:
+        lines = ["| provider | seqlen | causal | fwd s | bwd s | max err out | max err grads | ok |", "|---" * 8 + "|"]
+        lines += [f"| {r['provider']} | {r['seqlen']} | {r['causal']} | {r['fwd_s']:.2f} | {r['bwd_s']:.2f} | "
+                  f"{r['max_err_out']:.1e} | {r['max_err_grad']:.1e} | {r['ok']} |" for r in rows]
+        return lines
+    lines = []
+    providers = sorted({r["provider"] for r in rows})
+    seqlens = sorted({r["seqlen"] for r in rows})
+    for mode in ("fwd", "bwd", "fwd+bwd"):
+        for causal in (True, False):
+            sel = [r for r in rows if r["mode"] == mode and r["causal"] == causal]
+            if not sel:
+                continue
+            d_ = sel[0]["head_dim"]
+            lines += ["", f"{mode}, {'causal' if causal else 'full'}, head_dim {d_}, TFLOP/s (p50):", "",
+                      "| provider | " + " | ".join(f"S={s}" for s in seqlens) + " |", "|---" * (len(seqlens) + 1) + "|"]
+            for p in providers:
+                got = {r["seqlen"]: r.get("tflops_p50") for r in sel if r["provider"] == p}
+                if got:
+                    lines.append(f"| {p} | " + " | ".join(f"{got[s]:.0f}" if got.get(s) else "-" for s in seqlens)
+                                 + " |")
+    pngs = [f for f in os.listdir(d) if f.endswith(".png")]
+    lines += [""] + [f"![kernels](kernels/{p})" for p in pngs]
+    return lines
+
+
+def engines_section(d: str) -> list[str]:
+    data = _load(os.path.join(d, "bench_engines.json"))
+    if not data:
+        return ["no engine rows were written"]
+    lines = ["| provider | shape | ms (p50) | p20 | p80 | ratio to the first | tokens/s |", "|---" * 7 + "|"]
+    lines += [f"| {r['provider']} | {r['shape']} | {r['ms']:.2f} | {r['p20']:.2f} | {r['p80']:.2f} | "
+              f"{r['ratio']:.3f} | {r['tokens_per_s']:.0f} |" if "tokens_per_s" in r else
+              f"| {r['provider']} | {r['shape']} | {r['ms']:.2f} | {r['p20']:.2f} | {r['p80']:.2f} | "
+              f"{r['ratio']:.3f} | - |" for r in data["rows"]]
+    return lines
+
+
+def first_call_section(d: str) -> list[str]:
+    try:
+        with open(os.path.join(d, "first_call.jsonl")) as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+    except OSError:
+        return ["no first-call rows were written"]
+    lines = ["| caches | call | forward s | backward s | Triton cache files added |", "|---" * 5 + "|"]
+    lines += [f"| {r['label']} | {r['call']} | {r['fwd_s']:.3f} | {r['bwd_s']:.3f} | {r['triton_cache_files_added']} |"
+              for r in rows]
+    return lines
+
+
+SECTIONS = {"kernels": kernels_section, "engines": engines_section, "hf": engines_section,
+            "first_call": first_call_section}
+
+
+def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
+    meta = dict(device=device, torch=torch.__version__, triton=_version("triton"),
+                transformers=_version("transformers"), git_sha=bench_cp._git_sha(),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    lines = [f"# ndp GPU report: {device}", "",
+             ", ".join(f"{k} {v}" for k, v in meta.items() if k != "device"), ""]
+    if not gpu:
+        lines += ["**Smoke mode: no CUDA device.** Every part ran on tiny CPU shapes (Triton interpreter) to check "
+                  "the path; no GPU figure was measured. Run `make gpu-report` on a GPU for the figures.", ""]
+    lines += ["| part | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['part']} | {r['status']}{': ' + r['reason'] if r.get('reason') else ''} | {r['seconds']} |"
+              for r in records]
+    for r in records:
+        lines += ["", f"## {r['part']}", ""]
+        if r.get("command"):
+            lines += [f"`{r['command']}`", ""]
+        if r["status"] != "ok" and r.get("tail"):
+            lines += ["```", r["tail"].strip()[-1200:], "```"]
+        elif r["part"] == "tests" and r.get("tail"):
+            lines += [_last_line(r["tail"])]
+        if r["part"] in SECTIONS:
+            lines += SECTIONS[r["part"]](os.path.join(base, r["part"]))
+    path = os.path.join(base, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(base, "report.json"), "w") as f:
+        json.dump(dict(meta=meta, gpu=gpu, parts=records), f, indent=1)
+    return path
+
+
+def _last_line(text: str) -> str:
+    return next((x for x in reversed(text.strip().splitlines()) if x.strip()), "")
+
+
+def _version(mod: str) -> str:
+    try:
+        return __import__(mod).__version__
+    except ImportError:
+        return "not installed"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--smoke", action="store_true", help="the CPU smoke mode even where a GPU is present")
+    ap.add_argument("--limit-s", type=float, default=None, help="time limit per part (default: per part)")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
+    gpu = torch.cuda.is_available() and not args.smoke
+    device = torch.cuda.get_device_name(0) if gpu else "cpu (smoke mode)"
+    base = os.path.join(args.out, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_"))
+    records = []
+    for part in parts:
+        print(f"gpu-report: {part} ...", flush=True)
+        records.append(run_part(part, gpu, os.path.join(base, part), args.limit_s))
+        print(f"gpu-report: {part}: {records[-1]['status']} ({records[-1]['seconds']} s)", flush=True)
+    path = write_report(records, base, gpu, device)
+    print(f"report: {path}")
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

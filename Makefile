@@ -9,7 +9,7 @@ DEPS     := triton==3.9.0 numpy ninja setuptools wheel pytest pytest-timeout tra
 PYTEST   := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VPY) -m pytest
 EXT_SRC  := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/kernels/*) setup.py
 
-.PHONY: venv build test test-fast test-kernels test-dist aot-report cuda-variant demo bench wheel clean
+.PHONY: venv build test test-fast test-kernels test-dist aot-report cuda-variant demo bench gpu-report wheel clean
 
 venv: $(VENV)/.deps
 $(VENV)/.deps:
@@ -48,6 +48,13 @@ demo: build
 bench: build
 	$(VPY) bench/bench_kernels.py --out bench/results/
 	$(VPY) bench/bench_cp.py --out bench/results/
+
+# The GPU measurement in one command (bench/gpu_report.py): GPU tests, kernels, engines, HF A/B, first call;
+# report under bench/results/<gpu>/. PARTS=kernels,hf picks parts. Without a GPU: the smoke mode (seconds).
+# On a machine with its own CUDA torch: pip install --no-build-isolation -e . && make gpu-report GPU_PY=python3
+GPU_PY ?= $(VPY)
+gpu-report: $(if $(filter $(VPY),$(GPU_PY)),build)
+	$(GPU_PY) bench/gpu_report.py $(if $(PARTS),--parts $(PARTS))
 
 # CUDA variant of ndp._C (CPU + CUDA ops) built against the CUDA torch build in its own venv; needs nvcc,
 # no GPU. Installs the wheel there and checks that the CUDA kernels are registered.

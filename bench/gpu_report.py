@@ -77,7 +77,7 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None) -> dict:
             proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=max(left, 1))
         except subprocess.TimeoutExpired as e:
-            status, tail = f"ran past its {limit:.0f} s limit", _text(e.stdout) + _text(e.stderr)
+            status, tail = f"ran past its {limit:g} s limit", _text(e.stdout) + _text(e.stderr)
             break
         tail = proc.stdout + proc.stderr
         if proc.returncode:
@@ -177,6 +177,8 @@ def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
         lines += ["", f"## {r['part']}", ""]
         if r.get("command"):
             lines += [f"`{r['command']}`", ""]
+        if r.get("reason"):
+            lines += [r["reason"]]
         if r["status"] != "ok" and r.get("tail"):
             lines += ["```", r["tail"].strip()[-1200:], "```"]
         elif r["part"] == "tests" and r.get("tail"):

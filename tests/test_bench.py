@@ -126,3 +126,33 @@ def test_term_of_assigns_scopes():
              ("aten::copy_", Ev("FSDP::all_gather_copy_in")): "comm"}
     for (name, parent), term in cases.items():
         assert plan_vs_measured._term_of(Ev(name, parent)) == term, (name, term)
+
+
+def test_gpu_report_smoke_mode_runs_every_part(tmp_path):
+    # `make gpu-report` without a GPU: every part on tiny CPU shapes, one report that says no GPU figure was measured.
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_report.py"), "--out", str(tmp_path),
+                          "--smoke"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    base = tmp_path / "cpu_smoke_mode"
+    rep = json.load(open(base / "report.json"))
+    assert not rep["gpu"]
+    assert {r["part"]: r["status"] for r in rep["parts"]} == {"tests": "skipped", "kernels": "ok", "engines": "ok",
+                                                                "hf": "ok", "first_call": "ok"}
+    md = (base / "report.md").read_text()
+    assert "no GPU figure was measured" in md and "| ndp_split | 128 | True |" in md and "| HF ndp_ring (auto) |" in md
+    calls = [json.loads(x) for x in open(base / "first_call" / "first_call.jsonl")]
+    assert [(c["label"], c["call"]) for c in calls] == [(lab, i) for lab in ("cold", "warm") for i in (1, 2, 3)]
+
+
+def test_gpu_report_part_past_its_limit_is_reported_and_the_rest_run(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_report.py"), "--out", str(tmp_path),
+                          "--smoke", "--parts", "engines,first_call", "--limit-s", "0.5"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1
+    rep = json.load(open(tmp_path / "cpu_smoke_mode" / "report.json"))
+    assert [(r["part"], r["status"]) for r in rep["parts"]] == [("engines", "ran past its 0.5 s limit"),
+                                                                 ("first_call", "ran past its 0.5 s limit")]
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_report.py"), "--parts", "kernel"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown parts ['kernel']" in bad.stderr

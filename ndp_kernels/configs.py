@@ -27,6 +27,8 @@ import threading
 import torch
 import triton
 
+from . import tuning
+
 log = logging.getLogger("ndp_kernels")
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
@@ -292,8 +294,6 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
     """
     if device is None:
         return {}
-    from . import tuning
-
     key = tuning.device_key(device)
     if reload or key not in _TUNED:
         path = tuning.table_path("kernels", key)
@@ -368,25 +368,31 @@ def probe_marker(part: str, arch: str, head_dim: int, dtype: torch.dtype) -> str
 
 def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> dict:
     """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
-    ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed."""
-    from . import tune, tuning
+    ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed: once per
+    machine (``tuning.measure_once``: the other processes wait for the lock and take the rows written)."""
+    from . import tune  # tune times candidates through the launchers, which import this module
 
     rows = tuned_table(device)
     marker = probe_marker(part, arch, head_dim, dtype)
     if marker in rows or _SCOPE["no_probe"] or not tuning.may_measure(device, AUTO_PROBE):
         return rows
 
-    failed = (tuning.device_key(device), marker)
-    if failed in _PROBE_FAILED:
+    key = tuning.device_key(device)
+    if (key, marker) in _PROBE_FAILED:
         return rows
     log.info("ndp_kernels: no measured %s row for %s on %s; measuring it once (python -m ndp_kernels.tune "
-             "measures every tile)", part, marker, failed[0])
-    try:
+             "measures every tile)", part, marker, key)
+
+    def measure():
         with no_probe(), launch_device(device):  # do_bench times the current device
-            new = tune.probe(part, device, head_dim, dtype)
+            return tune.probe(part, device, head_dim, dtype)
+
+    try:
+        new = tuning.measure_once(tuning.table_path("kernels", key), marker, measure,
+                                  lambda: tune.table_meta(device, arch), valid=tuning.for_these_kernels)
     except Exception as e:  # noqa: BLE001 - never let a measurement break the caller's attention
-        _PROBE_FAILED.add(failed)
-        log.warning("ndp_kernels: measuring %s on %s failed (%s: %s); the static tables apply", marker, failed[0],
+        _PROBE_FAILED.add((key, marker))
+        log.warning("ndp_kernels: measuring %s on %s failed (%s: %s); the static tables apply", marker, key,
                     type(e).__name__, e)
         return rows
     for k, v in new.items():
@@ -421,16 +427,37 @@ def _alternates(kind, arch, head_dim, dtype) -> tuple:
     return PROBE_ALTERNATES.get((kind, arch, head_dim_bucket(head_dim)), ()) if dtype in HALF_DTYPES else ()
 
 
-def _pick(kind, static, arch, head_dim, device, dtype) -> KernelConfig:
+_PART_KINDS = {"fwd": ("fwd",), "bwd": ("bwd", "bwd_dkdv", "bwd_dq")}  # what each probe of tune.probe settles
+
+
+def _open(part, arch, head_dim, dtype, device, rows) -> bool:
+    """Whether probe `part` has a choice to make here that `rows` do not settle. Every launch asks: the cheap tests
+    first, and a choice is seen without building the variants (probe_variants has more than the static tile
+    exactly when there are alternates or TMA runs here; the backward always chooses atomic or split)."""
+    if probe_marker(part, arch, head_dim, dtype) in rows or device is None or device.type not in AUTO_PROBE:
+        return False
+    return part == "bwd" or any(_alternates(k, arch, head_dim, dtype) or tma_here(k, dtype, device, head_dim)
+                                for k in _PART_KINDS[part])
+
+
+def measure_ahead(arch: str, head_dim: int, dtype: torch.dtype, device) -> None:
+    """Settles the forward's and the backward's open choices (first-use measurement) now. The forward launcher
+    calls it: no measurement runs inside autograd's backward (``tuning.may_measure``), so the backward's is taken
+    by the forward that precedes it."""
+    for part in ("fwd", "bwd"):
+        if _open(part, arch, head_dim, dtype, device, tuned_table(device)):
+            _rows(part, arch, head_dim, dtype, device)
+
+
+def _pick(kind, static, arch, head_dim, device, dtype, measured=True) -> KernelConfig:
     forced = _forced(kind)
     if forced is not None:
         return forced
+    if not measured:
+        return _shrink_for_small_smem(static[(arch, head_dim_bucket(head_dim))], device)
     rows = tuned_table(device)
     part = "fwd" if kind == "fwd" else "bwd"  # the probe that settles `kind` (tune.probe)
-    # Every launch comes here: the cheap tests first, and whether there is a choice without building the variants
-    # (probe_variants has more than the static tile exactly when there are alternates or TMA runs here).
-    if (probe_marker(part, arch, head_dim, dtype) not in rows and device is not None and device.type in AUTO_PROBE
-            and (_alternates(kind, arch, head_dim, dtype) or tma_here(kind, dtype, device, head_dim))):
+    if _open(part, arch, head_dim, dtype, device, rows):
         rows = _rows(part, arch, head_dim, dtype, device)
     row = rows.get(tuned_key(kind, arch, head_dim, dtype))
     if row is not None:
@@ -466,23 +493,25 @@ def bwd_config(arch: str, head_dim: int, device: torch.device | None = None,
 
 
 def bwd_dkdv_config(arch: str, head_dim: int, device: torch.device | None = None,
-                    dtype: torch.dtype = torch.float16) -> KernelConfig:
+                    dtype: torch.dtype = torch.float16, deterministic: bool = False) -> KernelConfig:
     """Configuration of the split backward's dK/dV kernel.
 
-    block_n key rows per program, block_m query rows per step of its loop.
+    block_n key rows per program, block_m query rows per step of its loop. deterministic: the static tile
+    (or an override), never a measured one: the tile sets the summation order, so bitwise-reproducible
+    gradients must not depend on a timing (another machine, another run).
     """
     table = _BWD_DKDV32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DKDV
-    return _pick("bwd_dkdv", table, arch, head_dim, device, dtype)
+    return _pick("bwd_dkdv", table, arch, head_dim, device, dtype, measured=not deterministic)
 
 
 def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
-                  dtype: torch.dtype = torch.float16) -> KernelConfig:
-    """Configuration of the split backward's dQ kernel.
+                  dtype: torch.dtype = torch.float16, deterministic: bool = False) -> KernelConfig:
+    """Configuration of the split backward's dQ kernel (deterministic: as bwd_dkdv_config).
 
     block_m query rows per program, block_n key rows per step of its loop.
     """
     table = _BWD_DQ32 if dtype == torch.float32 and arch != "interpreter" else _BWD_DQ
-    return _pick("bwd_dq", table, arch, head_dim, device, dtype)
+    return _pick("bwd_dq", table, arch, head_dim, device, dtype, measured=not deterministic)
 
 
 def with_softcap(kind: str, cfg: KernelConfig, head_dim: int) -> KernelConfig:

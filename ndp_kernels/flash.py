@@ -29,8 +29,8 @@ import triton.language as tl
 
 from . import _segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, head_splits, interpreting, launch_device, merge_config, tma_applies, tma_here,
-                      with_softcap)
+                      fwd_config, head_splits, interpreting, launch_device, measure_ahead, merge_config, tma_applies,
+                      tma_here, with_softcap)
 from .merge import _merge_lse, _merge_weights
 
 __all__ = ["attn_fwd_segments", "attn_bwd_segments", "flash_attn_fwd", "flash_attn_bwd",
@@ -865,7 +865,9 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
             lse = torch.full((B, H, Sq), float("-inf"), dtype=torch.float32, device=q4.device)
     if B == 0 or Sq == 0 or H == 0 or segs.table.shape[0] == 0 or segs.max_q_len == 0:
         return out, lse
-    cfg = fwd_config(current_arch(q4.device), D, q4.device, dtype=q4.dtype)
+    arch = current_arch(q4.device)
+    measure_ahead(arch, D, q4.dtype, q4.device)  # the backward's choices too: it never measures (tuning.may_measure)
+    cfg = fwd_config(arch, D, q4.device, dtype=q4.dtype)
     table, nseg = _segment_args(segs, q4.device)
     grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
     k_arg, v_arg, use_tma = _kv_args("fwd", cfg, k4, v4, D)
@@ -965,7 +967,7 @@ def _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale,
         )
 
 
-def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap):
+def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap, deterministic=False):
     """Launch the atomic-free backward: one dQ launch, one dK/dV launch per key-disjoint segment group."""
     B, _, H, D = q4.shape
     Hkv = k4.shape[2]
@@ -981,7 +983,7 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, 
         delta.stride(0), delta.stride(1),
     )
     with launch_device(q4.device):
-        cfg = bwd_dkdv_config(arch, D, q4.device, dtype=q4.dtype)
+        cfg = bwd_dkdv_config(arch, D, q4.device, dtype=q4.dtype, deterministic=deterministic)
         if softcap:
             cfg = with_softcap("bwd_dkdv", cfg, D)
         groups = [(g, *_segment_args(g, q4.device)) for g in segs.key_groups()]
@@ -1006,7 +1008,7 @@ def _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, 
             dk.add_(dk_out.sum(0))
             dv.add_(dv_out.sum(0))
         if segs.max_q_len:
-            cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype)
+            cfg = bwd_dq_config(arch, D, q4.device, dtype=q4.dtype, deterministic=deterministic)
             table, nseg = _segment_args(segs, q4.device)
             grid = (triton.cdiv(segs.max_q_len, cfg.block_m), B * nseg, H)
             k_arg, v_arg, use_tma = _kv_args("bwd_dq", cfg, k4, v4, D)
@@ -1069,8 +1071,11 @@ def attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale,
         # Soft-capped gradients take the split backward: the atomic kernel spills with the cap (ndp_kernels.aot).
         impl = "split" if softcap else bwd_impl(current_arch(q4.device), D, q4.dtype,
                                                  deterministic=bool(deterministic), device=q4.device)
-        launch = _bwd_split if impl == "split" else _bwd_atomic
-        launch(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap)
+        if impl == "split":
+            _bwd_split(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap,
+                       deterministic=bool(deterministic))
+        else:
+            _bwd_atomic(dout4, q4, k4, v4, lse3, delta, segs, dq, dk, dv, softmax_scale, softcap)
     return (dq if dq_acc is not None else dq.to(q4.dtype),
             dk if dk_acc is not None else dk.to(k4.dtype),
             dv if dv_acc is not None else dv.to(v4.dtype))

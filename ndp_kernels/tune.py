@@ -214,8 +214,8 @@ PROBE_SHAPE = dict(seqlen=4096, batch=2, heads=32, kv_heads=8)
 
 
 def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
-    """Measures the choices the static tables leave open for (this GPU model, head_dim bucket, dtype), adds their
-    rows to the user's kernel table (rows already there are kept) and returns them.
+    """Measures the choices the static tables leave open for (this GPU model, head_dim bucket, dtype) and returns
+    their rows (``configs`` merges them into the user's kernel table, once per machine: ``tuning.measure_once``).
 
     Each kernel's variants are ``configs.probe_variants``: its static tile, the PROBE_ALTERNATES tiles, and the
     static tile with TMA K/V loads where they run. part ``"fwd"``: the forward. part ``"bwd"``: the atomic
@@ -243,17 +243,11 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
     if probe_marker(part, arch, head_dim, dtype) not in rows:
         raise RuntimeError(f"no {part} variant passed its check on {device} at head_dim {head_dim}, {dtype}: "
                            f"{failed}")
-    path = tuning.table_path("kernels", tuning.device_key(device))
-    data = tuning.load_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict) or not tuning.for_these_kernels(data):
-        data = {**_meta(device, arch), "rows": {}}  # none yet, or measured for other kernels: a new table
-    for key, row in rows.items():
-        data["rows"].setdefault(key, row)
-    tuning.save_measured(path, data)
     return rows
 
 
-def _meta(device, arch) -> dict:
+def table_meta(device, arch) -> dict:
+    """The fields of a new kernel table for `device` (what it was measured with; ``kernels``: the digest)."""
     return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "arch": arch, "torch": torch.__version__, "triton": __import__("triton").__version__,
             "kernels": tuning.kernels_fingerprint(), "measured": datetime.date.today().isoformat()}
@@ -287,9 +281,11 @@ def main(argv=None) -> int:
         for dtype in dtypes:
             for d in (int(x) for x in args.head_dims.split(",")):
                 rows.update(tune_head_dim(kinds, dtype, d, device, seqlen=args.seqlen, quick=args.quick))
-    table = {**_meta(device, arch), "rows": rows}
-    tuning.save_json(path, table)
-    print(f"wrote {path} ({len(rows)} rows); ndp_kernels.configs reads it on this GPU model")
+    # Merged: the rows measured here replace theirs, every other row of the table (other head sizes, dtypes) stays.
+    table = tuning.merge_rows(path, rows, lambda: table_meta(device, arch), valid=tuning.for_these_kernels,
+                              replace=True)
+    print(f"wrote {path} ({len(rows)} rows measured, {len(table['rows'])} in the table); ndp_kernels.configs reads "
+          f"it on this GPU model")
     return 0
 
 

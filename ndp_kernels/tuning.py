@@ -6,6 +6,8 @@ only place in ndp that reads the environment for tuning, so the layers above tak
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -17,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "save_measured", "may_measure",
-           "kernels_fingerprint", "for_these_kernels"]
+__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "save_measured", "table_lock",
+           "merge_rows", "measure_once", "may_measure", "kernels_fingerprint", "for_these_kernels"]
 
 
 def tuning_dir() -> Path:
@@ -84,24 +86,95 @@ def save_measured(path: Path, data) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def table_lock(path: Path):
+    """Holds an exclusive lock on the table at `path` for every process of this machine (``flock`` on
+    ``<path>.lock``): the one writer of the table at a time. Where the lock file cannot be made (a read-only
+    cache), the block runs unlocked."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(path.name + ".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _current(path: Path, meta, valid) -> dict:
+    """The table at `path` when it is a valid ``{..., "rows": {...}}`` table, else a new one from meta()."""
+    data = load_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), dict) or not valid(data):
+        data = {**meta(), "rows": {}}
+    return data
+
+
+def merge_rows(path: Path, rows: dict, meta, *, valid=lambda data: True, replace: bool = False) -> dict:
+    """Adds `rows` to the table at `path` under table_lock and writes it atomically; returns the table.
+
+    Rows of other keys are never dropped (another process, another head size, a shipped row). replace: the new
+    rows win over the file's rows of the same keys (a full tuning run); else the file's win (a first-use
+    measurement that lost a race keeps the decision already taken). meta(): the fields of a new table, used where
+    the file is missing or not `valid` (measured for other kernels)."""
+    with table_lock(path):
+        data = _current(path, meta, valid)
+        for key, row in rows.items():
+            if replace:
+                data["rows"][key] = row
+            else:
+                data["rows"].setdefault(key, row)
+        save_measured(path, data)
+    return data
+
+
+def measure_once(path: Path, marker: str, measure, meta, *, valid=lambda data: True) -> dict:
+    """The one first-use measurement of ndp (kernel tiles and attention engines): the rows of the table at
+    `path` once it holds `marker`. Under table_lock the table is read again: a process of this machine that
+    measured while this one waited has written the rows, and they are taken as they are, so every rank of a node
+    runs one decision; else measure() (its rows) is run and merged in (rows already there kept). Returns rows."""
+    with table_lock(path):
+        data = _current(path, meta, valid)
+        if marker not in data["rows"]:
+            for key, row in measure().items():
+                data["rows"].setdefault(key, row)
+            save_measured(path, data)
+    return data["rows"]
+
+
 def may_measure(device, device_types) -> bool:
     """Whether a first-use measurement (the kernels' and the engines' probes) may run now on `device`: its type is
     in `device_types`, ``NDP_AUTO_PROBE=0`` is not set (the switch a launcher turns them off with: then the
-    shipped and tuned tables, else the static defaults), and torch is neither compiling a graph nor capturing a
-    CUDA graph on the current stream (timing there would be wrong or break the capture)."""
+    shipped and tuned tables, else the static defaults), autograd is not running a backward (a measurement there
+    would stall every rank's backward and its collectives; the forward measures what the backward needs), and
+    torch is neither compiling a graph nor capturing a CUDA graph on the current stream (timing there would be
+    wrong or break the capture)."""
     if device is None or device.type not in device_types or torch.compiler.is_compiling():
+        return False
+    if torch._C._current_graph_task_id() != -1:
         return False
     if os.environ.get("NDP_AUTO_PROBE", "1").strip() == "0":
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+# Every source the launched kernels depend on: the kernels, their launchers, the segment tables they walk, the
+# static tiles and rules, the merge kernel.
+KERNEL_SOURCES = ("flash.py", "merge.py", "_segments.py", "configs.py")
+
+
 @functools.cache
 def kernels_fingerprint() -> str:
-    """A digest of the Triton kernels' source (``flash.py``): a kernel table measured for other kernels names
-    launch configurations that may now be slower or no longer compile, so ``configs.tuned_table`` ignores it."""
-    src = (Path(__file__).parent / "flash.py").read_bytes()
-    return hashlib.sha256(src).hexdigest()[:16]
+    """A digest of the kernels' sources (KERNEL_SOURCES): a kernel table measured for other kernels names launch
+    configurations that may now be slower or no longer compile, so ``configs.tuned_table`` ignores it."""
+    h = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        h.update((Path(__file__).parent / name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def for_these_kernels(table: dict) -> bool:

@@ -4,12 +4,13 @@ says so and exits 2."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import ndp_kernels
-from ndp_kernels import configs, reference
+from ndp_kernels import configs, reference, tuning
 from ndp_kernels.configs import KernelConfig
 
 pytest.importorskip("triton")
@@ -166,7 +167,8 @@ def test_first_backward_measures_which_backward_serves_it_once_and_saves_it(prob
     spies = {"atomic": [], "split": []}
     for impl in spies:
         real = getattr(flash, f"_bwd_{impl}")
-        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _r=real, _n=impl: (spies[_n].append(1), _r(*a))[1])
+        monkeypatch.setattr(flash, f"_bwd_{impl}",
+                            lambda *a, _r=real, _n=impl, **kw: (spies[_n].append(1), _r(*a, **kw))[1])
     q, k, v, do = _qkvd()
     _grads_match(q, k, v, do)
     assert probe_env["calls"] == ["bwd"]
@@ -205,20 +207,21 @@ def test_on_hopper_the_first_use_measures_tma_against_pointer_loads(probe_env, m
     out, lse = ndp_kernels.flash_attn_fwd(q, k, v, causal=True)
     ro, rl = reference.flash_attn_fwd_ref(q.double(), k.double(), v.double(), causal=True)
     torch.testing.assert_close(out.double(), ro, atol=2e-3, rtol=2e-3)
-    assert probe_env["calls"] == ["fwd"]
+    assert probe_env["calls"] == ["fwd", "bwd"]  # the forward settles the backward's choices too
     row = configs.tuned_table(CPU)["fwd/interpreter/64/float16"]
     static = configs.static_config("fwd", "interpreter", 16, torch.float16)
     assert row["probed"] and row["config"] == static.as_row() + ([True] if fast == "tma" else [])
     assert set(row["candidates"]) == {str(static), str(static) + "/tma"}
     assert configs.fwd_config("interpreter", 16, CPU, torch.float16).tma == (fast == "tma")
     ndp_kernels.flash_attn_fwd(q, k, v, causal=True)
-    assert probe_env["calls"] == ["fwd"]
-    # fp32 has no TMA: nothing to measure for the forward
-    ndp_kernels.flash_attn_fwd(q.float(), k.float(), v.float(), causal=True)
-    assert probe_env["calls"] == ["fwd"]
-    # the backward: the split one's dQ kernel with and without TMA, then the faster backward
-    grads = ndp_kernels.flash_attn_bwd(do.half(), q, k, v, out, lse, causal=True)
     assert probe_env["calls"] == ["fwd", "bwd"]
+    # fp32 has no TMA: nothing to measure for the forward, the backward's choice only
+    ndp_kernels.flash_attn_fwd(q.float(), k.float(), v.float(), causal=True)
+    assert probe_env["calls"] == ["fwd", "bwd", "bwd"]
+    # the backward measured by the forward (the split one's dQ kernel with and without TMA, then the faster
+    # backward): it measures nothing itself
+    grads = ndp_kernels.flash_attn_bwd(do.half(), q, k, v, out, lse, causal=True)
+    assert probe_env["calls"] == ["fwd", "bwd", "bwd"]
     want = reference.flash_attn_bwd_ref(do.double(), q.double(), k.double(), v.double(), ro, rl, causal=True)
     for g, w in zip(grads, want):
         torch.testing.assert_close(g.double(), w, atol=1e-2, rtol=1e-2)
@@ -228,8 +231,8 @@ def test_on_hopper_the_first_use_measures_tma_against_pointer_loads(probe_env, m
     assert rows["bwd_dq/interpreter/64/float16"]["config"] == dq.as_row() + ([True] if fast == "tma" else [])
     assert configs.bwd_dq_config("interpreter", 16, CPU, torch.float16).tma == (fast == "tma")
     saved = json.loads(probe_env["table"].read_text())["rows"]
-    assert {"fwd/interpreter/64/float16", "bwd_dq/interpreter/64/float16", "bwd_impl/interpreter/64/float16"} \
-        == set(saved)
+    assert {"fwd/interpreter/64/float16", "bwd_dq/interpreter/64/float16", "bwd_impl/interpreter/64/float16",
+            "bwd_impl/interpreter/64/float32"} == set(saved)
 
 
 @needs_interp
@@ -279,7 +282,7 @@ def test_tuning_the_atomic_backward_times_it_even_where_the_table_says_split(tmp
         "bwd_impl/interpreter/64/float32": {"impl": "split", "ms": {"atomic": 2.0, "split": 1.0}}}}))
     ran = []
     for impl in ("atomic", "split"):
-        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _n=impl: ran.append(_n))
+        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _n=impl, **kw: ran.append(_n))
     try:
         configs.tuned_table(CPU, reload=True)
         q, k, v, do = _qkvd()
@@ -353,17 +356,24 @@ def test_first_use_times_the_alternate_tiles_beside_the_static_one(probe_env, mo
     monkeypatch.setattr(tune, "_bench", fake_bench)
     q, k, v, do = (x.half() for x in _qkvd())
     out, lse = reference.flash_attn_fwd_ref(q.double(), k.double(), v.double(), causal=True)
-    # deterministic=True asks for the dK/dV tiles, which now have something to decide: the probe runs
-    grads = ndp_kernels.flash_attn_bwd(do, q, k, v, out.half(), lse.float(), causal=True, deterministic=True)
+    # deterministic=True never depends on a timing: the static dK/dV tiles, no measurement
     want = reference.flash_attn_bwd_ref(do.double(), q.double(), k.double(), v.double(), out, lse, causal=True)
-    for g, w in zip(grads, want):
-        torch.testing.assert_close(g.double(), w, atol=1e-2, rtol=1e-2)
-    assert probe_env["calls"] == ["bwd"]
+    seen = []
+    real_cfg = configs.bwd_dkdv_config
+    monkeypatch.setattr(ndp_kernels.flash, "bwd_dkdv_config",
+                        lambda *a, **kw: (seen.append(real_cfg(*a, **kw)), seen[-1])[1])
+    for det in (True, False):
+        grads = ndp_kernels.flash_attn_bwd(do, q, k, v, out.half(), lse.float(), causal=True, deterministic=det)
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g.double(), w, atol=1e-2, rtol=1e-2)
+        assert probe_env["calls"] == ([] if det else ["bwd"])  # deterministic=False: the dK/dV tiles measured
+    assert seen[0] == static
     rows = configs.tuned_table(CPU)
     row = rows["bwd_dkdv/interpreter/64/float16"]
     assert row["probed"] and row["config"] == (alt if alt_wins else static).as_row()
     assert set(row["candidates"]) == {str(static), str(alt)}
     assert configs.bwd_dkdv_config("interpreter", 16, CPU, torch.float16) == (alt if alt_wins else static)
+    assert configs.bwd_dkdv_config("interpreter", 16, CPU, torch.float16, deterministic=True) == static
     # one variant each: the atomic and dQ kernels get no row; the backward choice does
     assert "bwd/interpreter/64/float16" not in rows and "bwd_dq/interpreter/64/float16" not in rows
     # the split backward was timed with the winning dK/dV tiles (1 ms per call here), the atomic one at 3 ms
@@ -381,3 +391,68 @@ def test_a_probe_where_nothing_passes_says_why(probe_env, monkeypatch):
         tune.probe("bwd", CPU, 16, torch.float32)
     with pytest.raises(ValueError, match="part must be 'fwd' or 'bwd'"):
         tune.probe("dq", CPU, 16, torch.float32)
+
+
+_RACER = """
+import json, sys, time
+from ndp_kernels import tuning
+path, marker, tag, out = sys.argv[1:5]
+def measure():
+    time.sleep(1.0)  # long enough for the other process to be waiting on the lock
+    return {marker: {"by": tag}, "extra/" + tag: {"by": tag}}
+rows = tuning.measure_once(path, marker, measure, lambda: {"kernels": "x"})
+json.dump({"measured": "extra/" + tag in rows and rows["extra/" + tag]["by"] == tag, "row": rows[marker]},
+          open(out, "w"))
+"""
+
+
+def test_two_processes_measuring_at_once_take_one_decision_and_the_table_keeps_every_row(tmp_path):
+    # The ranks of one node reach their first launch together: one measures, the other waits for the lock and
+    # takes the rows written. A later measurement of another row is merged in, never replacing the table.
+    path = tmp_path / "kernels-x.json"
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(path), "fwd/a", tag, str(tmp_path / f"{tag}.json")])
+             for tag in ("r0", "r1")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"{t}.json").read_text()) for t in ("r0", "r1")]
+    assert sorted(g["measured"] for g in got) == [False, True]   # measured once
+    assert got[0]["row"] == got[1]["row"]                         # one decision
+    tuning.merge_rows(path, {"fwd/b": {"by": "later"}, "fwd/a": {"by": "loser"}}, lambda: {})
+    rows = json.loads(path.read_text())["rows"]
+    assert rows["fwd/b"] == {"by": "later"} and rows["fwd/a"] == got[0]["row"] and len(rows) == 3
+    tuning.merge_rows(path, {"fwd/a": {"by": "full tune"}}, lambda: {}, replace=True)
+    assert json.loads(path.read_text())["rows"]["fwd/a"] == {"by": "full tune"} and len(rows) == 3
+
+
+def test_never_measured_inside_autograd_backward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(tuning.may_measure(CPU, ("cpu",)))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(tuning.may_measure(CPU, ("cpu",)))
+            return g * 2
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [True, False]
+
+
+def test_the_kernel_digest_covers_every_source_the_kernels_depend_on(tmp_path, monkeypatch):
+    assert set(tuning.KERNEL_SOURCES) >= {"flash.py", "merge.py", "_segments.py", "configs.py"}
+    base = tuning.kernels_fingerprint()
+    for name in tuning.KERNEL_SOURCES:
+        pkg = tmp_path / name.replace(".py", "")
+        pkg.mkdir()
+        for other in tuning.KERNEL_SOURCES:
+            src = (Path(tuning.__file__).parent / other).read_bytes()
+            (pkg / other).write_bytes(src + (b"\n# changed\n" if other == name else b""))
+        monkeypatch.setattr(tuning, "__file__", str(pkg / "tuning.py"))
+        tuning.kernels_fingerprint.cache_clear()
+        assert tuning.kernels_fingerprint() != base, name
+    monkeypatch.undo()
+    tuning.kernels_fingerprint.cache_clear()
+    assert tuning.kernels_fingerprint() == base

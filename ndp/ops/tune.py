@@ -152,16 +152,19 @@ PROBE_ITERS = 3
 
 
 def probe_row(device, cls, dtype, head_dim) -> tuple[str, ...]:
-    """Measures the row (cls, dtype, head_dim bucket) on `device`, saves it into the user's engine table and
-    returns its order. The saved file keeps the rows it had (written atomically)."""
+    """The order of the row (cls, dtype, head_dim bucket) on `device`, measured once per machine and merged into
+    the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row written,
+    so the ranks of a node run one engine order; the table keeps every other row)."""
     device = torch.device(device)
-    row = measure_row(device, cls, dtype, head_dim, s=PROBE_SEQLEN, iters=PROBE_ITERS, with_reference=False)
-    row["probed"] = True
-    path = tuning.table_path("engines", tuning.device_key(device))
-    data = tuning.load_json(path) or {**_meta(device, PROBE_SEQLEN, PROBE_ITERS), "rows": {}}
-    data["rows"][_row_key(cls, dtype, head_dim)] = row
-    tuning.save_measured(path, data)
-    return tuple(row["order"])
+    key = _row_key(cls, dtype, head_dim)
+
+    def measure():
+        row = measure_row(device, cls, dtype, head_dim, s=PROBE_SEQLEN, iters=PROBE_ITERS, with_reference=False)
+        return {key: {**row, "probed": True}}
+
+    rows = tuning.measure_once(tuning.table_path("engines", tuning.device_key(device)), key, measure,
+                               lambda: _meta(device, PROBE_SEQLEN, PROBE_ITERS))
+    return tuple(rows[key]["order"])
 
 
 def _triton_version():

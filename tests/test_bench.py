@@ -64,7 +64,7 @@ def test_kernel_bench_ndp_providers_run_the_backward_they_name(monkeypatch):
     ran = []
     for impl in ("atomic", "split"):
         real = getattr(flash, f"_bwd_{impl}")
-        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _r=real, _n=impl: (ran.append(_n), _r(*a))[1])
+        monkeypatch.setattr(flash, f"_bwd_{impl}", lambda *a, _r=real, _n=impl, **kw: (ran.append(_n), _r(*a, **kw))[1])
     table = {"bwd_impl/interpreter/64/float16": {"impl": "split", "ms": {"atomic": 2.0, "split": 1.0}}}
     monkeypatch.setattr(configs, "tuned_table", lambda device, reload=False: table)
     g = torch.Generator().manual_seed(0)

@@ -252,7 +252,7 @@ def test_bwd_impl_selection(monkeypatch):
             assert configs.bwd_impl(arch, d, torch.bfloat16) in ("split", "atomic")
     calls = []
     real = flash._bwd_split
-    monkeypatch.setattr(flash, "_bwd_split", lambda *a: calls.append("split") or real(*a))
+    monkeypatch.setattr(flash, "_bwd_split", lambda *a, **kw: calls.append("split") or real(*a, **kw))
     q, k, v, dout = qkv(1, 20, 20, 2, 1, 64, torch.float32, seed=13)
     out, lse = reference.flash_attn_fwd_ref(q, k, v, causal=True)
     flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True)

@@ -172,7 +172,6 @@ def _bytes_body(rank, world, out_file, shapes):
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(allres, f)
-    dist.barrier()
 
 
 def _spawn(fn, world, *args):
@@ -338,7 +337,6 @@ def _time_body(rank, world, out_file, cfg):
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(res, f)
-    dist.barrier()
 
 
 def _single_time(cfg):

@@ -63,15 +63,15 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None) -> dict:
     limit = limit_s or (COMMANDS[part][2] if gpu else 300)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = [("", args)]
+    runs = [args]
     if part == "first_call":
         caches = tempfile.mkdtemp(prefix="ndp-first-call-")
         env.update(TRITON_CACHE_DIR=os.path.join(caches, "triton"), NDP_TUNING_DIR=os.path.join(caches, "tuning"))
-        runs = [(label, args + ["--label", label, "--out", out]) for label in ("cold", "warm")]
+        runs = [args + ["--label", label, "--out", out] for label in ("cold", "warm")]
     elif part != "tests":
-        runs = [("", args + ["--out", out])]
+        runs = [args + ["--out", out]]
     t0, tail, status = time.perf_counter(), "", "ok"
-    for _, a in runs:
+    for a in runs:
         left = limit - (time.perf_counter() - t0)
         try:
             proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -443,10 +443,13 @@ def _open(part, arch, head_dim, dtype, device, rows) -> bool:
 def measure_ahead(arch: str, head_dim: int, dtype: torch.dtype, device) -> None:
     """Settles the forward's and the backward's open choices (first-use measurement) now. The forward launcher
     calls it: no measurement runs inside autograd's backward (``tuning.may_measure``), so the backward's is taken
-    by the forward that precedes it."""
+    by the forward that precedes it. Every forward launch calls it: the device test first, the table read once."""
+    if device is None or device.type not in AUTO_PROBE:
+        return
+    rows = tuned_table(device)
     for part in ("fwd", "bwd"):
-        if _open(part, arch, head_dim, dtype, device, tuned_table(device)):
-            _rows(part, arch, head_dim, dtype, device)
+        if _open(part, arch, head_dim, dtype, device, rows):
+            rows = _rows(part, arch, head_dim, dtype, device)
 
 
 def _pick(kind, static, arch, head_dim, device, dtype, measured=True) -> KernelConfig:

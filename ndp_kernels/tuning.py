@@ -123,13 +123,17 @@ def merge_rows(path: Path, rows: dict, meta, *, valid=lambda data: True, replace
     the file is missing or not `valid` (measured for other kernels)."""
     with table_lock(path):
         data = _current(path, meta, valid)
-        for key, row in rows.items():
-            if replace:
-                data["rows"][key] = row
-            else:
-                data["rows"].setdefault(key, row)
+        _add(data["rows"], rows, replace)
         save_measured(path, data)
     return data
+
+
+def _add(table_rows: dict, rows: dict, replace: bool) -> None:
+    if replace:
+        table_rows.update(rows)
+    else:
+        for key, row in rows.items():
+            table_rows.setdefault(key, row)
 
 
 def measure_once(path: Path, marker: str, measure, meta, *, valid=lambda data: True) -> dict:
@@ -140,8 +144,7 @@ def measure_once(path: Path, marker: str, measure, meta, *, valid=lambda data: T
     with table_lock(path):
         data = _current(path, meta, valid)
         if marker not in data["rows"]:
-            for key, row in measure().items():
-                data["rows"].setdefault(key, row)
+            _add(data["rows"], measure(), replace=False)
             save_measured(path, data)
     return data["rows"]
 

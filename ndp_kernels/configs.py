@@ -96,7 +96,7 @@ def current_arch(device: torch.device) -> str:
     """Configuration family for ``device``: "interpreter", "sm_80" or "sm_90"."""
     if device.type != "cuda" or interpreting():
         return "interpreter"
-    major, _ = torch.cuda.get_device_capability(device)
+    major = tuning.device_properties(device).major
     # Hopper and datacenter Blackwell (227 KB shared memory) take the sm_90 tiles; Ampere, Ada and
     # consumer Blackwell take the sm_80 tiles (with fewer stages where shared memory is ~100 KB,
     # see _shrink_for_small_smem).
@@ -243,7 +243,7 @@ def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> Ke
     # keeps every sm_80 tile of the static report under 100 KB.
     if device is None or device.type != "cuda" or interpreting():
         return cfg
-    optin = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    optin = getattr(tuning.device_properties(device), "shared_memory_per_block_optin", None)
     if optin is not None and optin < 160 * 1024:
         return dataclasses.replace(cfg, num_stages=max(1, cfg.num_stages - 1))
     return cfg
@@ -271,7 +271,7 @@ def tma_here(kind: str, dtype: torch.dtype, device: torch.device | None, head_di
     configuration runs the pointer loads, so timing it would only time the plain kernel twice."""
     if device is None or device.type != "cuda" or not tma_applies(kind, dtype, head_dim):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return tuning.device_properties(device).major >= 9
 
 
 # The override() choices and the no_probe() flag, process-wide: autograd runs a CUDA backward on its own worker
@@ -348,6 +348,17 @@ def _forced(kind: str):
 # included. Device types listed here probe; set to () to keep the static tables.
 AUTO_PROBE = ("cuda",)
 _PROBE_FAILED: set = set()
+# The module that measures (``ndp_kernels.tune``: it times candidates through the launchers, which import this
+# module, so it registers itself here when it loads, with the launchers; see ndp_kernels.__getattr__). None: no
+# measurement, the static tables apply.
+_TUNER = None
+
+
+def use_tuner(module) -> None:
+    """Registers the module whose ``probe(part, device, head_dim, dtype)`` and ``table_meta(device, arch)`` the
+    first-use measurement calls (``ndp_kernels.tune`` does so when it loads)."""
+    global _TUNER
+    _TUNER = module
 
 
 @contextlib.contextmanager
@@ -370,11 +381,9 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
     """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
     ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed: once per
     machine (``tuning.measure_once``: the other processes wait for the lock and take the rows written)."""
-    from . import tune  # tune times candidates through the launchers, which import this module
-
     rows = tuned_table(device)
     marker = probe_marker(part, arch, head_dim, dtype)
-    if marker in rows or _SCOPE["no_probe"] or not tuning.may_measure(device, AUTO_PROBE):
+    if marker in rows or _SCOPE["no_probe"] or _TUNER is None or not tuning.may_measure(device, AUTO_PROBE):
         return rows
 
     key = tuning.device_key(device)
@@ -385,11 +394,11 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
 
     def measure():
         with no_probe(), launch_device(device):  # do_bench times the current device
-            return tune.probe(part, device, head_dim, dtype)
+            return _TUNER.probe(part, device, head_dim, dtype)
 
     try:
         new = tuning.measure_once(tuning.table_path("kernels", key), marker, measure,
-                                  lambda: tune.table_meta(device, arch), valid=tuning.for_these_kernels)
+                                  lambda: _TUNER.table_meta(device, arch), valid=tuning.for_these_kernels)
     except Exception as e:  # noqa: BLE001 - never let a measurement break the caller's attention
         _PROBE_FAILED.add((key, marker))
         log.warning("ndp_kernels: measuring %s on %s failed (%s: %s); the static tables apply", marker, key,
@@ -567,7 +576,7 @@ def sm_count(device: torch.device | None) -> int:
     """Streaming multiprocessors of `device` (0 off CUDA and under the interpreter)."""
     if device is None or device.type != "cuda" or interpreting():
         return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return tuning.device_properties(device).multi_processor_count
 
 
 def head_splits(programs: int, group_size: int, device: torch.device | None, dtype: torch.dtype) -> int:

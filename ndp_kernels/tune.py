@@ -21,14 +21,20 @@ Without a GPU the command says so and exits 2 (the interpreter cannot time kerne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import itertools
 import sys
+import time
 
 import torch
+import triton
+from triton.testing import do_bench
 
-from . import tuning
+from triton.errors import TritonError
+
+from . import configs, flash, reference, tuning
 from .configs import (KINDS, TMA_KINDS, KernelConfig, current_arch, no_probe, override, probe_marker,
                       probe_variants, static_config, tma_here, tuned_key)
 
@@ -48,6 +54,9 @@ _QUICK = {
     "bwd_dkdv": dict(m=(16, 32), n=(128,), w=(8,), s=(2, 3)),
     "bwd_dq": dict(m=(128,), n=(32, 64), w=(8,), s=(2, 3)),
 }
+# What a candidate that cannot run here raises (triton's compile, resource, ptxas and interpreter errors; CUDA
+# launch and memory errors); anything else is a bug and propagates (first use then logs it, static tables apply).
+LAUNCH_FAILURES = (TritonError, RuntimeError)
 _ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}
 
 
@@ -63,8 +72,6 @@ def candidates(kind: str, quick: bool = False, *, tma: bool = False) -> list[Ker
 
 def _overrides(cfgs: dict):
     """Nested ``configs.override`` blocks for every kind in `cfgs`."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     for kind, cfg in cfgs.items():
         stack.enter_context(override(kind, cfg))
@@ -79,8 +86,6 @@ def _inputs(b, s, h, hk, d, dtype, device, seed=0):
 
 def _run(kind, q, k, v, dout, causal, out=None, lse=None):
     """One call of the kernel(s) `kind` through the public launchers; returns what it computed."""
-    from . import flash
-
     if kind == "fwd":
         return flash.flash_attn_fwd(q, k, v, causal=causal)
     if kind == "bwd":  # the atomic backward, whatever a tuned table says serves deterministic=False
@@ -96,8 +101,6 @@ def check_candidate(kind, cfg, dtype, head_dim, device, *, s=192, h=4, hk=2, fix
     Returns:
         (ok, max abs error); (False, inf) when the candidate fails to compile or launch.
     """
-    from . import reference
-
     q, k, v, dout = _inputs(1, s, h, hk, head_dim, dtype, device, seed=1)
     q64, k64, v64, d64 = (x.double().cpu() for x in (q, k, v, dout))
     ref_out, ref_lse = reference.flash_attn_fwd_ref(q64, k64, v64, causal=True)
@@ -109,7 +112,7 @@ def check_candidate(kind, cfg, dtype, head_dim, device, *, s=192, h=4, hk=2, fix
             got = _run(kind, q, k, v, dout, True, out, lse)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    except Exception:  # compile / launch failure (out of resources): not a candidate here
+    except LAUNCH_FAILURES:  # does not compile or launch here (registers, shared memory): not a candidate
         return False, float("inf")
     err = max((g.double().cpu() - w).abs().max().item() for g, w in zip(got, want))
     scale = max(w.abs().max().item() for w in want)
@@ -120,11 +123,7 @@ def _bench(fn, device):
     """Median milliseconds of fn (do_bench on CUDA; one timed call after a warm-up under the interpreter,
     where only the mechanism is exercised)."""
     if device.type == "cuda":
-        from triton.testing import do_bench
-
         return float(do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0])
-    import time
-
     fn()
     t0 = time.perf_counter()
     fn()
@@ -143,8 +142,6 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
     q, k, v, dout = _inputs(batch, seqlen, heads, kv_heads, head_dim, dtype, device)
     out = lse = None
     if kind != "fwd":
-        from . import flash
-
         out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
     results, best = {}, None
     static = None
@@ -161,7 +158,7 @@ def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, 
         with _overrides({**(fixed or {}), kind: cfg}):
             try:
                 ms = sum(_bench(lambda c=c: _run(kind, q, k, v, dout, c, out, lse), device) for c in (True, False))
-            except Exception as e:  # e.g. out of resources at the large shape
+            except LAUNCH_FAILURES as e:  # e.g. out of memory at the large shape
                 results[str(cfg)] = f"failed at the timing shape ({type(e).__name__})"
                 continue
         results[str(cfg)] = round(ms, 4)
@@ -248,8 +245,8 @@ def probe(part: str, device, head_dim: int, dtype: torch.dtype) -> dict:
 
 def table_meta(device, arch) -> dict:
     """The fields of a new kernel table for `device` (what it was measured with; ``kernels``: the digest)."""
-    return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            "arch": arch, "torch": torch.__version__, "triton": __import__("triton").__version__,
+    return {"device_name": tuning.device_properties(device).name if device.type == "cuda" else device.type,
+            "arch": arch, "torch": torch.__version__, "triton": triton.__version__,
             "kernels": tuning.kernels_fingerprint(), "measured": datetime.date.today().isoformat()}
 
 
@@ -288,6 +285,8 @@ def main(argv=None) -> int:
           f"it on this GPU model")
     return 0
 
+
+configs.use_tuner(sys.modules[__name__])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_key", "table_path", "load_json", "save_json", "save_measured", "table_lock",
+__all__ = ["tuning_dir", "device_properties", "device_key", "table_path", "load_json", "save_json", "save_measured", "table_lock",
            "merge_rows", "measure_once", "may_measure", "kernels_fingerprint", "for_these_kernels"]
 
 
@@ -32,12 +32,28 @@ def tuning_dir() -> Path:
     return Path(base) / "ndp"
 
 
+def device_properties(device):
+    """torch's properties of the CUDA `device` (name, capability, SMs, shared memory), queried once per device:
+    the launchers read them on every launch."""
+    device = torch.device(device)
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
 def device_key(device) -> str:
     """A file-name-safe key per device model: ``cpu``, or the GPU's name (``NVIDIA_H100_80GB_HBM3``)."""
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
-    name = torch.cuda.get_device_name(device)
+    return _name_key(device_properties(device).name)
+
+
+@functools.cache
+def _name_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 

@@ -158,6 +158,10 @@ class EngineTable:
             return tuple(self.rows[(cls, t, b)]["order"]), f"measured for {t} head_dim {b}"
         return (), "no measured row"
 
+    def rejected(self, cls: str, dtype: torch.dtype, bucket: int) -> dict:
+        """{engine: why} for the engines the measurement of this exact row rejected (wrong, or raised)."""
+        return self.rows.get((cls, str(dtype).replace("torch.", ""), bucket), {}).get("rejected", {})
+
 
 def parse_table(data: dict, source: str) -> EngineTable:
     """An EngineTable from the JSON written by ``ndp.ops.tune``.
@@ -200,10 +204,19 @@ def engine_table(device, *, reload: bool = False) -> EngineTable:
 # taking DEFAULT_ORDER. CPU ships its table; set to () to never probe.
 AUTO_PROBE = ("cuda",)
 _PROBE_FAILED: set = set()
+# The module that measures rows (``ndp.ops.tune``: it times the engines through ``attention``, which imports this
+# module, so it registers itself when it loads; ndp.ops imports it). None: the table's rows or DEFAULT_ORDER.
+_TUNER = None
+
+
+def use_tuner(module) -> None:
+    """Registers the module whose ``probe_row(device, cls, dtype, bucket)`` measures a missing row on first use."""
+    global _TUNER
+    _TUNER = module
 
 
 def _may_probe(device) -> bool:
-    return tuning.may_measure(device, AUTO_PROBE)
+    return _TUNER is not None and tuning.may_measure(device, AUTO_PROBE)
 
 
 def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
@@ -213,22 +226,20 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
     key = (cls, dt, bucket)
     if (table.device_key,) + key in _PROBE_FAILED:
         return table.order(cls, dtype, bucket)[0]
-    from . import tune  # tune imports this module
-
     log.info("auto: no measured engine row for %s/%s/%d on %s; measuring it once (python -m ndp.ops.tune "
              "measures the whole table)", cls, dt, bucket, table.device_key)
     try:
-        order = tune.probe_row(device, cls, dtype, bucket)
+        row = _TUNER.probe_row(device, cls, dtype, bucket)
     except Exception as e:
         _PROBE_FAILED.add((table.device_key,) + key)
         log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row "
                     "or the default order %s", cls, dt, bucket, table.device_key, type(e).__name__, e,
                     DEFAULT_ORDER.get(device.type))
         return table.order(cls, dtype, bucket)[0]
-    table.rows[key] = {"order": list(order), "probed": True}
+    table.rows[key] = row
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
-    return order
+    return tuple(row["order"])
 
 
 _WARNED_REFERENCE: set = set()
@@ -263,9 +274,9 @@ def choose(segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -
     if how != "measured" and _may_probe(q4.device):
         order = _probe(table, cls, q4.dtype, bucket, q4.device)
     fallback = DEFAULT_ORDER.get(q4.device.type, ("triton",))
-    reasons = {}
+    reasons = dict(table.rejected(cls, q4.dtype, bucket))  # failed their measurement here: never run by auto
     for e in tuple(order) + tuple(x for x in fallback if x not in order):
-        if e not in AUTO_ENGINES:
+        if e not in AUTO_ENGINES or e in reasons:
             continue
         ok, why = engine_available(e, q4.device)
         if ok:

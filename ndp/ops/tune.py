@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
+import logging
 import statistics
 import sys
 import time
@@ -26,7 +28,10 @@ from ndp_kernels import NO_LIMIT, Segments, tuning
 
 from ._check import compare_to_reference
 from .attention import attention_bwd, attention_fwd
+from . import engines
 from .engines import AUTO_ENGINES, CLASSES, ENGINES, SHIPPED_DIR, block_class, capable, engine_available
+
+log = logging.getLogger(__name__)
 
 __all__ = ["class_block", "check_engine", "time_engine", "tune", "main"]
 
@@ -93,7 +98,9 @@ def time_engine(engine, cls, dtype, head_dim, device, *, s, h=8, hk=2, iters=3) 
 
 def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True) -> dict:
     """One table row: every engine available and exact here for a block of class `cls`, checked against the
-    float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "rejected"}``."""
+    float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "rejected"}``.
+    An engine that differs from the reference or raises is named in ``rejected`` and never in ``order``
+    (``engines.choose`` skips it, its default order included)."""
     segs, sq, sk = class_block(cls, 8)
     probe = torch.empty(1, sq, 1, head_dim, dtype=dtype, device=device)
     assert block_class(segs, sq, sk) == cls
@@ -105,11 +112,18 @@ def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True) 
             ok, why = capable(e, segs, probe, probe)
         if not ok:
             continue
-        good, err = check_engine(e, cls, dtype, head_dim, device)
-        if not good:
-            rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
-            continue
-        ms[e] = round(time_engine(e, cls, dtype, head_dim, device, s=s, iters=iters), 3)
+        try:
+            good, err = check_engine(e, cls, dtype, head_dim, device)
+            if good:
+                ms[e] = round(time_engine(e, cls, dtype, head_dim, device, s=s, iters=iters), 3)
+            else:
+                rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
+        except torch.OutOfMemoryError:
+            raise  # the device is full now, not the engine broken: no row is written (auto's default order serves)
+        except Exception as exc:  # noqa: BLE001 - an engine that fails here is dropped from the row, named
+            rejected[e] = f"failed: {type(exc).__name__}: {exc}"
+            log.warning("ndp.ops.tune: engine %r failed on a %s block (%s, head_dim %d) on %s and is left out of "
+                        "auto's order (%s)", e, cls, dtype, head_dim, device, rejected[e])
     order = sorted((e for e in ms if e in AUTO_ENGINES), key=ms.get)
     return {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
 
@@ -151,10 +165,10 @@ PROBE_SEQLEN = 2048
 PROBE_ITERS = 3
 
 
-def probe_row(device, cls, dtype, head_dim) -> tuple[str, ...]:
-    """The order of the row (cls, dtype, head_dim bucket) on `device`, measured once per machine and merged into
-    the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row written,
-    so the ranks of a node run one engine order; the table keeps every other row)."""
+def probe_row(device, cls, dtype, head_dim) -> dict:
+    """The row (cls, dtype, head_dim bucket) on `device` (``measure_row``), measured once per machine and merged
+    into the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row
+    written, so the ranks of a node run one engine order; the table keeps every other row)."""
     device = torch.device(device)
     key = _row_key(cls, dtype, head_dim)
 
@@ -164,16 +178,14 @@ def probe_row(device, cls, dtype, head_dim) -> tuple[str, ...]:
 
     rows = tuning.measure_once(tuning.table_path("engines", tuning.device_key(device)), key, measure,
                                lambda: _meta(device, PROBE_SEQLEN, PROBE_ITERS))
-    return tuple(rows[key]["order"])
+    return rows[key]
 
 
 def _triton_version():
-    ok, _ = ndp_kernels.triton_available()
-    if not ok:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    import triton
-
-    return triton.__version__
 
 
 def main(argv=None) -> int:
@@ -203,6 +215,8 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0
 
+
+engines.use_tuner(sys.modules[__name__])
 
 if __name__ == "__main__":
     sys.exit(main())

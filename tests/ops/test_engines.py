@@ -221,7 +221,7 @@ def test_a_cache_that_cannot_be_written_keeps_the_measured_row_for_this_process(
 
 def test_a_failed_probe_falls_back_and_is_not_retried(probing, monkeypatch, caplog):
     def broken(*a, **k):
-        raise RuntimeError("out of memory")
+        raise torch.OutOfMemoryError("out of memory")
     monkeypatch.setattr(tune, "time_engine", broken)
     q = torch.zeros(1, 16, 2, 64)
     with caplog.at_level("WARNING", logger="ndp.ops.engines"):
@@ -229,6 +229,30 @@ def test_a_failed_probe_falls_back_and_is_not_retried(probing, monkeypatch, capl
     assert "out of memory" in caplog.text and "full/float32/64" in caplog.text
     monkeypatch.setattr(tune, "time_engine", lambda *a, **k: pytest.fail("probed twice"))
     assert engines.choose(Segments.dense(16, 16, causal=False), q, q) == "sdpa"
+
+
+@pytest.mark.skipif(not ndp.ops.available_backends("cpu")["triton"][0], reason="needs triton (interpreter)")
+def test_an_engine_that_fails_its_measurement_is_never_run_by_auto(probing, monkeypatch, tmp_path):
+    # e.g. a flash-attn whose private signature ndp cannot fill: the other engines are still measured, and the
+    # failing one is named in the row and skipped, the default order (which lists it first here) included.
+    monkeypatch.setattr(tune, "engine_available", engines.engine_available)
+    real = tune.check_engine
+
+    def check(engine, *a, **k):
+        if engine == "sdpa":
+            raise TypeError("_flash_attention_forward() got an unexpected keyword argument 'window'")
+        return real(engine, *a, **k)
+    monkeypatch.setattr(tune, "check_engine", check)
+    q = torch.zeros(1, 20, 2, 64)                                                # blocks no test has memoised
+    assert engines.choose(Segments.dense(20, 20, causal=True), q, q) == "triton"
+    row = json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]["causal/float32/64"]
+    assert row["order"] == ["triton"] and "TypeError" in row["rejected"]["sdpa"]
+    engines._TABLES.clear()                                                      # as in a new process
+    monkeypatch.setattr(engines, "engine_available",
+                        lambda e, d: (False, "not here") if e == "triton" else (True, ""))
+    q = torch.zeros(1, 24, 2, 64)
+    with pytest.raises(RuntimeError, match="sdpa: failed: TypeError"):          # never falls back onto it
+        engines.choose(Segments.dense(24, 24, causal=True), q, q)
 
 
 def test_no_probe_while_compiling_or_capturing(monkeypatch):

@@ -8,13 +8,14 @@ from . import cp, ops
 from ._runtime import shutdown
 from .cp import (CommStats, allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                  split_cp_group, ulysses_attention, usp_attention)
+from .ops.tune import warmup
 from .parallel import ParallelismConfig
 
 __version__ = "0.1.0"
 
 __all__ = ["ops", "cp", "shard_sequence", "gather_sequence", "shard_packed", "ring_attention",
            "allgather_attention", "ulysses_attention", "usp_attention", "split_cp_group", "CommStats",
-           "ParallelismConfig", "parallelize", "shutdown"]
+           "ParallelismConfig", "parallelize", "shutdown", "warmup"]
 
 
 def parallelize(model, config, mesh, **kwargs):

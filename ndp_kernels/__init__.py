@@ -18,6 +18,7 @@ _LAZY = {
     "flash_attn_fwd": "flash", "flash_attn_bwd": "flash", "flash_attn_func": "flash",
     "attn_fwd_segments": "flash", "attn_bwd_segments": "flash",
     "merge_attn_states_": "merge",
+    "tuned_table": "configs", "adopt_rows": "configs", "measure_first_use": "configs",
 }
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_func", "merge_attn_states_", "reference",
@@ -41,7 +42,7 @@ def triton_available() -> tuple[bool, str]:
 def __getattr__(name):
     if name in _LAZY:
         mod = importlib.import_module(f".{_LAZY[name]}", __name__)
-        if _LAZY[name] == "flash":
+        if _LAZY[name] in ("flash", "configs"):
             # With the launchers, the first-use measurement they call (it times through them: configs.use_tuner).
             importlib.import_module(".tune", __name__)
         value = getattr(mod, name)

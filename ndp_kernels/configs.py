@@ -32,7 +32,7 @@ from . import tuning
 log = logging.getLogger("ndp_kernels")
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
-           "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
+           "adopt_rows", "measure_first_use", "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
            "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits", "sm_count"]
 
 ARCHS = ("sm_80", "sm_90")
@@ -274,9 +274,9 @@ def tma_here(kind: str, dtype: torch.dtype, device: torch.device | None, head_di
     return tuning.device_properties(device).major >= 9
 
 
-# The override() choices and the no_probe() flag, process-wide: autograd runs a CUDA backward on its own worker
+# The override() choices, process-wide (as no_probe): autograd runs a CUDA backward on its own worker
 # thread, so a thread-local choice made around loss.backward() would not reach the kernels it launches.
-_SCOPE = {"cfg": {}, "no_probe": False}
+_SCOPE = {"cfg": {}}
 _SCOPE_LOCK = threading.Lock()
 _TUNED: dict = {}
 
@@ -308,6 +308,19 @@ def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
             rows = {}
         _TUNED[key] = rows
     return _TUNED[key]
+
+
+def adopt_rows(device: torch.device, rows: dict) -> None:
+    """Takes `rows` (measured by another process: ``ndp.ops.tune.warmup``'s rank 0) as the rows of `device`'s
+    model, here and in the user's table on this machine: they replace the rows of the same keys, every other row
+    stays. The launchers then run the kernels they name and measure nothing they settle."""
+    if not rows:
+        return
+    tuned_table(device).update(rows)
+    meta = (lambda: _TUNER.table_meta(device, current_arch(device))) if _TUNER is not None else \
+        (lambda: {"kernels": tuning.kernels_fingerprint()})
+    tuning.merge_rows(tuning.table_path("kernels", tuning.device_key(device)), rows, meta,
+                      valid=tuning.for_these_kernels, replace=True)
 
 
 @contextlib.contextmanager
@@ -361,15 +374,9 @@ def use_tuner(module) -> None:
     _TUNER = module
 
 
-@contextlib.contextmanager
-def no_probe():
-    """Within the block (every thread, as ``override``), missing rows take the static tables instead of being
-    measured."""
-    old, _SCOPE["no_probe"] = _SCOPE["no_probe"], True
-    try:
-        yield
-    finally:
-        _SCOPE["no_probe"] = old
+# Within the block (every thread), missing rows take the static tables instead of being measured (the engines'
+# first-use measurement is off too).
+no_probe = tuning.no_measurement
 
 
 def probe_marker(part: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
@@ -377,17 +384,18 @@ def probe_marker(part: str, arch: str, head_dim: int, dtype: torch.dtype) -> str
     return tuned_key("fwd" if part == "fwd" else "bwd_impl", arch, head_dim, dtype)
 
 
-def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> dict:
+def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device, strict: bool = False) -> dict:
     """The tuned rows of `device`'s model, after measuring probe `part` (``fwd`` or ``bwd``, see
     ``tune.probe``) for (arch, head_dim bucket, dtype) where its rows are missing and probing is allowed: once per
-    machine (``tuning.measure_once``: the other processes wait for the lock and take the rows written)."""
+    machine (``tuning.measure_once``: the other processes wait for the lock and take the rows written). A failed
+    measurement is logged and the static tables apply; strict: it raises."""
     rows = tuned_table(device)
     marker = probe_marker(part, arch, head_dim, dtype)
-    if marker in rows or _SCOPE["no_probe"] or _TUNER is None or not tuning.may_measure(device, AUTO_PROBE):
+    if marker in rows or _TUNER is None or not tuning.may_measure(device, AUTO_PROBE):
         return rows
 
     key = tuning.device_key(device)
-    if (key, marker) in _PROBE_FAILED:
+    if (key, marker) in _PROBE_FAILED and not strict:
         return rows
     log.info("ndp_kernels: no measured %s row for %s on %s; measuring it once (python -m ndp_kernels.tune "
              "measures every tile)", part, marker, key)
@@ -400,6 +408,8 @@ def _rows(part: str, arch: str, head_dim: int, dtype: torch.dtype, device) -> di
         new = tuning.measure_once(tuning.table_path("kernels", key), marker, measure,
                                   lambda: _TUNER.table_meta(device, arch), valid=tuning.for_these_kernels)
     except Exception as e:  # noqa: BLE001 - never let a measurement break the caller's attention
+        if strict:
+            raise
         _PROBE_FAILED.add((key, marker))
         log.warning("ndp_kernels: measuring %s on %s failed (%s: %s); the static tables apply", marker, key,
                     type(e).__name__, e)
@@ -449,16 +459,23 @@ def _open(part, arch, head_dim, dtype, device, rows) -> bool:
                                 for k in _PART_KINDS[part])
 
 
-def measure_ahead(arch: str, head_dim: int, dtype: torch.dtype, device) -> None:
+def measure_ahead(arch: str, head_dim: int, dtype: torch.dtype, device, strict: bool = False) -> None:
     """Settles the forward's and the backward's open choices (first-use measurement) now. The forward launcher
     calls it: no measurement runs inside autograd's backward (``tuning.may_measure``), so the backward's is taken
-    by the forward that precedes it. Every forward launch calls it: the device test first, the table read once."""
+    by the forward that precedes it. Every forward launch calls it: the device test first, the table read once.
+    strict: a failed measurement raises (else it is logged and the static tables apply)."""
     if device is None or device.type not in AUTO_PROBE:
         return
     rows = tuned_table(device)
     for part in ("fwd", "bwd"):
         if _open(part, arch, head_dim, dtype, device, rows):
-            rows = _rows(part, arch, head_dim, dtype, device)
+            rows = _rows(part, arch, head_dim, dtype, device, strict)
+
+
+def measure_first_use(head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Measures now what the first launches at (head_dim, dtype) on `device` would (``measure_ahead``); a failure
+    raises (``ndp.warmup`` reports it on every rank) instead of leaving the static tables."""
+    measure_ahead(current_arch(device), head_dim, dtype, device, strict=True)
 
 
 def _pick(kind, static, arch, head_dim, device, dtype, measured=True) -> KernelConfig:

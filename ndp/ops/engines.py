@@ -37,7 +37,7 @@ from . import _flash_attn, _sdpa
 log = logging.getLogger(__name__)
 
 __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
-           "EngineTable", "engine_table", "choose", "SHIPPED_DIR"]
+           "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use", "choose", "SHIPPED_DIR"]
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
 ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
@@ -229,17 +229,47 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
     log.info("auto: no measured engine row for %s/%s/%d on %s; measuring it once (python -m ndp.ops.tune "
              "measures the whole table)", cls, dt, bucket, table.device_key)
     try:
-        row = _TUNER.probe_row(device, cls, dtype, bucket)
+        return _measure(table, cls, dtype, bucket, device)
     except Exception as e:
         _PROBE_FAILED.add((table.device_key,) + key)
         log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row "
                     "or the default order %s", cls, dt, bucket, table.device_key, type(e).__name__, e,
                     DEFAULT_ORDER.get(device.type))
         return table.order(cls, dtype, bucket)[0]
-    table.rows[key] = row
+
+
+def _measure(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
+    row = _TUNER.probe_row(device, cls, dtype, bucket)
+    table.rows[(cls, str(dtype).replace("torch.", ""), bucket)] = row
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
     return tuple(row["order"])
+
+
+def measure_first_use(cls: str, dtype: torch.dtype, head_dim: int, device) -> None:
+    """Measures now the row (cls, dtype, head_dim bucket) that auto's first block of that kind on `device` would
+    (no measured row, measurement allowed here); a failure raises (``ndp.warmup`` reports it on every rank)."""
+    table, bucket = engine_table(device), head_dim_bucket(head_dim)
+    if table.order(cls, dtype, bucket)[1] != "measured" and _may_probe(device):
+        _measure(table, cls, dtype, bucket, device)
+
+
+def table_rows(device) -> dict:
+    """The rows of `device`'s engine table in use, keyed as in its file (``class/dtype/bucket``)."""
+    return {f"{c}/{t}/{b}": row for (c, t, b), row in engine_table(device).rows.items()}
+
+
+def adopt_rows(device, rows: dict) -> None:
+    """Takes `rows` (``table_rows`` of another process: ``ndp.ops.tune.warmup``'s rank 0) as `device`'s rows,
+    here and in the user's table on this machine; rows of the same keys are replaced, every other row stays."""
+    if not rows:
+        return
+    table = engine_table(device)
+    table.rows.update(parse_table({"device_key": table.device_key, "rows": rows}, "rows adopted").rows)
+    path = tuning.table_path("engines", table.device_key)
+    tuning.merge_rows(path, rows, lambda: {"device_key": table.device_key}, replace=True)
+    if table.source == "none":
+        table.source = str(path)
 
 
 _WARNED_REFERENCE: set = set()

@@ -2,6 +2,7 @@
 
     python -m ndp.ops.tune                       # this machine's GPU (CPU when there is none)
     python -m ndp.ops.tune --device cpu --ship   # write the table shipped inside the package
+    python -m ndp.ops.tune --warmup --head-dims 128 --dtypes bfloat16   # before training: first-use rows only
 
 For each block class (full, causal, window, varlen, other), dtype and head_dim bucket it builds one
 representative block, checks every available engine that can run it exactly against the float64
@@ -10,6 +11,9 @@ of the block (median of ``--iters``), and writes the engines ordered fastest fir
 engine (``torch``) is timed for comparison but ``auto`` never picks it. The table goes to the user's
 tuning cache (``ndp_kernels.tuning.tuning_dir()``, ``$NDP_TUNING_DIR``) as ``engines-<device>.json``;
 ``python -m ndp.info`` shows the table in use.
+
+``warmup`` (``ndp.warmup``, ``--warmup``) measures only what the first attention calls would, for given head
+sizes and dtypes, and in a distributed job shares rank 0's rows with every rank.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import ndp_kernels
 from ndp_kernels import NO_LIMIT, Segments, tuning
@@ -33,7 +38,7 @@ from .engines import AUTO_ENGINES, CLASSES, ENGINES, SHIPPED_DIR, block_class, c
 
 log = logging.getLogger(__name__)
 
-__all__ = ["class_block", "check_engine", "time_engine", "tune", "main"]
+__all__ = ["class_block", "check_engine", "time_engine", "tune", "warmup", "main"]
 
 
 def class_block(cls: str, s: int) -> tuple[Segments, int, int]:
@@ -181,6 +186,114 @@ def probe_row(device, cls, dtype, head_dim) -> dict:
     return rows[key]
 
 
+# The explicit warm-up: what the first attention calls would measure and compile, done before training.
+WARMUP_SEQLEN = 256
+WARMUP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, classes=CLASSES) -> dict:
+    """Measures and compiles now what the first attention calls would (the kernels' open choices and auto's engine
+    order per block class, for each head size and dtype), so the first training step measures nothing. A launcher
+    runs it before training (``python -m ndp.ops.tune --warmup``); ``ndp.train`` calls it.
+
+    In a distributed job (`group`; default the world once torch.distributed is initialized) call it on every rank
+    of the group: rank 0 of the group measures and broadcasts its rows, and every rank takes them (and merges them
+    into its machine's tables), so every rank on every node runs the same kernels and engines. A rank whose GPU
+    model differs from rank 0's measures its own. With ``NDP_AUTO_PROBE=0`` nothing is measured (the tables
+    apply) and the kernels are only compiled.
+
+    Returns:
+        ``{"device", "measured_by", "kernel_rows", "engine_rows", "seconds"}`` (the group rank whose rows this
+        rank runs, the rows of each table in use, this rank's time).
+    Raises:
+        ValueError: a head size or dtype ndp cannot run (before any work or communication).
+        RuntimeError: rank 0's measurement failed (on every rank of the group, naming rank 0's error).
+    """
+    head_dims, dtypes = _warmup_args(head_dims, dtypes, classes)
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    size, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    t0 = time.perf_counter()
+    measured_by = 0
+    if rank == 0:
+        sent = _measured_or_error(device, head_dims, dtypes, classes)
+    if size > 1:
+        box = [(tuning.device_key(device), sent) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
+                                   device=device if device.type == "cuda" else None)
+        sent = box[0][1]
+        if isinstance(sent, str):
+            raise RuntimeError(f"ndp.warmup: rank 0 of the group failed while measuring: {sent}")
+        if rank != 0 and box[0][0] == tuning.device_key(device):
+            _adopt(device, sent)
+            with tuning.no_measurement():  # rank 0's rows decide, also where it could not measure one
+                _first_calls(device, head_dims, dtypes, classes)
+        elif rank != 0:  # another GPU model: rank 0's timings say nothing about this one
+            measured_by = rank
+            _first_calls(device, head_dims, dtypes, classes, measure=True)
+    elif isinstance(sent, str):
+        raise RuntimeError(f"ndp.warmup failed: {sent}")
+    return {"device": tuning.device_key(device), "measured_by": measured_by,
+            "kernel_rows": len(_kernel_rows(device)), "engine_rows": len(engines.table_rows(device)),
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _warmup_args(head_dims, dtypes, classes):
+    head_dims = [head_dims] if isinstance(head_dims, int) else list(head_dims)
+    dtypes = [dtypes] if isinstance(dtypes, torch.dtype) else list(dtypes)
+    bad = [d for d in head_dims if not isinstance(d, int) or isinstance(d, bool) or d < 1]
+    if not head_dims or bad:
+        raise ValueError(f"ndp.warmup: head_dims must be positive ints (the model's attention head sizes, e.g. "
+                         f"[128]); got {head_dims}")
+    if not dtypes or any(t not in WARMUP_DTYPES for t in dtypes):
+        raise ValueError(f"ndp.warmup: dtypes must be among {WARMUP_DTYPES} (the dtype attention runs in); "
+                         f"got {dtypes}")
+    if not classes or any(c not in CLASSES for c in classes):
+        raise ValueError(f"ndp.warmup: classes must be among {CLASSES}; got {classes}")
+    return head_dims, dtypes
+
+
+def _measured_or_error(device, head_dims, dtypes, classes):
+    """Measures and compiles (``_first_calls``) and returns the rows to share, or the error as text (so a failing
+    rank 0 still reaches the broadcast and every rank raises instead of waiting)."""
+    try:
+        _first_calls(device, head_dims, dtypes, classes, measure=True)
+        return {"kernels": _kernel_rows(device), "engines": engines.table_rows(device)}
+    except Exception as e:  # noqa: BLE001 - reported on every rank by warmup
+        return f"{type(e).__name__}: {e}"
+
+
+def _first_calls(device, head_dims, dtypes, classes, *, measure=False):
+    """measure: first what the first calls would measure, failures raised (engine rows per block class, the
+    kernels' open choices where the Triton kernels run here). Then one forward+backward of each block class
+    through auto, and one through the Triton kernels, which compiles what the first step runs."""
+    triton_here = engine_available("triton", device)[0]
+    for dtype in dtypes:
+        for d in head_dims:
+            if measure:
+                for cls in classes:
+                    engines.measure_first_use(cls, dtype, d, device)
+                if triton_here:
+                    ndp_kernels.measure_first_use(d, dtype, device)
+            calls = [("auto", cls) for cls in classes] + ([("triton", "causal")] if triton_here else [])
+            for engine, cls in calls:
+                segs, sq, sk = class_block(cls, WARMUP_SEQLEN)
+                q, k, v, dout = _inputs(sq, sk, 4, 2, d, dtype, device)
+                _fwd_bwd(engine, q, k, v, dout, segs, d ** -0.5)
+
+
+def _kernel_rows(device) -> dict:
+    return dict(ndp_kernels.tuned_table(device)) if ndp_kernels.triton_available()[0] else {}
+
+
+def _adopt(device, sent) -> None:
+    if sent["kernels"]:
+        ndp_kernels.adopt_rows(device, sent["kernels"])
+    engines.adopt_rows(device, sent["engines"])
+
+
 def _triton_version():
     try:
         return importlib.metadata.version("triton")
@@ -196,6 +309,9 @@ def main(argv=None) -> int:
                                                    "float32,bfloat16,float16,float64 on CPU)")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", action="store_true", help="measure and compile only what the first attention "
+                    "calls would (kernels and engines; --head-dims, --dtypes default bfloat16): a launcher runs it "
+                    "once per machine before training")
     ap.add_argument("--ship", action="store_true", help="write into the package (ndp/ops/tables) instead of the "
                                                         "user cache")
     ap.add_argument("--out", default=None, help="directory to write to (default: the user tuning cache)")
@@ -205,6 +321,11 @@ def main(argv=None) -> int:
         print("python -m ndp.ops.tune: --device cuda asked, but no CUDA device is visible", file=sys.stderr)
         return 2
     gpu = device.type == "cuda"
+    if args.warmup:
+        got = warmup([int(x) for x in args.head_dims.split(",")],
+                     [getattr(torch, t) for t in (args.dtypes or "bfloat16").split(",")], device=device)
+        print(f"warm: {got}")
+        return 0
     dtypes = [getattr(torch, t) for t in (args.dtypes or ("bfloat16,float16,float32" if gpu else
                                                           "float32,bfloat16,float16,float64")).split(",")]
     head_dims = [int(x) for x in args.head_dims.split(",")]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import ndp
 from ndp.parallel import clip_grad_norm_, mesh_axis
 
 from . import checkpoint as ckpt
@@ -114,6 +115,11 @@ def run_identity(model, cfg: TrainConfig) -> dict:
     ident = {k: getattr(c, k, None) for k in keys}
     ident["seq_len"] = cfg.seq_len
     return ident
+
+
+def attention_head_dim(config) -> int:
+    """The attention head size of a transformers config (``head_dim``, else hidden size over heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _first_nonfinite(model, loss_ok: bool) -> str:
@@ -239,6 +245,13 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
 
         bar = tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}", dynamic_ncols=True)
 
+    if device.type == "cuda":
+        # Measured and compiled before the first step, on rank 0 for every rank: the first step measures nothing
+        # and every rank on every node runs the same kernels and engines.
+        warm = ndp.warmup(attention_head_dim(model.config), torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
+                          device=device)
+        if rank == 0:
+            logger.info("attention warm-up: %s", warm)
     result = TrainResult(start_step=start_step, param_bytes_per_rank=param_bytes, param_bytes_total=param_total)
     skipped = 0
     model.train()

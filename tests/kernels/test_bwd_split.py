@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from ndp_kernels import configs, flash, reference
+from ndp_kernels import configs, flash, reference, tuning
 from ndp_kernels._segments import NO_LIMIT, Segments
 from ndp_kernels.configs import KernelConfig
 from _kernel_cases import CASES, DTYPES, qkv
@@ -233,7 +233,7 @@ def test_override_and_no_probe_reach_other_threads():
     def worker():
         seen["impl"] = configs.bwd_impl("interpreter", 64, torch.float32)
         seen["tile"] = configs.fwd_config("interpreter", 64)
-        seen["no_probe"] = configs._SCOPE["no_probe"]
+        seen["no_probe"] = tuning.measurement_off()
 
     tile = KernelConfig(16, 16, 4, 1)
     with configs.override("bwd_impl", forced), configs.override("fwd", tile), configs.no_probe():
@@ -241,7 +241,7 @@ def test_override_and_no_probe_reach_other_threads():
         t.start()
         t.join()
     assert seen == {"impl": forced, "tile": tile, "no_probe": True}
-    assert configs.bwd_impl("interpreter", 64, torch.float32) == plain and not configs._SCOPE["no_probe"]
+    assert configs.bwd_impl("interpreter", 64, torch.float32) == plain and not tuning.measurement_off()
 
 
 def test_bwd_impl_selection(monkeypatch):

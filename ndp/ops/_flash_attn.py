@@ -68,7 +68,15 @@ def window_of(ql: int, kl: int, lo: int, hi: int):
 
 
 def _varlen_args(q4, k4, segs):
-    """(cu_q, cu_k, max_q, max_k, causal, (left, right)) when segs is flash-attn expressible, else None."""
+    """(cu_q, cu_k, max_q, max_k, causal, (left, right)) when segs is flash-attn expressible, else None. Kept on
+    the segment table: every layer's forward and backward of a step reuse the device copies of cu_seqlens."""
+    key = ("varlen_args", str(q4.device), q4.dtype, q4.shape[0], q4.shape[1], q4.shape[-1], k4.shape[1])
+    if key not in segs.memo:
+        segs.memo[key] = _build_varlen_args(q4, k4, segs)
+    return segs.memo[key]
+
+
+def _build_varlen_args(q4, k4, segs):
     # Only packed-style calls ([1, T, H, D]) map onto the varlen API; others use the Triton kernels.
     # flash-attn's private backward needs head_dim % 8 == 0 (only its public forward pads), so other
     # head dims take the Triton kernels in both directions.

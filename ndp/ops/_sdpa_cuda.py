@@ -9,7 +9,8 @@ Kernels (``KERNELS``), each with what it computes exactly:
   like ndp, GQA without expanding K/V, bottom-right causal and sliding windows, and a varlen mode with
   cumulative sequence lengths). fp16/bf16, head_dim % 8 == 0 and <= 256, sm_80+. A block flash-attn can
   express whole (the same rule as the ``flash_attn`` engine: back-to-back bottom-right segments with one
-  window) is one call; otherwise every piece is one call (a masked piece becomes a window).
+  window) is one call, packed documents included whatever kernel ranks first; otherwise every piece is one
+  call (a masked piece becomes a window).
 - ``efficient``: the memory-efficient kernel, ``_efficient_attention_forward`` / ``_backward``: full and
   causal pieces in fp32 (and fp16/bf16), as many K/V heads as query heads.
 
@@ -311,8 +312,10 @@ def _plan(segs, q4, k4, order, deterministic, f, check=True):
         picks.append(next((k for k in order if usable(k, p.kind)), None))
     whole = _whole_block(segs, q4, k4) if "flash" in order else None
     rank = {k: i for i, k in enumerate(order)}
+    # One flash call runs a block it can express whole whenever the block is several pieces (packed documents):
+    # one varlen launch instead of one call per document, where cuDNN would also build a graph per new length.
     if whole is not None and usable("flash", "varlen") and (
-            None in picks or "flash" in picks or rank["flash"] <= min(rank[k] for k in picks)):
+            len(pieces) > 1 or None in picks or "flash" in picks or rank["flash"] <= min(rank[k] for k in picks)):
         window, cu = whole
         every = Piece("full", 0, q4.shape[1], 0, k4.shape[1])
         return (Call(every, "flash", functools.partial(_flash_fwd, window, cu),

@@ -165,3 +165,13 @@ def test_real_fa3_matches_reference(causal, window):
     want = torch.autograd.grad(ref, (q, k, v), dout.double())
     for a, b in zip(got, want):
         assert_close(a.double(), b, torch.bfloat16, "grad")
+
+
+def test_cu_seqlens_reach_the_device_once_per_segment_table():
+    # Every layer's forward and backward of a step run the same packed table: its cu_seqlens are copied to the
+    # device once (a copy per call would be two blocking transfers per layer and direction).
+    segs = Segments.from_cu_seqlens([0, 5, 16], [0, 5, 16], causal=True)
+    q = torch.zeros(1, 16, 2, 8, dtype=torch.bfloat16)
+    first, again = _flash_attn._varlen_args(q, q, segs), _flash_attn._varlen_args(q, q, segs)
+    assert first[0].tolist() == [0, 5, 16] and first[0] is again[0] and first[1] is again[1]
+    assert _flash_attn._varlen_args(q.float(), q.float(), segs) is None           # not flash-attn's dtype

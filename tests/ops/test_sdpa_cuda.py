@@ -179,12 +179,13 @@ def test_the_kernel_choice_follows_the_order_and_the_block(fake, monkeypatch):
     assert [c.kernel for c in calls] == ["cudnn"]
     calls, _ = _plan(dense, q, k, ("flash", "cudnn"), monkeypatch)
     assert [c.kernel for c in calls] == ["flash"]
-    # Packed documents: one varlen flash call for the whole block even where cuDNN ranks first (it needs flash
-    # for nothing, but one call beats one per document only when flash ranks first; cuDNN runs per document).
+    # Packed documents: one varlen flash call for the whole block whatever ranks first (not one cuDNN call, and
+    # one cuDNN graph, per document); cuDNN per document only where flash is not in the order.
     docs = Segments.from_cu_seqlens([0, 20, 64], [0, 20, 64], causal=True)
-    calls, _ = _plan(docs, q, k, ("flash", "cudnn"), monkeypatch)
-    assert [c.kernel for c in calls] == ["flash"] and calls[0].piece.q1 == 64
-    calls, _ = _plan(docs, q, k, ("cudnn", "flash"), monkeypatch)
+    for order in (("flash", "cudnn"), ("cudnn", "flash")):
+        calls, _ = _plan(docs, q, k, order, monkeypatch)
+        assert [c.kernel for c in calls] == ["flash"] and calls[0].piece.q1 == 64
+    calls, _ = _plan(docs, q, k, ("cudnn",), monkeypatch)
     assert [c.kernel for c in calls] == ["cudnn", "cudnn"]
     # A sliding window needs flash: the whole block is one flash call whatever ranks first.
     window = Segments.dense(64, 64, causal=True, window_size=(8, 0))

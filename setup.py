@@ -101,8 +101,8 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.6,<2.9"],
-        "hf": ["transformers", "safetensors"],
-        "test": ["pytest", "pytest-timeout", "transformers", "pyyaml"],
+        "hf": ["transformers", "safetensors", "accelerate>=1.10", "trl>=1.0"],
+        "test": ["pytest", "pytest-timeout", "transformers", "accelerate", "trl", "pyyaml"],
         "bench": ["matplotlib", "pytest-benchmark"],
     },
     entry_points={"console_scripts": ["ndp-train = ndp.train.cli:main", "ndp-plan = ndp.plan.cli:main"]},

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ndp.parallel import ModelPlan, ParallelismConfig
+from ndp.parallel import ModelPlan, ParallelismConfig, as_config
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, ndp_attention_forward, register_attention
@@ -113,6 +113,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "config")):
         # Not a transformers model: the generic path (FSDP/AC over its repeated blocks, or kwargs["plan"]).
         return _parallelize(model, config, mesh, **kwargs)
+    config = as_config(config)  # Accelerate's ParallelismConfig too
     check_model(model, config)
     kwargs.setdefault("plan", hf_plan(model))
     return _parallelize(model, config, mesh, **kwargs)

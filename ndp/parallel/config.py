@@ -97,6 +97,32 @@ class ParallelismConfig:
             return self.ulysses_size
         return 1
 
+    @classmethod
+    def from_accelerate(cls, config, **ndp_fields) -> "ParallelismConfig":
+        """ndp's config from Accelerate's ``ParallelismConfig`` (or any object with its size fields), e.g. one
+        ``accelerate launch --use_parallelism_config`` filled from the environment. ``ndp_fields``: the fields
+        Accelerate has no name for (``cp_impl``, ``ulysses_size``, ``cp_layout``; their defaults otherwise).
+        Accelerate's ``cp_handler`` (torch's ring rotation) does not apply: ndp runs its own CP attention.
+
+        Raises:
+            ValueError: ``sp_size > 1`` (DeepSpeed's sequence parallelism; ndp's all-to-all is
+                ``cp_impl="ulysses"``), or a field ndp does not have.
+            TypeError: `config` lacks Accelerate's size fields.
+        """
+        missing = [f"{a}_size" for a in MESH_AXES if not hasattr(config, f"{a}_size")]
+        if missing:
+            raise TypeError(f"expected ndp's or Accelerate's ParallelismConfig; got {type(config).__name__} "
+                            f"without {missing}")
+        sp = getattr(config, "sp_size", 1) or 1
+        if sp > 1:
+            raise ValueError(f"sp_size={sp} is DeepSpeed's sequence parallelism, which ndp does not run; for an "
+                             f"all-to-all over the sequence set cp_size={sp} and cp_impl='ulysses' instead")
+        bad = sorted(set(ndp_fields) - {"cp_impl", "ulysses_size", "cp_layout"})
+        if bad:
+            raise ValueError(f"from_accelerate takes only ndp's own fields (cp_impl, ulysses_size, cp_layout); "
+                             f"got {bad}")
+        return cls(**{f"{a}_size": getattr(config, f"{a}_size") or 1 for a in MESH_AXES}, **ndp_fields)
+
     def replace(self, **changes) -> "ParallelismConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -161,6 +187,11 @@ class ParallelismConfig:
         from .mesh import build_device_mesh
 
         return build_device_mesh(self, device_type)
+
+
+def as_config(config) -> ParallelismConfig:
+    """`config` as ndp's ParallelismConfig: ndp's as it is, Accelerate's through ``from_accelerate``."""
+    return config if isinstance(config, ParallelismConfig) else ParallelismConfig.from_accelerate(config)
 
 
 def _gcd(a, b):

@@ -1,6 +1,7 @@
 """DeviceMesh construction for (dp_replicate, dp_shard, cp, tp) and the CP groups attention uses."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,30 +42,83 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
     return mesh
 
 
+# The flattened axes ndp reads, and the axes each joins.
+FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
 def check_mesh(config, mesh: DeviceMesh | None) -> None:
-    """Refuses a mesh whose axis sizes differ from the config's degrees (a mesh built from another config).
+    """Refuses a mesh whose axes do not hold the config's degrees (a mesh built from another config). A mesh
+    may leave out axes of size 1 (Accelerate's does) and carry other axes of size 1; its named axes must cover
+    every degree > 1 with exactly that size.
 
     Raises:
-        ValueError: names every differing axis with both sizes and the fix.
+        ValueError: names every differing or unknown axis with both sizes and the fix.
     """
     if mesh is None:
         return
-    names = getattr(mesh, "mesh_dim_names", None) or ()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     diff = []
     for axis in MESH_AXES:
         want = getattr(config, f"{axis}_size")
-        got = mesh[axis].size() if axis in names else None
+        got = mesh[axis].size() if axis in names else 1
         if got != want:
-            diff.append(f"{axis}: config {want}, mesh {got}")
+            diff.append(f"{axis}: config {want}, mesh {got if axis in names else 'absent (size 1)'}")
+    diff += [f"{axis}: not a degree of the config, size {mesh[axis].size()} in the mesh" for axis in names
+             if axis not in MESH_AXES and mesh[axis].size() > 1]
     if diff:
         raise ValueError(f"the DeviceMesh does not match the ParallelismConfig ({'; '.join(diff)}). Build the mesh "
                          f"from the same config: mesh = config.build_device_mesh(device_type).")
 
 
-def mesh_axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """The 1-D mesh of axis ``name``: one of MESH_AXES or a flattened axis (dp, dp_shard_cp, dp_cp)."""
+class _OneRank:
+    """An axis of size 1 that a mesh leaves out (Accelerate builds only the axes of degree > 1)."""
+
+    def size(self) -> int:
+        return 1
+
+    def get_local_rank(self) -> int:
+        return 0
+
+
+def adopt_mesh(config, mesh: DeviceMesh | None) -> None:
+    """Registers on a mesh that was not built by ndp (Accelerate's ``build_device_mesh``, a user's) the flattened
+    axes ndp reads (FLAT_AXES): the mesh's own flattened axis of that name where it has one, else the one
+    enabled axis, else a new flatten of the enabled axes (collective: every rank calls it). Call after
+    check_mesh; a mesh ndp built is left as it is."""
+    if mesh is None or hasattr(mesh, "ndp_flat"):
+        return
+    flat = {}
+    for name, parts in FLAT_AXES.items():
+        on = tuple(a for a in parts if getattr(config, f"{a}_size") > 1)
+        if len(on) == 1:
+            flat[name] = mesh[on[0]]
+        elif on:
+            flat[name] = _flattened(mesh, name, on)
+    mesh.ndp_flat = flat
+
+
+def _flattened(mesh: DeviceMesh, name: str, parts: tuple) -> DeviceMesh:
+    try:
+        got = mesh[name]  # registered by whoever built the mesh (Accelerate flattens dp, dp_shard_cp, dp_cp)
+    except (KeyError, ValueError, RuntimeError):
+        return mesh[parts]._flatten(name)
+    if got.size() != math.prod(mesh[a].size() for a in parts):
+        raise ValueError(f"the DeviceMesh's axis {name!r} has {got.size()} ranks, not the product of {parts}")
+    return got
+
+
+def mesh_axis(mesh: DeviceMesh, name: str):
+    """The 1-D mesh of axis ``name``: one of MESH_AXES or a flattened axis (dp, dp_shard_cp, dp_cp); for an
+    axis of size 1 the mesh leaves out, a stand-in of size 1 (``size()``, ``get_local_rank()``)."""
     flat = getattr(mesh, "ndp_flat", {})
-    return flat[name] if name in flat else mesh[name]
+    if name in flat:
+        return flat[name]
+    if name in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return mesh[name]
+    if name in MESH_AXES or name in FLAT_AXES:
+        return _OneRank()
+    raise KeyError(f"the DeviceMesh has no axis {name!r}; axes: {mesh.mesh_dim_names}")
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from .config import ParallelismConfig
+from .config import ParallelismConfig, as_config
 from .init import is_meta, materialize, param_bytes, reset_parameters
-from .mesh import CPContext, check_mesh, cp_context, mesh_axis
+from .mesh import CPContext, adopt_mesh, check_mesh, cp_context, mesh_axis
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +176,14 @@ def apply_ac(model: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:
 
 
 def fsdp_mesh(config: ParallelismConfig, mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` in front for HSDP."""
-    if config.dp_replicate_size > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh_axis(mesh, "dp_shard_cp")
+    """The mesh FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` in front for HSDP (on a mesh that
+    leaves out a dp_shard_cp of size 1, Accelerate's, FSDP2 over ``dp_replicate`` alone: the same gradients)."""
+    shard = mesh_axis(mesh, "dp_shard_cp")
+    if config.dp_replicate_size == 1:
+        return shard
+    if not isinstance(shard, DeviceMesh):
+        return mesh_axis(mesh, "dp_replicate")
+    return mesh["dp_replicate", shard.mesh_dim_names[0]]  # dp_shard_cp, or the one axis of it a mesh has
 
 
 def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, blocks: Sequence[nn.Module], *,
@@ -270,7 +274,9 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
 
     Args:
         model: the module, identical on every rank: fully materialized (same seed), or on the meta device.
-        config: the degrees; mesh: ``config.build_device_mesh(...)`` (None only when world size is 1).
+        config: the degrees: ndp's ParallelismConfig, or Accelerate's (``ParallelismConfig.from_accelerate``).
+        mesh: ``config.build_device_mesh(...)`` (None only when world size is 1): ndp's or Accelerate's, or any
+            mesh whose named axes hold every degree > 1 (axes of size 1 may be left out).
         plan: what to split (``default_plan(model)`` when None: FSDP/AC only).
         mp_policy: FSDP2 MixedPrecisionPolicy (e.g. bf16 params, fp32 reduce) or None.
         activation_checkpointing: recompute each block's activations in backward.
@@ -284,6 +290,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
         ValueError: a degree the plan cannot serve (e.g. tp_size > 1 without tp_plan); a meta model whose
             per-module init leaves a parameter or buffer unset.
     """
+    config = as_config(config)  # Accelerate's ParallelismConfig too (ndp's fields at their defaults)
     if mesh is None and config.world_size > 1:
         raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None. Pass "
                          f"mesh=config.build_device_mesh(device_type).")
@@ -294,6 +301,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
                          f"{dist.get_world_size()} (e.g. dp_shard_size={dist.get_world_size()}) and pass "
                          f"mesh=config.build_device_mesh(device_type).")
     check_mesh(config, mesh)
+    adopt_mesh(config, mesh)
     plan = plan or default_plan(model)
     # The unparallelized meta copy is the init source: the model's own modules and names, no data.
     source = copy.deepcopy(model) if is_meta(model) else None

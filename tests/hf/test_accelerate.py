@@ -1,13 +1,22 @@
 """ndp on Accelerate's inputs: its ParallelismConfig and the DeviceMesh it builds (axes of size 1 left out,
 flattened axes of its own) go straight into ndp.parallelize; loss and every gradient match one process."""
+import os
+import re
+import sys
+
 import pytest
 import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ndp
+import ndp.accelerate
 from dist import spawn
 from ndp.parallel import adopt_mesh, as_config, check_mesh, mesh_axis
-from test_quickstart import CFG_LINE, _run, quickstart_code
+from test_quickstart import CFG_LINE, ROOT, _free_port, _run, quickstart_code
+from tolerances import assert_close
 
 
 @pytest.mark.distributed
@@ -57,3 +66,64 @@ def _meshes(rank, world):
 @pytest.mark.distributed
 def test_accelerate_meshes_are_read_as_ndp_meshes(tmp_path):
     spawn(_meshes, 4, tmp_path)
+
+
+def blog_code() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## With Accelerate, Trainer and TRL"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _blog_rank(rank, world, code, port, out, model_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MODEL=model_dir)
+    torch.set_num_threads(1)
+    ns = {"__name__": "__main__"}
+    end = ndp.accelerate.Accelerator.end_training
+
+    def record_then_end(self):
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+        weights = {n: full(p).detach().clone() for n, p in ns["model"].named_parameters()}
+        if rank == 0:
+            torch.save({"weights": weights, "losses": ns["losses"]}, out)
+        return end(self)
+
+    ndp.accelerate.Accelerator.end_training = record_then_end
+    exec(compile(code, "README.md:accelerate", "exec"), ns)
+    sys.stdout.flush()
+    os._exit(0)  # past torch 2.13 gloo's teardown at interpreter exit (see tests/dist.py)
+
+
+def _one_process(model_dir, tokens, steps, dp):
+    # The same model and batches on one process: step s trains on the dp samples the dp ranks took.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        ids = tokens[dp * s:dp * (s + 1)]
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_readme_accelerate_script_verbatim(tmp_path):
+    code = blog_code()
+    assert "\nfrom ndp.accelerate import Accelerator" in code and "\nfrom accelerate import Accelerator" not in code
+    model_dir = str(tmp_path / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    out = str(tmp_path / "run.pt")
+    mp.spawn(_blog_rank, args=(4, code, _free_port(), out, model_dir), nprocs=4, join=True)
+    got = torch.load(out)
+    tokens = torch.randint(0, 256, (10, 64), generator=torch.Generator().manual_seed(1))  # the script's data
+    losses, weights = _one_process(model_dir, tokens, steps=5, dp=2)
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    for n, w in weights.items():
+        assert_close(got["weights"][n], w.detach(), torch.float32, "grad", msg=n)

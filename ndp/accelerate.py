@@ -1,0 +1,219 @@
+"""ndp under Hugging Face Accelerate: an ``Accelerator`` whose context parallelism is ndp's.
+
+An Accelerate ND-parallel script (``ParallelismConfig`` + ``FullyShardedDataParallelPlugin(fsdp_version=2)`` +
+``Accelerator`` + ``accelerator.prepare`` + ``accelerator.maybe_context_parallel(...)``) runs on ndp's CP when
+``from accelerate import Accelerator`` becomes ``from ndp.accelerate import Accelerator``: ndp's CP attention
+for every model family ndp serves (sliding windows, sinks, GQA without replication, Ulysses / USP), its
+load-balanced sharding of the buffers (packed rows per document), the global mean loss, and Accelerate's own
+FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-parallel there).
+
+:class:`Accelerator` subclasses ``accelerate.Accelerator`` and overrides, nothing else patched:
+
+- ``__init__``: takes ndp's fields ``cp_impl``, ``ulysses_size``, ``cp_layout`` (else ``NDP_CP_IMPL``,
+  ``NDP_ULYSSES_SIZE``, ``NDP_CP_LAYOUT`` from the environment, else ndp's defaults); on CPU it sets Accelerate's
+  state to FSDP2 over gloo before Accelerate validates it.
+- ``_prepare_cp`` (called by ``prepare`` for cp_size > 1, after TP and before FSDP2): ndp's CP on each model
+  (``ndp.hf.check_model``, attention switched to ``ndp_<cp_impl>``, the CP contexts), instead of torch's
+  ``context_parallel`` hooks.
+- ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
+  ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
+  document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
+  averages on, so the averaged gradients are those of the global mean loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, TorchDynamoPlugin
+
+import ndp.hf
+from ndp.hf.attention import cu_from_starts, position_restarts
+from ndp.hf.batch import PACKING_KEYS, shard_rows
+from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
+from ndp.parallel.mesh import mesh_axis
+
+__all__ = ["Accelerator", "ndp_config"]
+
+# accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
+ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
+              "cp_layout": ("NDP_CP_LAYOUT", str)}
+
+
+def ndp_config(parallelism_config, **fields) -> ParallelismConfig:
+    """ndp's ParallelismConfig of Accelerate's, with ndp's fields from `fields`, else the environment
+    (``ENV_FIELDS``), else their defaults."""
+    for name, (var, kind) in ENV_FIELDS.items():
+        if fields.get(name) is None and os.environ.get(var):
+            fields[name] = kind(os.environ[var])
+    return ParallelismConfig.from_accelerate(parallelism_config,
+                                             **{k: v for k, v in fields.items() if v is not None})
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` with ndp's context parallelism (see the module docstring for what it overrides).
+
+    Args:
+        cp_impl, ulysses_size, cp_layout: ndp's CP algorithm, all-to-all degree and layout (``ParallelismConfig``);
+            None: ``NDP_*`` from the environment, else ring / 1 / zigzag.
+        args, kwargs: ``accelerate.Accelerator``'s.
+    """
+
+    def __init__(self, *args, cp_impl=None, ulysses_size=None, cp_layout=None, **kwargs):
+        self._ndp_fields = dict(cp_impl=cp_impl, ulysses_size=ulysses_size, cp_layout=cp_layout)
+        self._ndp_step = None
+        pc = kwargs.get("parallelism_config")
+        if pc is not None:
+            ndp_config(pc, **self._ndp_fields)  # refuse a bad field by name before any process group work
+        if kwargs.get("cpu") or not torch.cuda.is_available():
+            kwargs["cpu"] = True
+            if pc is not None and pc.total_size > 1 and kwargs.get("fsdp_plugin") is not None:
+                _fsdp2_state_on_cpu(kwargs)
+        super().__init__(*args, **kwargs)
+
+    @property
+    def ndp_config(self) -> ParallelismConfig:
+        """ndp's ParallelismConfig of this Accelerator's (its degrees and ndp's fields)."""
+        return ndp_config(self.parallelism_config, **self._ndp_fields)
+
+    def _prepare_cp(self, *args):
+        cfg, mesh = self.ndp_config, self.torch_device_mesh
+        check_mesh(cfg, mesh)
+        adopt_mesh(cfg, mesh)
+        for model in args:
+            if not isinstance(model, torch.nn.Module):
+                continue
+            if not hasattr(model, "set_attn_implementation"):
+                raise ValueError(f"ndp.accelerate runs context parallelism for transformers models; got a "
+                                 f"{type(model).__name__}. Use ndp.parallelize with a ModelPlan for other modules.")
+            ndp.hf.check_model(model, cfg)
+            apply_cp(model, cfg, mesh, ndp.hf.hf_plan(model))
+            setattr(model, PARALLEL_ATTR, Parallelized(cfg, mesh))
+            model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True)
+        return args
+
+    def _ndp_forward_kwargs(self, model, args, kwargs):
+        """Inside maybe_context_parallel: the document table and num_items_in_batch for the model's loss."""
+        if self._ndp_step is None:
+            return None
+        if "labels" in kwargs and "shift_labels" not in kwargs:
+            raise ValueError("under context parallelism a model given `labels` shifts them inside this rank's "
+                             "shard, which misplaces the targets at every shard edge. Shift them before sharding: "
+                             "batch['shift_labels'] = F.pad(labels[:, 1:], (0, 1), value=-100), and pass it among "
+                             "maybe_context_parallel's buffers (transformers' loss prefers it over labels).")
+        extra = dict(self._ndp_step)
+        labels = kwargs.get("shift_labels")
+        if labels is not None and kwargs.get("num_items_in_batch") is None:
+            extra["num_items_in_batch"] = _items_per_rank(labels, model)
+        return args, {**kwargs, **extra}
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        if not (self.parallelism_config and self.parallelism_config.cp_enabled):
+            with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+                yield
+            return
+        buffers = list(buffers or [])
+        keep = no_restore_buffers or set()
+        shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models())
+        saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
+        for b, s in zip(buffers, shards):
+            b.resize_(s.shape).copy_(s)
+        self._ndp_step = extra
+        try:
+            yield
+        finally:
+            self._ndp_step = None
+            for b, old in zip(buffers, saved):
+                if old is not None:
+                    b.resize_(old.shape).copy_(old)
+
+    def _cp_context_of_models(self):
+        ctxs = [getattr(m, CP_ATTR) for m in self._models if hasattr(m, CP_ATTR)]
+        if not ctxs:
+            raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
+                             "model = accelerator.prepare(model)")
+        return ctxs[0]
+
+
+def _fsdp2_state_on_cpu(kwargs) -> None:
+    """Accelerate runs ND-parallel only as FSDP2 and sets that up for accelerators alone; on CPU the same FSDP2 runs
+    over gloo, so the shared state is made FSDP2 before Accelerate's own checks read it."""
+    dynamo = kwargs.get("dynamo_plugin") or TorchDynamoPlugin(
+        **({"backend": kwargs["dynamo_backend"]} if kwargs.get("dynamo_backend") else {}))
+    state = AcceleratorState(cpu=True, mixed_precision=kwargs.get("mixed_precision"), dynamo_plugin=dynamo,
+                             fsdp_plugin=kwargs["fsdp_plugin"], parallelism_config=kwargs["parallelism_config"],
+                             _from_accelerator=True)
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate copies the process state into its own on every construction: both say FSDP.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = kwargs["fsdp_plugin"]
+
+
+def _items_per_rank(shift_labels, model):
+    """The labelled tokens of the whole data-parallel x context-parallel batch over the ranks FSDP averages
+    gradients on (the model's loss is its shard's sum over this number)."""
+    state = getattr(model, PARALLEL_ATTR)
+    count = (shift_labels != -100).sum().to(torch.float64).reshape(1)
+    group = mesh_axis(state.mesh, "dp_cp")
+    if group.size() > 1:
+        dist.all_reduce(count, group=group.get_group())
+    return (count / state.config.fsdp_size).clamp(min=1e-12).to(torch.float32)[0]
+
+
+def shard_buffers(buffers, seq_dims, ctx):
+    """Each buffer's CP shard (dim 1 of ``[batch, seq]`` tensors) and the extra model kwargs: dense rows in
+    ``ctx.layout``; packed rows (a buffer of positions restarting at 0 inside a row) per document, with the
+    document table the attention needs. Everything is checked before anything is sharded.
+
+    Raises:
+        ValueError: a buffer that is not ``[batch, seq]`` with its sequence on dim 1, buffers of different
+            sequence lengths, or packed rows whose buffers differ in shape.
+    """
+    dims = list(seq_dims) if seq_dims is not None else [1] * len(buffers)
+    if len(dims) != len(buffers):
+        raise ValueError(f"maybe_context_parallel got {len(buffers)} buffers and {len(dims)} buffer_seq_dims")
+    bad = [i for i, (b, d) in enumerate(zip(buffers, dims)) if not torch.is_tensor(b) or b.dim() != 2 or d != 1]
+    if bad:
+        raise ValueError(f"ndp.accelerate shards [batch, seq] buffers along dim 1; buffers {bad} are not (shapes "
+                         f"{[tuple(buffers[i].shape) if torch.is_tensor(buffers[i]) else None for i in bad]}, "
+                         f"seq dims {[dims[i] for i in bad]})")
+    lengths = {b.shape[1] for b in buffers}
+    if len(lengths) > 1:
+        raise ValueError(f"maybe_context_parallel's buffers have sequence lengths {sorted(lengths)}; they must be one")
+    rows = {f"buffer{i}": b for i, b in enumerate(buffers)}
+    cu, name = _packed(rows)
+    if cu is None:
+        return [shard_rows({k: t}, ctx, pad=False)[k] for k, t in rows.items()], {}
+    if len({tuple(b.shape) for b in buffers}) > 1:
+        raise ValueError(f"packed rows (buffer {name} restarts its positions) need every buffer in one shape; got "
+                         f"{[tuple(b.shape) for b in buffers]}")
+    out = shard_rows({("position_ids" if k == name else k): t for k, t in rows.items()}, ctx, cu=cu)
+    shards = [out["position_ids" if k == name else k] for k in rows]
+    return shards, {k: v for k, v in out.items() if k in PACKING_KEYS}
+
+
+def _packed(rows):
+    """(global cu_seqlens, buffer name) when one buffer holds positions that restart at 0 inside its rows
+    (``DataCollatorWithFlattening``), else (None, None)."""
+    found = {}
+    for name, t in rows.items():
+        if t.is_floating_point() or t.numel() == 0 or bool((t[:, 0] != 0).any()):
+            continue
+        step = t[:, 1:] - t[:, :-1]
+        restart = t[:, 1:] == 0
+        if bool(((step == 1) | restart).all()) and bool(restart.any()):
+            found[name] = position_restarts(t)
+    if not found:
+        return None, None
+    first = next(iter(found.values()))
+    if any(not torch.equal(s, first) for s in found.values()):
+        raise ValueError(f"buffers {sorted(found)} all look like packed position_ids but restart at different "
+                         f"tokens; pass one position_ids buffer")
+    name = next(iter(found))
+    return cu_from_starts(first), name

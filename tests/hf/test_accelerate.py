@@ -7,14 +7,19 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
+from accelerate.state import AcceleratorState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ndp
 import ndp.accelerate
 from dist import spawn
 from ndp.parallel import adopt_mesh, as_config, check_mesh, mesh_axis
+import test_packed
 from test_quickstart import CFG_LINE, ROOT, _free_port, _run, quickstart_code
 from tolerances import assert_close
 
@@ -127,3 +132,47 @@ def test_readme_accelerate_script_verbatim(tmp_path):
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
     for n, w in weights.items():
         assert_close(got["weights"][n], w.detach(), torch.float32, "grad", msg=n)
+
+
+def _packed_through_accelerator(rank, world, cases):
+    # A DataCollatorWithFlattening batch (position_ids restarting per document) through the Accelerator's
+    # maybe_context_parallel: loss and every gradient equal each document run alone (float64).
+    # the process group exists (tests/dist.py); Accelerate still reads torchrun's variables
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    for model_type, impl in cases:
+        if impl == "ulysses":
+            os.environ["NDP_CP_IMPL"] = "ulysses"   # as `accelerate launch` would pass ndp's field
+        model = test_packed._zoo.tiny_model(model_type).train()
+        layer = type(model.model.layers[0]).__name__
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=[layer])
+        acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world), fsdp_plugin=plugin)
+        assert acc.ndp_config.cp_impl == impl
+        model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        b = test_packed.collated("position_ids")
+        batch = {"input_ids": b["input_ids"], "labels": b["labels"].clone(), "shift_labels": b["labels"],
+                 "position_ids": b["position_ids"]}
+        buffers = list(batch.values())
+        with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4, no_restore_buffers=set(buffers)):
+            assert buffers[0].shape[1] < sum(test_packed.DOCS)                 # sharded in place, per document
+            loss = model(**batch).loss
+            acc.backward(loss)
+        ref_loss, ref_grads = test_packed.reference(model_type)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        assert test_packed._rel(mean / world, ref_loss) < test_packed.TOL, (model_type, impl)
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            assert test_packed._rel(g, ref_grads[n]) < test_packed.TOL, (model_type, impl, n)
+        with pytest.raises(ValueError, match="Shift them before sharding"):
+            ids = torch.randint(3, 50, (1, 32))
+            with acc.maybe_context_parallel(buffers=[ids]):
+                model(input_ids=ids, labels=ids)
+        AcceleratorState._reset_state(True)                                   # a new Accelerator next case
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_accelerator_packed_documents_and_sliding_window_exact(tmp_path):
+    spawn(_packed_through_accelerator, 2, tmp_path, [("mistral", "ring"), ("llama", "ulysses")], timeout_s=300)

@@ -8,13 +8,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # package dir -> module prefixes it must not import
 # ndp.plan is the top row: it reads ndp.parallel's config rules and ndp.train's presets, and no layer imports it.
+# accelerate and trl are optional (pip install ndp[hf]): only ndp.accelerate, the top of the house, imports them.
+OPTIONAL = ("accelerate", "trl", "ndp.accelerate")
 FORBIDDEN = {
-    "ndp_kernels": ("torch.distributed", "ndp", "transformers"),
-    "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan"),
-    "ndp/cp": ("transformers", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan"),
-    "ndp/parallel": ("transformers", "ndp.hf", "ndp.train", "ndp.plan"),
-    "ndp/hf": ("ndp.train", "ndp.plan"),
-    "ndp/train": ("ndp.plan",),
+    "ndp_kernels": ("torch.distributed", "ndp", "transformers") + OPTIONAL,
+    "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan") + OPTIONAL,
+    "ndp/cp": ("transformers", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan") + OPTIONAL,
+    "ndp/parallel": ("transformers", "ndp.hf", "ndp.train", "ndp.plan") + OPTIONAL,
+    "ndp/hf": ("ndp.train", "ndp.plan") + OPTIONAL,
+    "ndp/train": ("ndp.plan",) + OPTIONAL,
     # the planner predicts; it never runs kernels or collectives
     "ndp/plan": ("ndp.cp", "ndp.ops", "ndp.hf", "ndp_kernels", "torch.distributed"),
 }

@@ -37,7 +37,7 @@ from ndp.hf.batch import PACKING_KEYS, shard_rows
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
 from ndp.parallel.mesh import mesh_axis
 
-__all__ = ["Accelerator", "ndp_config"]
+__all__ = ["Accelerator", "ndp_config", "fsdp2_state_on_cpu", "shard_buffers"]
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
 ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
@@ -72,7 +72,7 @@ class Accelerator(accelerate.Accelerator):
         if kwargs.get("cpu") or not torch.cuda.is_available():
             kwargs["cpu"] = True
             if pc is not None and pc.total_size > 1 and kwargs.get("fsdp_plugin") is not None:
-                _fsdp2_state_on_cpu(kwargs)
+                fsdp2_state_on_cpu(kwargs)
         super().__init__(*args, **kwargs)
 
     @property
@@ -140,7 +140,7 @@ class Accelerator(accelerate.Accelerator):
         return ctxs[0]
 
 
-def _fsdp2_state_on_cpu(kwargs) -> None:
+def fsdp2_state_on_cpu(kwargs) -> None:
     """Accelerate runs ND-parallel only as FSDP2 and sets that up for accelerators alone; on CPU the same FSDP2 runs
     over gloo, so the shared state is made FSDP2 before Accelerate's own checks read it."""
     dynamo = kwargs.get("dynamo_plugin") or TorchDynamoPlugin(

@@ -9,7 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # package dir -> module prefixes it must not import
 # ndp.plan is the top row: it reads ndp.parallel's config rules and ndp.train's presets, and no layer imports it.
 # accelerate and trl are optional (pip install ndp[hf]): only ndp.accelerate, the top of the house, imports them.
-OPTIONAL = ("accelerate", "trl", "ndp.accelerate")
+OPTIONAL = ("accelerate", "trl", "ndp.accelerate", "ndp.trainer")
 FORBIDDEN = {
     "ndp_kernels": ("torch.distributed", "ndp", "transformers") + OPTIONAL,
     "ndp/ops": ("transformers", "ndp.cp", "ndp.parallel", "ndp.hf", "ndp.train", "ndp.plan") + OPTIONAL,

@@ -1,0 +1,86 @@
+"""``transformers.Trainer`` on ndp's context parallelism.
+
+``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=...))`` makes the Trainer run torch's context
+parallelism, for SDPA attention only. :class:`Trainer` runs ndp's instead, for every attention ndp serves (sliding
+windows, sinks, GQA, packed documents): use it in place of ``transformers.Trainer``, nothing else changes. It
+subclasses ``transformers.Trainer`` (through :class:`NdpTrainerMixin`, which other Trainer subclasses can take)
+and overrides, nothing patched:
+
+- ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: the Trainer's Accelerator becomes
+  ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo);
+- ``prediction_step``: refused under CP (below);
+- ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
+  sharding, position_ids, an all-ones attention mask) go to ndp's ``maybe_context_parallel``, without the SDPA-only
+  check. The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
+  micro-batch) normalises the loss. Evaluation under CP is refused by name: the Trainer's evaluation loop gathers
+  the CP ranks' losses as data-parallel samples and its eval loss would come out wrong.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from .accelerate import Accelerator, fsdp2_state_on_cpu
+
+__all__ = ["NdpTrainerMixin", "Trainer"]
+
+
+class NdpTrainerMixin:
+    """The overrides that put a ``transformers.Trainer`` (or a subclass of it) on ndp's context parallelism."""
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if args.get("parallelism_config") is not None and not torch.cuda.is_available():
+            args["cpu"] = True
+            if args.get("fsdp_plugin") is not None:
+                fsdp2_state_on_cpu(args)
+        self._ndp_accelerator_args = args
+        return args
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        args = self._ndp_accelerator_args
+        if args.get("parallelism_config") is None or not args["parallelism_config"].cp_enabled:
+            return
+        # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place
+        self.accelerator = Accelerator(**args)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(self.gather_function,
+                                                     use_gather_object=self.args.eval_use_gather_object)
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is None or not pc.cp_enabled:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        inputs = dict(inputs)
+        if "labels" in inputs and "shift_labels" not in inputs:
+            inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
+        if "position_ids" not in inputs:
+            ids = inputs["input_ids"]
+            inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
+        names = [k for k in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+                 if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
+        buffers = [inputs[k] for k in names]
+        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and pc.cp_enabled:
+            # The evaluation loop gathers each rank's loss over the whole world and cuts the result to the dataset's
+            # length as if every rank held other samples: under CP that loss comes out wrong, so it is refused.
+            raise ValueError(f"ndp.trainer.Trainer does not evaluate under context parallelism yet (cp_size="
+                             f"{pc.cp_size}): the Trainer's evaluation loop would gather the CP ranks' losses as "
+                             f"if they were data-parallel samples and report a wrong eval loss. Set "
+                             f"eval_strategy='no' and evaluate the saved model without CP.")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+class Trainer(NdpTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""

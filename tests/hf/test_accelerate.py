@@ -186,11 +186,12 @@ class _InOrder(ndp.trainer.Trainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def _trainer_rank(rank, world, tmp, model_dir):
+def _trainer_rank(rank, world, tmp, model_dir, ga, steps):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=5,
+    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=steps,
+                             gradient_accumulation_steps=ga,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
                              parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
@@ -212,13 +213,47 @@ def _samples():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path):
+@pytest.mark.parametrize("ga, steps", [(1, 5), (2, 2)])
+def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps):
+    # dp_shard 2 x cp 2; with gradient accumulation the Trainer's num_items_in_batch spans the micro-batches.
     model_dir = str(tmp_path / "model")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
-    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, timeout_s=300)
     got = torch.load(tmp_path / "trainer.pt")
     data = torch.stack([s["input_ids"] for s in _samples()])
-    losses, _ = _one_process(model_dir, data, steps=5, dp=2)
-    assert len(got["losses"]) == 5 and got["losses"] == pytest.approx(losses, abs=1e-4)  # the Trainer logs 4 digits
+    losses, _ = _one_process(model_dir, data, steps=steps, dp=2 * ga)
+    assert len(got["losses"]) == steps and got["losses"] == pytest.approx(losses, abs=1e-4)  # logged to 4 digits
+
+
+def _resume_rank(rank, world, tmp, model_dir):
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1")
+    runs = []
+    for resume in (None, os.path.join(tmp, "out", "checkpoint-2")):
+        args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=4,
+                                 learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1,
+                                 report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+                                 parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
+                                 fsdp_config={"fsdp_version": 2,
+                                              "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+        trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                           train_dataset=_samples())
+        trainer.train(resume_from_checkpoint=resume)
+        runs.append({h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h})
+        dist.barrier()
+        AcceleratorState._reset_state(True)
+    # the resumed run reads steps 1-2 from the checkpoint's state and trains 3 and 4: the uninterrupted run's
+    assert sorted(runs[1]) == [1, 2, 3, 4], runs
+    assert [runs[1][s] for s in (3, 4)] == pytest.approx([runs[0][s] for s in (3, 4)], abs=1e-4), runs
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path):
+    model_dir = str(tmp_path / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)

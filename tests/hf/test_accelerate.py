@@ -257,3 +257,51 @@ def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path):
     LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
     spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+
+
+def trainer_code() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## With Accelerate, Trainer and TRL"):]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[1]
+
+
+def _readme_trainer_rank(rank, world, tmp, code, model_dir):
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1", MODEL=model_dir)
+    os.chdir(tmp)
+    ns = {"__name__": "__main__"}
+    exec(compile(code, "README.md:trainer", "exec"), ns)
+    assert isinstance(ns["trainer"].accelerator, ndp.accelerate.Accelerator)
+    if rank == 0:
+        torch.save([h["loss"] for h in ns["trainer"].state.log_history if "loss" in h], os.path.join(tmp, "l.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_readme_trainer_verbatim_matches_a_one_process_trainer(tmp_path):
+    code = trainer_code()
+    assert "\nfrom ndp.trainer import Trainer" in code
+    model_dir = str(tmp_path / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    spawn(_readme_trainer_rank, 4, tmp_path, str(tmp_path), code, model_dir, timeout_s=300)
+    got = torch.load(tmp_path / "l.pt")
+    # The same script as a plain transformers.Trainer on one process: per-device batch 2 = the dp 2 global batch,
+    # the same seeded sampler order.
+    ref = code.replace("from ndp.trainer import Trainer", "from transformers import Trainer")
+    ref = ref.replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
+    ref = re.sub(r"parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", ref, flags=re.S)
+    assert "parallelism_config=" not in ref and "fsdp=" not in ref
+    cwd = os.getcwd()
+    os.environ["MODEL"] = model_dir
+    try:
+        os.chdir(tmp_path)
+        ns = {"__name__": "__main__"}
+        exec(compile(ref, "README.md:trainer (1 process)", "exec"), ns)
+    finally:
+        os.chdir(cwd)
+        del os.environ["MODEL"]
+        AcceleratorState._reset_state(True)
+    want = [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
+    assert len(got) == 5 and got == pytest.approx(want, abs=1e-4)

@@ -23,10 +23,11 @@ import inspect
 import torch
 import torch.nn.functional as F
 import transformers
+import trl
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
 
-__all__ = ["NdpTrainerMixin", "Trainer"]
+__all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer"]
 
 
 class NdpTrainerMixin:
@@ -63,7 +64,7 @@ class NdpTrainerMixin:
         if "position_ids" not in inputs:
             ids = inputs["input_ids"]
             inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
-        names = [k for k in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+        names = [k for k in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "seq_idx")
                  if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
         buffers = [inputs[k] for k in names]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
@@ -84,3 +85,39 @@ class NdpTrainerMixin:
 
 class Trainer(NdpTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""
+
+
+class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` with ndp's context parallelism, ``packing=True`` included.
+
+    TRL refuses packing with ``cp_size > 1`` because torch's CP drops the per-document mask; ndp's attention keeps
+    the documents apart (the packed rows are sharded per document, the document table reaches every layer), so
+    this class lets it through: TRL's constructor sees ``packing=False, padding_free=True, max_length=None`` (the
+    collator packing needs) and ``_prepare_dataset`` (overridden) still packs the training data with the configured
+    strategy and length; the arguments read as given again afterwards. TRL's fused LM head takes the ``shift_labels`` the mixin makes
+    before sharding.
+    """
+
+    def __init__(self, model=None, args=None, *rest, **kwargs):
+        pc = getattr(args, "parallelism_config", None)
+        self._ndp_packing = None
+        if args is not None and args.packing and pc is not None and pc.cp_enabled:
+            # what the constructor must not see; max_length too: TRL refuses it for padding-free rows not packed
+            self._ndp_packing = {"packing": True, "padding_free": args.padding_free, "max_length": args.max_length}
+            args.packing, args.padding_free, args.max_length = False, True, None
+        try:
+            super().__init__(model, args, *rest, **kwargs)
+        finally:
+            if self._ndp_packing:
+                for name, value in self._ndp_packing.items():
+                    setattr(args, name, value)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        if not (self._ndp_packing and dataset_name == "train"):
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        held = args.max_length
+        args.max_length = self._ndp_packing["max_length"]  # the packed blocks' length
+        try:
+            return super()._prepare_dataset(dataset, processing_class, args, True, formatting_func, dataset_name)
+        finally:
+            args.max_length = held

@@ -13,12 +13,9 @@ from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
 from accelerate.state import AcceleratorState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
-import trl
-from datasets import Dataset
 from tokenizers import Tokenizer, models
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           TrainingArguments)
-from trl import SFTConfig
 
 import ndp
 import ndp.accelerate
@@ -298,65 +295,51 @@ def test_readme_trainer_verbatim_matches_a_one_process_trainer(tmp_path):
     ref = ref.replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
     ref = re.sub(r"parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", ref, flags=re.S)
     assert "parallelism_config=" not in ref and "fsdp=" not in ref
+    want = _one_process_script(ref, tmp_path, model_dir)
+    assert len(got) == 5 and got == pytest.approx(want, abs=1e-4)
+
+
+def sft_code() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## With Accelerate, Trainer and TRL"):]
+    return re.findall(r"```python\n(.*?)```", section, re.S)[2]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_readme_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
+    # TRL refuses packing=True with cp_size > 1; ndp's SFTTrainer trains it, per document.
+    code = sft_code()
+    assert "\nfrom ndp.trainer import SFTTrainer" in code and "packing=True" in code
+    model_dir = str(tmp_path / "model")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)},
+                                                                        unk_token="t0")),
+                            pad_token="t0", eos_token="t1").save_pretrained(model_dir)
+    spawn(_readme_trainer_rank, 4, tmp_path, str(tmp_path), code, model_dir, timeout_s=300)
+    got = torch.load(tmp_path / "l.pt")
+    ref = code.replace("from ndp.trainer import SFTTrainer", "from trl import SFTTrainer")
+    ref = ref.replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
+    ref = re.sub(r",\s*parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", ref, flags=re.S)
+    assert "parallelism_config=" not in ref and "fsdp=" not in ref
+    want = _one_process_script(ref, tmp_path, model_dir)
+    # fp32 (accelerate trains FSDP2 in fp32): one process alone moves these losses by up to 2e-4 between eager, sdpa
+    # and ndp attention; documents attending across their boundaries, or a wrong normalisation, move them by > 1e-2
+    assert len(got) == 4 and got == pytest.approx(want, abs=5e-4), (got, want)
+
+
+def _one_process_script(code, tmp_path, model_dir):
+    """The logged losses of a README script run in this process (no process group)."""
     cwd = os.getcwd()
     os.environ["MODEL"] = model_dir
     try:
         os.chdir(tmp_path)
         ns = {"__name__": "__main__"}
-        exec(compile(ref, "README.md:trainer (1 process)", "exec"), ns)
+        exec(compile(code, "README.md (1 process)", "exec"), ns)
     finally:
         os.chdir(cwd)
         del os.environ["MODEL"]
         AcceleratorState._reset_state(True)
-    want = [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
-    assert len(got) == 5 and got == pytest.approx(want, abs=1e-4)
-
-
-def _sft_run(out_dir, model_dir, batch, **parallel):
-    """SFTTrainer with packing=True on variable-length documents: the logged losses of 4 steps."""
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)},
-                                                                             unk_token="t0")),
-                                  pad_token="t0", eos_token="t1")
-    g = torch.Generator().manual_seed(4)
-    lens = [9, 14, 7, 12, 16, 5, 11, 13, 8, 10, 15, 6, 12, 9, 7, 14]
-    ds = Dataset.from_dict({"input_ids": [torch.randint(2, 256, (n,), generator=g).tolist() for n in lens]})
-    args = SFTConfig(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=4, learning_rate=1e-2,
-                     lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                     packing=True, max_length=32, optim="sgd", **parallel)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    cls = ndp.trainer.SFTTrainer if parallel else trl.SFTTrainer
-    trainer = cls(model=model, args=args, train_dataset=ds, processing_class=tok)
-    assert trainer.args.packing
-    trainer.train()
-    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
-def _sft_rank(rank, world, tmp, model_dir):
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
-    trainer, losses = _sft_run(os.path.join(tmp, "out"), model_dir, 1,
-                               parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
-                               fsdp_config={"fsdp_version": 2,
-                                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
-    if rank == 0:
-        torch.save(losses, os.path.join(tmp, "sft.pt"))
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
-    # TRL refuses packing=True with cp_size > 1; ndp's SFTTrainer trains it, per document, exactly.
-    model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
-    spawn(_sft_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
-    got = torch.load(tmp_path / "sft.pt")
-    try:
-        _, want = _sft_run(str(tmp_path / "ref"), model_dir, 2)   # one process, the dp 2 global batch
-    finally:
-        AcceleratorState._reset_state(True)
-    # fp32 (accelerate trains FSDP2 in fp32): one process alone moves these losses by up to 2e-4 between eager, sdpa
-    # and ndp attention; documents attending across their boundaries, or a wrong normalisation, move them by > 1e-2
-    assert len(got) == 4 and got == pytest.approx(want, abs=5e-4), (got, want)
+    return [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]

@@ -100,7 +100,7 @@ class Accelerator(accelerate.Accelerator):
         """Inside maybe_context_parallel: the document table and num_items_in_batch for the model's loss."""
         if self._ndp_step is None:
             return None
-        if "labels" in kwargs and "shift_labels" not in kwargs:
+        if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
             raise ValueError("under context parallelism a model given `labels` shifts them inside this rank's "
                              "shard, which misplaces the targets at every shard edge. Shift them before sharding: "
                              "batch['shift_labels'] = F.pad(labels[:, 1:], (0, 1), value=-100), and pass it among "

@@ -144,6 +144,7 @@ def _packed_through_accelerator(rank, world, cases):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="1")
     for model_type, impl in cases:
+        os.environ.pop("NDP_CP_IMPL", None)
         if impl == "ulysses":
             os.environ["NDP_CP_IMPL"] = "ulysses"   # as `accelerate launch` would pass ndp's field
         model = test_packed._zoo.tiny_model(model_type).train()
@@ -177,8 +178,9 @@ def _packed_through_accelerator(rank, world, cases):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_accelerator_packed_documents_and_sliding_window_exact(tmp_path):
-    spawn(_packed_through_accelerator, 2, tmp_path, [("mistral", "ring"), ("llama", "ulysses")], timeout_s=300)
+def test_accelerator_packed_documents_sliding_window_and_sinks_exact(tmp_path):
+    spawn(_packed_through_accelerator, 2, tmp_path, [("mistral", "ring"), ("llama", "ulysses"), ("gpt_oss", "ring")],
+          timeout_s=300)
 
 
 class _InOrder(ndp.trainer.Trainer):

@@ -8,24 +8,27 @@ and overrides, nothing patched:
 
 - ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: the Trainer's Accelerator becomes
   ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo);
-- ``prediction_step``: refused under CP (below);
+- ``prediction_step``: under CP each rank's loss becomes its data-parallel batch's (summed over the CP group), and
+  evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one process's
+  (Trainer's evaluation would otherwise gather the CP ranks' partial losses as samples and report a wrong loss);
+  ``compute_metrics`` under CP is refused by name (the logits are sharded);
 - ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
   sharding, position_ids, an all-ones attention mask) go to ndp's ``maybe_context_parallel``, without the SDPA-only
   check. The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
-  micro-batch) normalises the loss. Evaluation under CP is refused by name: the Trainer's evaluation loop gathers
-  the CP ranks' losses as data-parallel samples and its eval loss would come out wrong.
+  micro-batch) normalises the loss.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 import trl
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
+from .parallel import mesh_axis
 
 __all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer"]
 
@@ -49,10 +52,8 @@ class NdpTrainerMixin:
             return
         # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place
         self.accelerator = Accelerator(**args)
-        self.gather_function = self.accelerator.gather_for_metrics
-        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
-            self.gather_function = functools.partial(self.gather_function,
-                                                     use_gather_object=self.args.eval_use_gather_object)
+        # evaluation gathers one entry per data-parallel rank (the CP ranks of one hold one batch)
+        self.gather_function = self._gather_over_dp
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         pc = getattr(self.accelerator, "parallelism_config", None)
@@ -73,15 +74,32 @@ class NdpTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = getattr(self.accelerator, "parallelism_config", None)
-        if pc is not None and pc.cp_enabled:
-            # The evaluation loop gathers each rank's loss over the whole world and cuts the result to the dataset's
-            # length as if every rank held other samples: under CP that loss comes out wrong, so it is refused.
-            raise ValueError(f"ndp.trainer.Trainer does not evaluate under context parallelism yet (cp_size="
-                             f"{pc.cp_size}): the Trainer's evaluation loop would gather the CP ranks' losses as "
-                             f"if they were data-parallel samples and report a wrong eval loss. Set "
-                             f"eval_strategy='no' and evaluate the saved model without CP.")
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if pc is None or not pc.cp_enabled:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if self.compute_metrics is not None:
+            raise ValueError(f"ndp.trainer: compute_metrics under context parallelism (cp_size={pc.cp_size}) would see "
+                             f"each rank's shard of the logits; evaluate the loss only (compute_metrics=None) or "
+                             f"compute metrics without CP.")
+        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
+        if loss is not None:
+            # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
+            loss = loss.to(self.args.device).double()
+            dist.all_reduce(loss, group=self.accelerator.torch_device_mesh["cp"].get_group())
+            loss = (loss / pc.cp_size).float()
+        return loss, None, None
 
+    def _gather_over_dp(self, tensor):
+        """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the
+        last batch cut off as Accelerate does."""
+        dp = mesh_axis(self.accelerator.torch_device_mesh, "dp")
+        if dp.size() > 1:
+            parts = [torch.empty_like(tensor) for _ in range(dp.size())]
+            dist.all_gather(parts, tensor.contiguous(), group=dp.get_group())
+            tensor = torch.cat(parts)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            tensor = tensor[:state.remainder]
+        return tensor
 
 class Trainer(NdpTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""

@@ -102,8 +102,9 @@ def _blog_rank(rank, world, code, port, out, model_dir):
     os._exit(0)  # past torch 2.13 gloo's teardown at interpreter exit (see tests/dist.py)
 
 
-def _one_process(model_dir, tokens, steps, dp):
-    # The same model and batches on one process: step s trains on the dp samples the dp ranks took.
+def _one_process(model_dir, tokens, steps, dp, clip=None):
+    # The same model and batches on one process: step s trains on the dp samples the dp ranks took; clip: the
+    # Trainer's max_grad_norm.
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
@@ -112,6 +113,8 @@ def _one_process(model_dir, tokens, steps, dp):
         logits = model(input_ids=ids).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -195,19 +198,18 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps):
                       MASTER_PORT="1")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=steps,
-                             gradient_accumulation_steps=ga,
+                             gradient_accumulation_steps=ga, per_device_eval_batch_size=1,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
                              parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:4])
+    trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
-    with pytest.raises(ValueError, match="does not evaluate under context parallelism yet"):
-        trainer.evaluate()   # refused on every rank rather than a wrong eval loss
+    ev = trainer.evaluate()   # 5 rows over 2 data-parallel ranks: the last step pads one rank, cut off again
     if rank == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        torch.save({"losses": losses}, os.path.join(tmp, "trainer.pt"))
+        torch.save({"losses": losses, "eval": ev["eval_loss"]}, os.path.join(tmp, "trainer.pt"))
 
 
 def _samples():
@@ -227,8 +229,12 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps):
     spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, timeout_s=300)
     got = torch.load(tmp_path / "trainer.pt")
     data = torch.stack([s["input_ids"] for s in _samples()])
-    losses, _ = _one_process(model_dir, data, steps=steps, dp=2 * ga)
+    losses, model = _one_process(model_dir, data, steps=steps, dp=2 * ga, clip=1.0)
     assert len(got["losses"]) == steps and got["losses"] == pytest.approx(losses, abs=1e-4)  # logged to 4 digits
+    with torch.no_grad():   # the eval loss after training: the mean of the 5 eval rows (not x cp_size, not a shard's)
+        logits = model(input_ids=data[:5]).logits
+        want = F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:5, 1:].flatten()).item()
+    assert got["eval"] == pytest.approx(want, rel=1e-5)
 
 
 def _resume_rank(rank, world, tmp, model_dir):

@@ -37,7 +37,7 @@ from . import _flash_attn, _sdpa
 log = logging.getLogger(__name__)
 
 __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
-           "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use", "choose", "SHIPPED_DIR"]
+           "HEAD_KINDS", "head_kind", "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use", "choose", "SHIPPED_DIR"]
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
 ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
@@ -45,10 +45,18 @@ AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines au
 # Engines that soft-cap the logits (Gemma 2's attn_logit_softcapping) in forward and backward.
 SOFTCAP_ENGINES = ("triton", "torch")
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
+# Rows may also be kept per head layout: "mha" (as many K/V heads as query heads) or "gqa" (fewer). On CUDA the
+# fastest engine differs between them (cuDNN and the memory-efficient kernel run MHA only, flash runs GQA whole).
+HEAD_KINDS = ("mha", "gqa")
 SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
 # Used only where no measured table has a row for the block and none could be measured (printed as such by
 # ndp.info). On CUDA, sdpa comes last: it runs where neither flash-attn nor triton is installed.
 DEFAULT_ORDER = {"cuda": ("flash_attn", "triton", "sdpa"), "cpu": ("sdpa",)}
+
+
+def head_kind(q4, k4) -> str:
+    """The head layout of a block (HEAD_KINDS): "mha" when K/V have as many heads as the queries, else "gqa"."""
+    return "mha" if q4.shape[2] == k4.shape[2] else "gqa"
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -136,31 +144,39 @@ def capable(engine: str, segs, q4, k4, *, deterministic: bool = False, softcap: 
 
 @dataclass
 class EngineTable:
-    """A measured preference table for one device: ``rows[(class, dtype, bucket)] = {"order": [...], "ms": {...}}``."""
+    """A measured preference table for one device: ``rows[(class, dtype, bucket[, head kind])] = {"order": [...],
+    "ms": {...}}``; a row without a head kind serves both layouts."""
     device_key: str
     source: str                      # path of the file, or "none"
     rows: dict
     meta: dict
 
-    def order(self, cls: str, dtype: torch.dtype, bucket: int):
-        """(engine order, how it was found) for a block; order is () when no row applies."""
+    def row(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
+        """The row measured for exactly this block (its head kind's, else one for both layouts), or None."""
         dt = str(dtype).replace("torch.", "")
-        row = self.rows.get((cls, dt, bucket))
+        return self.rows.get((cls, dt, bucket, kind)) or self.rows.get((cls, dt, bucket))
+
+    def order(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
+        """(engine order, how it was found) for a block; order is () when no row applies."""
+        row = self.row(cls, dtype, bucket, kind)
         if row is not None:
             return tuple(row["order"]), "measured"
-        near = [(abs(b - bucket), b) for (c, t, b) in self.rows if c == cls and t == dt]
+        dt = str(dtype).replace("torch.", "")
+        # the nearest head_dim bucket, the block's head kind first
+        near = sorted((abs(k[2] - bucket), len(k) == 4 and k[3] != kind, k) for k in self.rows
+                      if k[0] == cls and k[1] == dt)
         if near:
-            b = min(near)[1]
-            return tuple(self.rows[(cls, dt, b)]["order"]), f"measured at head_dim {b}"
-        other = sorted((t, b) for (c, t, b) in self.rows if c == cls)
+            k = near[0][2]
+            return tuple(self.rows[k]["order"]), f"measured at head_dim {k[2]}"
+        other = sorted((k[1], k[2], k) for k in self.rows if k[0] == cls)
         if other:
-            t, b = other[0]
-            return tuple(self.rows[(cls, t, b)]["order"]), f"measured for {t} head_dim {b}"
+            t, b, k = other[0]
+            return tuple(self.rows[k]["order"]), f"measured for {t} head_dim {b}"
         return (), "no measured row"
 
-    def rejected(self, cls: str, dtype: torch.dtype, bucket: int) -> dict:
+    def rejected(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None) -> dict:
         """{engine: why} for the engines the measurement of this exact row rejected (wrong, or raised)."""
-        return self.rows.get((cls, str(dtype).replace("torch.", ""), bucket), {}).get("rejected", {})
+        return (self.row(cls, dtype, bucket, kind) or {}).get("rejected", {})
 
 
 def parse_table(data: dict, source: str) -> EngineTable:
@@ -172,10 +188,11 @@ def parse_table(data: dict, source: str) -> EngineTable:
     try:
         rows = {}
         for key, row in data["rows"].items():
-            cls, dt, bucket = key.split("/")
-            if cls not in CLASSES or any(e not in ENGINES for e in row["order"]):
-                raise ValueError(f"unknown class or engine in row {key!r}")
-            rows[(cls, dt, int(bucket))] = row
+            cls, dt, bucket, *kind = key.split("/")
+            if cls not in CLASSES or any(e not in ENGINES for e in row["order"]) or \
+                    len(kind) > 1 or (kind and kind[0] not in HEAD_KINDS):
+                raise ValueError(f"unknown class, engine or head kind in row {key!r}")
+            rows[(cls, dt, int(bucket), *kind)] = row
         return EngineTable(data["device_key"], source, rows, {k: v for k, v in data.items() if k != "rows"})
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise RuntimeError(f"engine table {source} is malformed ({e}); delete it or rebuild it with "
@@ -210,7 +227,8 @@ _TUNER = None
 
 
 def use_tuner(module) -> None:
-    """Registers the module whose ``probe_row(device, cls, dtype, bucket)`` measures a missing row on first use."""
+    """Registers the module whose ``probe_row(device, cls, dtype, bucket, kind)`` measures a missing row on first
+    use."""
     global _TUNER
     _TUNER = module
 
@@ -219,44 +237,44 @@ def _may_probe(device) -> bool:
     return _TUNER is not None and tuning.may_measure(device, AUTO_PROBE)
 
 
-def _probe(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
+def _probe(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
     """Measures the row once (see ``tune.probe_row``), adds it to the in-memory table, returns its order; on
     failure (logged once) the order the table had for a neighbouring row, else () (auto then takes DEFAULT_ORDER)."""
     dt = str(dtype).replace("torch.", "")
-    key = (cls, dt, bucket)
+    key = (cls, dt, bucket, kind)
     if (table.device_key,) + key in _PROBE_FAILED:
-        return table.order(cls, dtype, bucket)[0]
-    log.info("auto: no measured engine row for %s/%s/%d on %s; measuring it once (python -m ndp.ops.tune "
-             "measures the whole table)", cls, dt, bucket, table.device_key)
+        return table.order(cls, dtype, bucket, kind)[0]
+    log.info("auto: no measured engine row for %s/%s/%d/%s on %s; measuring it once (python -m ndp.ops.tune "
+             "measures the whole table)", cls, dt, bucket, kind, table.device_key)
     try:
-        return _measure(table, cls, dtype, bucket, device)
+        return _measure(table, cls, dtype, bucket, kind, device)
     except Exception as e:
         _PROBE_FAILED.add((table.device_key,) + key)
-        log.warning("auto: measuring engines for %s/%s/%d on %s failed (%s: %s); using the table's nearest row "
-                    "or the default order %s", cls, dt, bucket, table.device_key, type(e).__name__, e,
+        log.warning("auto: measuring engines for %s/%s/%d/%s on %s failed (%s: %s); using the table's nearest row "
+                    "or the default order %s", cls, dt, bucket, kind, table.device_key, type(e).__name__, e,
                     DEFAULT_ORDER.get(device.type))
-        return table.order(cls, dtype, bucket)[0]
+        return table.order(cls, dtype, bucket, kind)[0]
 
 
-def _measure(table: EngineTable, cls: str, dtype, bucket: int, device) -> tuple:
-    row = _TUNER.probe_row(device, cls, dtype, bucket)
-    table.rows[(cls, str(dtype).replace("torch.", ""), bucket)] = row
+def _measure(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
+    row = _TUNER.probe_row(device, cls, dtype, bucket, kind)
+    table.rows[(cls, str(dtype).replace("torch.", ""), bucket, kind)] = row
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
     return tuple(row["order"])
 
 
-def measure_first_use(cls: str, dtype: torch.dtype, head_dim: int, device) -> None:
-    """Measures now the row (cls, dtype, head_dim bucket) that auto's first block of that kind on `device` would
-    (no measured row, measurement allowed here); a failure raises (``ndp.warmup`` reports it on every rank)."""
+def measure_first_use(cls: str, dtype: torch.dtype, head_dim: int, kind: str, device) -> None:
+    """Measures now the row (cls, dtype, head_dim bucket, head kind) that auto's first block of that kind on
+    `device` would (no measured row, measurement allowed here); a failure raises (``ndp.warmup`` reports it)."""
     table, bucket = engine_table(device), head_dim_bucket(head_dim)
-    if table.order(cls, dtype, bucket)[1] != "measured" and _may_probe(device):
-        _measure(table, cls, dtype, bucket, device)
+    if table.order(cls, dtype, bucket, kind)[1] != "measured" and _may_probe(device):
+        _measure(table, cls, dtype, bucket, kind, device)
 
 
 def table_rows(device) -> dict:
-    """The rows of `device`'s engine table in use, keyed as in its file (``class/dtype/bucket``)."""
-    return {f"{c}/{t}/{b}": row for (c, t, b), row in engine_table(device).rows.items()}
+    """The rows of `device`'s engine table in use, keyed as in its file (``class/dtype/bucket[/head kind]``)."""
+    return {"/".join(map(str, k)): row for k, row in engine_table(device).rows.items()}
 
 
 def adopt_rows(device, rows: dict) -> None:
@@ -293,18 +311,19 @@ def choose(segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -
         RuntimeError: no engine here can run the block (the message lists each engine's reason).
     """
     sq, sk = q4.shape[1], k4.shape[1]
-    key = ("auto", sq, sk, q4.dtype, q4.shape[-1], str(q4.device), deterministic, bool(softcap))
+    kind = head_kind(q4, k4)
+    key = ("auto", sq, sk, q4.dtype, q4.shape[-1], kind, str(q4.device), deterministic, bool(softcap))
     hit = segs.memo.get(key)
     if hit is not None:
         return hit
     cls = block_class(segs, sq, sk)
     table = engine_table(q4.device)
     bucket = head_dim_bucket(q4.shape[-1])
-    order, how = table.order(cls, q4.dtype, bucket)
+    order, how = table.order(cls, q4.dtype, bucket, kind)
     if how != "measured" and _may_probe(q4.device):
-        order = _probe(table, cls, q4.dtype, bucket, q4.device)
+        order = _probe(table, cls, q4.dtype, bucket, kind, q4.device)
     fallback = DEFAULT_ORDER.get(q4.device.type, ("triton",))
-    reasons = dict(table.rejected(cls, q4.dtype, bucket))  # failed their measurement here: never run by auto
+    reasons = dict(table.rejected(cls, q4.dtype, bucket, kind))  # failed their measurement here: never run by auto
     for e in tuple(order) + tuple(x for x in fallback if x not in order):
         if e not in AUTO_ENGINES or e in reasons:
             continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import itertools
 import logging
 import statistics
 import sys
@@ -34,7 +35,8 @@ from ndp_kernels import NO_LIMIT, Segments, tuning
 from ._check import compare_to_reference
 from .attention import attention_bwd, attention_fwd
 from . import engines
-from .engines import AUTO_ENGINES, CLASSES, ENGINES, SHIPPED_DIR, block_class, capable, engine_available
+from .engines import (AUTO_ENGINES, CLASSES, ENGINES, HEAD_KINDS, SHIPPED_DIR, block_class, capable,
+                      engine_available)
 
 log = logging.getLogger(__name__)
 
@@ -101,26 +103,33 @@ def time_engine(engine, cls, dtype, head_dim, device, *, s, h=8, hk=2, iters=3) 
     return statistics.median(times)
 
 
-def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True) -> dict:
+# Query and K/V heads of the blocks each head kind (engines.HEAD_KINDS) is checked and timed on.
+CHECK_HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+TIME_HEADS = {"mha": (8, 8), "gqa": (8, 2)}
+
+
+def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True, kind="gqa") -> dict:
     """One table row: every engine available and exact here for a block of class `cls`, checked against the
     float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "rejected"}``.
     An engine that differs from the reference or raises is named in ``rejected`` and never in ``order``
-    (``engines.choose`` skips it, its default order included)."""
+    (``engines.choose`` skips it, its default order included). kind: the head layout of the blocks."""
     segs, sq, sk = class_block(cls, 8)
-    probe = torch.empty(1, sq, 1, head_dim, dtype=dtype, device=device)
+    (h, hk), (th, thk) = CHECK_HEADS[kind], TIME_HEADS[kind]
+    probe_q = torch.empty(1, sq, h, head_dim, dtype=dtype, device=device)
+    probe_k = torch.empty(1, sk, hk, head_dim, dtype=dtype, device=device)
     assert block_class(segs, sq, sk) == cls
     ms, rejected = {}, {}
     names = [e for e in ENGINES if e in AUTO_ENGINES or (with_reference and e == "torch")]
     for e in names:
         ok, why = engine_available(e, device)
         if ok:
-            ok, why = capable(e, segs, probe, probe)
+            ok, why = capable(e, segs, probe_q, probe_k)
         if not ok:
             continue
         try:
-            good, err = check_engine(e, cls, dtype, head_dim, device)
+            good, err = check_engine(e, cls, dtype, head_dim, device, h=h, hk=hk)
             if good:
-                ms[e] = round(time_engine(e, cls, dtype, head_dim, device, s=s, iters=iters), 3)
+                ms[e] = round(time_engine(e, cls, dtype, head_dim, device, s=s, h=th, hk=thk, iters=iters), 3)
             else:
                 rejected[e] = f"differs from the float64 reference (max error {err:.3e})"
         except torch.OutOfMemoryError:
@@ -133,8 +142,8 @@ def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True) 
     return {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
 
 
-def _row_key(cls, dtype, head_dim) -> str:
-    return f"{cls}/{str(dtype).replace('torch.', '')}/{head_dim}"
+def _row_key(cls, dtype, head_dim, kind) -> str:
+    return f"{cls}/{str(dtype).replace('torch.', '')}/{head_dim}/{kind}"
 
 
 def _meta(device, s, iters) -> dict:
@@ -144,23 +153,22 @@ def _meta(device, s, iters) -> dict:
         "torch": torch.__version__,
         "triton": _triton_version(),
         "measured": datetime.date.today().isoformat(),
-        "block": f"B=1 S={s} H=8 Hkv=2, forward+backward, median of {iters}",
+        "block": f"B=1 S={s} H=8, Hkv=8 (mha) or 2 (gqa), forward+backward, median of {iters}",
         "threads": torch.get_num_threads(),
     }
 
 
-def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, log=print) -> dict:
-    """Measures every (class, dtype, head_dim) row; returns the table as a JSON-ready dict."""
+def tune(device, *, dtypes, head_dims, s, iters, with_reference=True, kinds=HEAD_KINDS, log=print) -> dict:
+    """Measures every (class, dtype, head_dim, head kind) row; returns the table as a JSON-ready dict."""
     device = torch.device(device)
     rows = {}
-    for cls in CLASSES:
-        for dtype in dtypes:
-            for d in head_dims:
-                key = _row_key(cls, dtype, d)
-                row = rows[key] = measure_row(device, cls, dtype, d, s=s, iters=iters, with_reference=with_reference)
-                log(f"{key:<24} " + "  ".join(f"{e} {t:9.2f} ms" for e, t in sorted(row["ms"].items(),
-                                                                                   key=lambda x: x[1]))
-                    + (f"  rejected: {row['rejected']}" if "rejected" in row else ""))
+    for cls, dtype, d, kind in itertools.product(CLASSES, dtypes, head_dims, kinds):
+        key = _row_key(cls, dtype, d, kind)
+        row = rows[key] = measure_row(device, cls, dtype, d, s=s, iters=iters, with_reference=with_reference,
+                                      kind=kind)
+        times = sorted(row["ms"].items(), key=lambda x: x[1])
+        log(f"{key:<28} " + "  ".join(f"{e} {t:9.2f} ms" for e, t in times)
+            + (f"  rejected: {row['rejected']}" if "rejected" in row else ""))
     return {**_meta(device, s, iters), "rows": rows}
 
 
@@ -170,15 +178,16 @@ PROBE_SEQLEN = 2048
 PROBE_ITERS = 3
 
 
-def probe_row(device, cls, dtype, head_dim) -> dict:
-    """The row (cls, dtype, head_dim bucket) on `device` (``measure_row``), measured once per machine and merged
+def probe_row(device, cls, dtype, head_dim, kind) -> dict:
+    """The row (cls, dtype, head_dim bucket, head kind) on `device` (``measure_row``), measured once per machine and merged
     into the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row
     written, so the ranks of a node run one engine order; the table keeps every other row)."""
     device = torch.device(device)
-    key = _row_key(cls, dtype, head_dim)
+    key = _row_key(cls, dtype, head_dim, kind)
 
     def measure():
-        row = measure_row(device, cls, dtype, head_dim, s=PROBE_SEQLEN, iters=PROBE_ITERS, with_reference=False)
+        row = measure_row(device, cls, dtype, head_dim, s=PROBE_SEQLEN, iters=PROBE_ITERS, with_reference=False,
+                          kind=kind)
         return {key: {**row, "probed": True}}
 
     rows = tuning.measure_once(tuning.table_path("engines", tuning.device_key(device)), key, measure,
@@ -191,9 +200,11 @@ WARMUP_SEQLEN = 256
 WARMUP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, classes=CLASSES) -> dict:
+def warmup(head_dims, dtypes=(torch.bfloat16,), *, head_kinds=HEAD_KINDS, device=None, group=None,
+           classes=CLASSES) -> dict:
     """Measures and compiles now what the first attention calls would (the kernels' open choices and auto's engine
-    order per block class, for each head size and dtype), so the first training step measures nothing. A launcher
+    order per block class, for each head size, dtype and head layout: ``head_kinds`` "mha" and/or "gqa", the
+    model's), so the first training step measures nothing. A launcher
     runs it before training (``python -m ndp.ops.tune --warmup``); ``ndp.train`` calls it.
 
     In a distributed job (`group`; default the world once torch.distributed is initialized) call it on every rank
@@ -209,7 +220,7 @@ def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, clas
         ValueError: a head size or dtype ndp cannot run (before any work or communication).
         RuntimeError: rank 0's measurement failed (on every rank of the group, naming rank 0's error).
     """
-    head_dims, dtypes = _warmup_args(head_dims, dtypes, classes)
+    what = _warmup_args(head_dims, dtypes, head_kinds, classes)
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if group is None and dist.is_available() and dist.is_initialized():
@@ -218,7 +229,7 @@ def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, clas
     t0 = time.perf_counter()
     measured_by = 0
     if rank == 0:
-        sent = _measured_or_error(device, head_dims, dtypes, classes)
+        sent = _measured_or_error(device, what)
     if size > 1:
         box = [(tuning.device_key(device), sent) if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group,
@@ -229,10 +240,10 @@ def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, clas
         if rank != 0 and box[0][0] == tuning.device_key(device):
             _adopt(device, sent)
             with tuning.no_measurement():  # rank 0's rows decide, also where it could not measure one
-                _first_calls(device, head_dims, dtypes, classes)
+                _first_calls(device, what)
         elif rank != 0:  # another GPU model: rank 0's timings say nothing about this one
             measured_by = rank
-            _first_calls(device, head_dims, dtypes, classes, measure=True)
+            _first_calls(device, what, measure=True)
     elif isinstance(sent, str):
         raise RuntimeError(f"ndp.warmup failed: {sent}")
     return {"device": tuning.device_key(device), "measured_by": measured_by,
@@ -240,7 +251,8 @@ def warmup(head_dims, dtypes=(torch.bfloat16,), *, device=None, group=None, clas
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _warmup_args(head_dims, dtypes, classes):
+def _warmup_args(head_dims, dtypes, kinds, classes) -> tuple:
+    """(head_dims, dtypes, kinds, classes) checked, as lists."""
     head_dims = [head_dims] if isinstance(head_dims, int) else list(head_dims)
     dtypes = [dtypes] if isinstance(dtypes, torch.dtype) else list(dtypes)
     bad = [d for d in head_dims if not isinstance(d, int) or isinstance(d, bool) or d < 1]
@@ -250,38 +262,42 @@ def _warmup_args(head_dims, dtypes, classes):
     if not dtypes or any(t not in WARMUP_DTYPES for t in dtypes):
         raise ValueError(f"ndp.warmup: dtypes must be among {WARMUP_DTYPES} (the dtype attention runs in); "
                          f"got {dtypes}")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    if not kinds or any(k not in HEAD_KINDS for k in kinds):
+        raise ValueError(f"ndp.warmup: head_kinds must be among {HEAD_KINDS} ('mha': as many K/V heads as query "
+                         f"heads, 'gqa': fewer); got {kinds}")
     if not classes or any(c not in CLASSES for c in classes):
         raise ValueError(f"ndp.warmup: classes must be among {CLASSES}; got {classes}")
-    return head_dims, dtypes
+    return head_dims, dtypes, kinds, list(classes)
 
 
-def _measured_or_error(device, head_dims, dtypes, classes):
+def _measured_or_error(device, what):
     """Measures and compiles (``_first_calls``) and returns the rows to share, or the error as text (so a failing
     rank 0 still reaches the broadcast and every rank raises instead of waiting)."""
     try:
-        _first_calls(device, head_dims, dtypes, classes, measure=True)
+        _first_calls(device, what, measure=True)
         return {"kernels": _kernel_rows(device), "engines": engines.table_rows(device)}
     except Exception as e:  # noqa: BLE001 - reported on every rank by warmup
         return f"{type(e).__name__}: {e}"
 
 
-def _first_calls(device, head_dims, dtypes, classes, *, measure=False):
-    """measure: first what the first calls would measure, failures raised (engine rows per block class, the
-    kernels' open choices where the Triton kernels run here). Then one forward+backward of each block class
-    through auto, and one through the Triton kernels, which compiles what the first step runs."""
+def _first_calls(device, what, *, measure=False):
+    """measure: first what the first calls would measure, failures raised (engine rows per block class and head
+    kind, the kernels' open choices where the Triton kernels run here). Then one forward+backward of each block
+    class through auto, and one through the Triton kernels, which compiles what the first step runs."""
+    head_dims, dtypes, kinds, classes = what
     triton_here = engine_available("triton", device)[0]
-    for dtype in dtypes:
-        for d in head_dims:
-            if measure:
-                for cls in classes:
-                    engines.measure_first_use(cls, dtype, d, device)
-                if triton_here:
-                    ndp_kernels.measure_first_use(d, dtype, device)
-            calls = [("auto", cls) for cls in classes] + ([("triton", "causal")] if triton_here else [])
-            for engine, cls in calls:
-                segs, sq, sk = class_block(cls, WARMUP_SEQLEN)
-                q, k, v, dout = _inputs(sq, sk, 4, 2, d, dtype, device)
-                _fwd_bwd(engine, q, k, v, dout, segs, d ** -0.5)
+    for dtype, d, kind in itertools.product(dtypes, head_dims, kinds):
+        if measure:
+            for cls in classes:
+                engines.measure_first_use(cls, dtype, d, kind, device)
+            if triton_here:
+                ndp_kernels.measure_first_use(d, dtype, device)
+        calls = [("auto", cls) for cls in classes] + ([("triton", "causal")] if triton_here else [])
+        for engine, cls in calls:
+            segs, sq, sk = class_block(cls, WARMUP_SEQLEN)
+            q, k, v, dout = _inputs(sq, sk, *CHECK_HEADS[kind], d, dtype, device)
+            _fwd_bwd(engine, q, k, v, dout, segs, d ** -0.5)
 
 
 def _kernel_rows(device) -> dict:

@@ -122,6 +122,12 @@ def attention_head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def attention_head_kind(config) -> str:
+    """"mha" when the config has as many K/V heads as query heads, else "gqa" (``ndp.ops.engines.HEAD_KINDS``)."""
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return "mha" if kv == config.num_attention_heads else "gqa"
+
+
 def _first_nonfinite(model, loss_ok: bool) -> str:
     """Names the first tensor that is not finite on this rank: the loss, or a parameter's gradient."""
     if not loss_ok:
@@ -249,7 +255,7 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
         # Measured and compiled before the first step, on rank 0 for every rank: the first step measures nothing
         # and every rank on every node runs the same kernels and engines.
         warm = ndp.warmup(attention_head_dim(model.config), torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
-                          device=device)
+                          head_kinds=attention_head_kind(model.config), device=device)
         if rank == 0:
             logger.info("attention warm-up: %s", warm)
     result = TrainResult(start_step=start_step, param_bytes_per_rank=param_bytes, param_bytes_total=param_total)

@@ -178,8 +178,8 @@ def probing(tmp_path, monkeypatch):
                         lambda e, d: (False, "not here") if e == "triton" else engines.engine_available(e, d))
     timed = []
 
-    def fake_time(engine, cls, dtype, head_dim, device, *, s, iters):
-        timed.append((engine, cls, str(dtype), head_dim, s))
+    def fake_time(engine, cls, dtype, head_dim, device, *, s, iters, h, hk):
+        timed.append((engine, cls, str(dtype), head_dim, s, (h, hk)))
         return 1.5
     monkeypatch.setattr(tune, "time_engine", fake_time)
     yield timed
@@ -191,19 +191,22 @@ def test_auto_measures_a_missing_row_once_and_saves_it(probing, tmp_path):
     segs = Segments.dense(40, 40, causal=True)
     assert engines.choose(segs, q, q) == "sdpa"
     # Measured at the head_dim bucket (128), on the probe's block size, for the engines auto may pick.
-    assert probing == [("sdpa", "causal", "torch.float32", 128, tune.PROBE_SEQLEN)]
+    assert probing == [("sdpa", "causal", "torch.float32", 128, tune.PROBE_SEQLEN, (8, 8))]   # MHA block: MHA row
     saved = json.loads((tmp_path / "engines-cpu.json").read_text())
-    row = saved["rows"]["causal/float32/128"]
+    row = saved["rows"]["causal/float32/128/mha"]
     assert row["order"] == ["sdpa"] and row["probed"] and row["ms"] == {"sdpa": 1.5}
     assert engines.choose(Segments.dense(40, 40, causal=True), q, q) == "sdpa"   # a new table: no new probe
     assert engines.choose(Segments.dense(40, 40, causal=True), q.double(), q.double()) == "sdpa"
     assert len(probing) == 2 and probing[1][2] == "torch.float64"               # a new dtype is a new row
     engines._TABLES.clear()                                                      # as in a new process
     table = engines.engine_table("cpu")
-    assert table.order("causal", torch.float32, 128) == (("sdpa",), "measured")
+    assert table.order("causal", torch.float32, 128, "mha") == (("sdpa",), "measured")
     assert engines.choose(Segments.dense(40, 40, causal=True), q, q) == "sdpa" and len(probing) == 2
-    assert set(json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]) == {"causal/float32/128",
-                                                                                    "causal/float64/128"}
+    assert set(json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]) == {"causal/float32/128/mha",
+                                                                                    "causal/float64/128/mha"}
+    assert engines.choose(Segments.dense(40, 40, causal=True), q, q[:, :, :2]) == "sdpa"   # GQA: its own row
+    assert probing[-1][-1] == (8, 2) and "causal/float32/128/gqa" in json.loads(
+        (tmp_path / "engines-cpu.json").read_text())["rows"]
 
 
 def test_a_cache_that_cannot_be_written_keeps_the_measured_row_for_this_process(probing, tmp_path, monkeypatch,
@@ -215,7 +218,7 @@ def test_a_cache_that_cannot_be_written_keeps_the_measured_row_for_this_process(
     with caplog.at_level("WARNING", logger="ndp"):
         assert engines.choose(Segments.dense(16, 16, causal=True), q, q) == "sdpa"
     assert "could not save the measured rows" in caplog.text and not (tmp_path / "engines-cpu.json").exists()
-    assert engines.engine_table("cpu").order("causal", torch.float32, 64) == (("sdpa",), "measured")
+    assert engines.engine_table("cpu").order("causal", torch.float32, 64, "mha") == (("sdpa",), "measured")
     assert engines.choose(Segments.dense(16, 16, causal=True), q, q) == "sdpa" and len(probing) == 1
 
 
@@ -245,7 +248,7 @@ def test_an_engine_that_fails_its_measurement_is_never_run_by_auto(probing, monk
     monkeypatch.setattr(tune, "check_engine", check)
     q = torch.zeros(1, 20, 2, 64)                                                # blocks no test has memoised
     assert engines.choose(Segments.dense(20, 20, causal=True), q, q) == "triton"
-    row = json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]["causal/float32/64"]
+    row = json.loads((tmp_path / "engines-cpu.json").read_text())["rows"]["causal/float32/64/mha"]
     assert row["order"] == ["triton"] and "TypeError" in row["rejected"]["sdpa"]
     engines._TABLES.clear()                                                      # as in a new process
     monkeypatch.setattr(engines, "engine_available",
@@ -319,7 +322,7 @@ def test_tune_checks_before_timing_and_rejects_a_wrong_engine(monkeypatch):
     assert not ok and err > 1e-3
     monkeypatch.setattr(_sdpa, "fwd", real)
     table = tune.tune("cpu", dtypes=[torch.float32], head_dims=[32], s=64, iters=1, log=lambda *_: None)
-    assert set(table["rows"]) == {f"{c}/float32/32" for c in engines.CLASSES}
+    assert set(table["rows"]) == {f"{c}/float32/32/{k}" for c in engines.CLASSES for k in engines.HEAD_KINDS}
     for row in table["rows"].values():
         assert row["order"][0] == "sdpa" and set(row["ms"]) >= {"sdpa", "torch"} and "torch" not in row["order"]
 

@@ -49,11 +49,12 @@ def _two_nodes(rank, world, tmp):
     assert got["measured_by"] == 0 and got["device"] == "cpu", got
     assert bool(calls) == (rank == 0), calls
     for cls in ("causal", "varlen"):
-        assert engines.engine_table(CPU).order(cls, torch.float32, 32) == (("triton", "sdpa"), "measured")
+        for kind in engines.HEAD_KINDS:
+            assert engines.engine_table(CPU).order(cls, torch.float32, 32, kind) == (("triton", "sdpa"), "measured")
     assert configs.bwd_impl("interpreter", 16, torch.float32, device=CPU) == "atomic"
     # this node's tables hold rank 0's rows too: a later process here takes them without measuring
     saved = json.loads(open(os.path.join(mine, "engines-cpu.json")).read())["rows"]
-    assert saved["varlen/float32/32"]["order"] == ["triton", "sdpa"]
+    assert saved["varlen/float32/32/gqa"]["order"] == ["triton", "sdpa"]
     kernels = json.loads(open(os.path.join(mine, "kernels-cpu.json")).read())["rows"]
     assert kernels["bwd_impl/interpreter/64/float32"]["impl"] == "atomic"
     # the first training-like call measures nothing more
@@ -92,6 +93,7 @@ def test_a_failing_rank_0_fails_every_rank_instead_of_a_hang(tmp_path):
     (dict(head_dims=[], ), "head_dims must be positive ints"),
     (dict(head_dims=[64], dtypes=[torch.int8]), "dtypes must be among"),
     (dict(head_dims=[64], classes=("dense",)), "classes must be among"),
+    (dict(head_dims=[64], head_kinds=("mqa",)), "head_kinds must be among"),
 ])
 def test_bad_arguments_are_refused_before_any_work(args, match, monkeypatch):
     monkeypatch.setattr(tune, "_first_calls", lambda *a: pytest.fail("work started"))

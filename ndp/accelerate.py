@@ -37,7 +37,7 @@ from ndp.hf.batch import PACKING_KEYS, shard_rows
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
 from ndp.parallel.mesh import mesh_axis
 
-__all__ = ["Accelerator", "ndp_config", "fsdp2_state_on_cpu", "shard_buffers"]
+__all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers"]
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
 ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
@@ -52,6 +52,14 @@ def ndp_config(parallelism_config, **fields) -> ParallelismConfig:
             fields[name] = kind(os.environ[var])
     return ParallelismConfig.from_accelerate(parallelism_config,
                                              **{k: v for k, v in fields.items() if v is not None})
+
+
+def accelerate_config(config: ParallelismConfig) -> accelerate.ParallelismConfig:
+    """Accelerate's ParallelismConfig of ndp's (the degrees; ndp's own fields go to :class:`Accelerator`'s
+    ``cp_impl``, ``ulysses_size``, ``cp_layout``): the way back from ``ParallelismConfig.from_accelerate``."""
+    return accelerate.ParallelismConfig(dp_replicate_size=config.dp_replicate_size,
+                                        dp_shard_size=config.dp_shard_size, cp_size=config.cp_size,
+                                        tp_size=config.tp_size)
 
 
 class Accelerator(accelerate.Accelerator):

@@ -50,6 +50,9 @@ def test_conversion_both_ways_and_what_is_refused():
         ndp.ParallelismConfig.from_accelerate(acc, cp_size=8)
     with pytest.raises(TypeError, match="without"):
         as_config(object())
+    back = ndp.accelerate.accelerate_config(cfg)                     # and back: the degrees
+    assert isinstance(back, AccelerateConfig) and ndp.ParallelismConfig.from_accelerate(
+        back, cp_impl="usp", ulysses_size=2) == cfg
 
 
 def _meshes(rank, world):
@@ -182,7 +185,8 @@ def _packed_through_accelerator(rank, world, cases):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_accelerator_packed_documents_sliding_window_and_sinks_exact(tmp_path):
-    spawn(_packed_through_accelerator, 2, tmp_path, [("mistral", "ring"), ("llama", "ulysses"), ("gpt_oss", "ring")],
+    spawn(_packed_through_accelerator, 2, tmp_path, [("mistral", "ring"), ("llama", "ulysses"), ("gpt_oss", "ring"),
+                                                    ("qwen2", "ring")],
           timeout_s=300)
 
 

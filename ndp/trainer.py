@@ -71,7 +71,6 @@ class NdpTrainerMixin:
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
 
-
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is None or not pc.cp_enabled:
@@ -101,6 +100,7 @@ class NdpTrainerMixin:
             tensor = tensor[:state.remainder]
         return tensor
 
+
 class Trainer(NdpTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""
 
@@ -112,8 +112,8 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer):
     the documents apart (the packed rows are sharded per document, the document table reaches every layer), so
     this class lets it through: TRL's constructor sees ``packing=False, padding_free=True, max_length=None`` (the
     collator packing needs) and ``_prepare_dataset`` (overridden) still packs the training data with the configured
-    strategy and length; the arguments read as given again afterwards. TRL's fused LM head takes the ``shift_labels`` the mixin makes
-    before sharding.
+    strategy and length; the arguments read as given again afterwards. TRL's fused LM head takes the
+    ``shift_labels`` the mixin makes before sharding.
     """
 
     def __init__(self, model=None, args=None, *rest, **kwargs):

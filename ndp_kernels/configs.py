@@ -32,7 +32,8 @@ from . import tuning
 log = logging.getLogger("ndp_kernels")
 
 __all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
-           "adopt_rows", "measure_first_use", "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl", "merge_config", "interpreting",
+           "adopt_rows", "measure_first_use", "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl",
+           "merge_config", "interpreting",
            "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits", "sm_count"]
 
 ARCHS = ("sm_80", "sm_90")

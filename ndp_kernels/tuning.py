@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["tuning_dir", "device_properties", "device_key", "table_path", "load_json", "save_json", "save_measured", "table_lock",
-           "merge_rows", "measure_once", "no_measurement", "measurement_off", "may_measure", "kernels_fingerprint", "for_these_kernels"]
+__all__ = ["tuning_dir", "device_properties", "device_key", "table_path", "load_json", "save_json", "save_measured",
+           "table_lock", "merge_rows", "measure_once", "no_measurement", "measurement_off", "may_measure",
+           "kernels_fingerprint", "for_these_kernels"]
 
 
 def tuning_dir() -> Path:
@@ -186,11 +187,11 @@ def measurement_off() -> bool:
 
 def may_measure(device, device_types) -> bool:
     """Whether a first-use measurement (the kernels' and the engines' probes) may run now on `device`: its type is
-    in `device_types`, no ``no_measurement`` block runs, ``NDP_AUTO_PROBE=0`` is not set (the switch a launcher turns them off with: then the
-    shipped and tuned tables, else the static defaults), autograd is not running a backward (a measurement there
-    would stall every rank's backward and its collectives; the forward measures what the backward needs), and
-    torch is neither compiling a graph nor capturing a CUDA graph on the current stream (timing there would be
-    wrong or break the capture)."""
+    in `device_types`, no ``no_measurement`` block runs, ``NDP_AUTO_PROBE=0`` is not set (the switch a launcher
+    turns them off with: then the shipped and tuned tables, else the static defaults), autograd is not running a
+    backward (a measurement there would stall every rank's backward and its collectives; the forward measures what
+    the backward needs), and torch is neither compiling a graph nor capturing a CUDA graph on the current stream
+    (timing there would be wrong or break the capture)."""
     if device is None or device.type not in device_types or _OFF[0] or torch.compiler.is_compiling():
         return False
     if torch._C._current_graph_task_id() != -1:

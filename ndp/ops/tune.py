@@ -179,8 +179,8 @@ PROBE_ITERS = 3
 
 
 def probe_row(device, cls, dtype, head_dim, kind) -> dict:
-    """The row (cls, dtype, head_dim bucket, head kind) on `device` (``measure_row``), measured once per machine and merged
-    into the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row
+    """The row (cls, dtype, head_dim bucket, head kind) on `device` (``measure_row``), measured once per machine and
+    merged into the user's engine table (``tuning.measure_once``: a process that waited for the lock takes the row
     written, so the ranks of a node run one engine order; the table keeps every other row)."""
     device = torch.device(device)
     key = _row_key(cls, dtype, head_dim, kind)

@@ -9,7 +9,8 @@ from .mesh import CPContext, adopt_mesh, build_device_mesh, check_mesh, cp_conte
 from .parallelize import (CP_ATTR, PARALLEL_ATTR, ModelPlan, Parallelized, apply_ac, apply_cp, apply_fsdp, apply_tp, clip_grad_norm_,
                           default_plan, fsdp_mesh, parallelize)
 
-__all__ = ["ParallelismConfig", "as_config", "adopt_mesh", "check_mesh", "parallelize", "apply_tp", "apply_cp", "apply_fsdp", "apply_ac", "ModelPlan",
+__all__ = ["ParallelismConfig", "as_config", "adopt_mesh", "check_mesh", "parallelize", "apply_tp", "apply_cp",
+           "apply_fsdp", "apply_ac", "ModelPlan",
            "CPContext", "build_device_mesh", "cp_context", "mesh_axis", "clip_grad_norm_", "default_plan", "fsdp_mesh",
            "CP_IMPLS", "CP_LAYOUTS", "MESH_AXES", "CP_ATTR", "PARALLEL_ATTR", "Parallelized",
            "init_weights", "materialize", "is_meta", "module_seed", "param_bytes", "to_empty"]

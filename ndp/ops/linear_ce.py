@@ -1,0 +1,104 @@
+"""Fused linear cross-entropy: the LM head and the token cross-entropy in one op, a chunk of logits at a time.
+
+``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N])`` returns the summed cross-entropy of
+``hidden @ weight.T`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the tokens
+in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
+per-token log-sum-exp; the backward recomputes each chunk's logits and adds its share of the gradients of
+`hidden` and `weight`. Peak memory beyond the inputs: one ``[chunk, V]`` logits block (fp32) and its softmax.
+Soft-capped final logits (Gemma 2's ``final_logit_softcapping``: ``c * tanh(logits / c)``) are honoured.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
+
+# Logits bytes of one chunk (fp32): the op's working memory, beside the saved per-token log-sum-exp.
+CHUNK_BYTES = 64 * 2 ** 20
+
+
+def _chunk_rows(vocab: int, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def _logits(h, weight, softcap):
+    """fp32 (or fp64) logits of a chunk, soft-capped; also tanh for the backward when capped."""
+    z = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))
+    if not softcap:
+        return z, None
+    t = torch.tanh(z / softcap)
+    return softcap * t, t
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, softcap, chunk):
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for a in range(0, n, chunk):
+            z, _ = _logits(hidden[a:a + chunk], weight, softcap)
+            y = labels[a:a + chunk]
+            keep = y != ignore_index
+            lse[a:a + chunk] = torch.logsumexp(z, dim=-1)
+            target = z.gather(1, torch.where(keep, y, 0)[:, None])[:, 0]
+            total = total + ((lse[a:a + chunk] - target) * keep).sum()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.args = (ignore_index, softcap, chunk)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        ignore_index, softcap, chunk = ctx.args
+        gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        for a in range(0, hidden.shape[0], chunk):
+            h = hidden[a:a + chunk]
+            z, t = _logits(h, weight, softcap)
+            y = labels[a:a + chunk]
+            keep = y != ignore_index
+            d = torch.exp(z - lse[a:a + chunk, None])                     # softmax
+            d.scatter_add_(1, torch.where(keep, y, 0)[:, None], -torch.ones_like(d[:, :1]))
+            d *= (keep * grad).to(d.dtype)[:, None]
+            if t is not None:
+                d *= 1 - t * t                                             # d(c tanh(z/c))/dz
+            if gh is not None:
+                gh[a:a + chunk] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            if gw is not None:
+                gw += d.T @ h.to(d.dtype)
+        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
+
+
+def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100, softcap: float | None = None,
+                         chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden @ weight.T`` (soft-capped by `softcap` when given) against `labels`.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (the LM head's input), any float dtype.
+        weight: ``[V, H]`` LM head weight, the dtype of `hidden`.
+        labels: ``[...]`` integer targets (`ignore_index` for none), shaped like ``hidden`` without H.
+        softcap: Gemma 2's final_logit_softcapping (None or 0: off).
+        chunk_bytes: fp32 logits bytes per chunk (the working memory).
+    Returns:
+        fp32 scalar (fp64 for fp64 inputs): the sum over labelled tokens; divide by their count for the mean.
+    Raises:
+        ValueError: shapes, dtypes or labels that do not fit (before any work).
+    """
+    if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy needs hidden [..., H], weight [V, H] and labels [...] of hidden's "
+                         f"leading shape; got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels "
+                         f"{tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype or not hidden.is_floating_point():
+        raise ValueError(f"linear_cross_entropy needs float hidden and weight of one dtype; got {hidden.dtype} and "
+                         f"{weight.dtype}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"linear_cross_entropy needs integer labels; got {labels.dtype}")
+    flat = labels.reshape(-1).long()
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= weight.shape[0]))
+    if bool(bad.any()):
+        raise ValueError(f"linear_cross_entropy: labels must be in [0, {weight.shape[0]}) or {ignore_index}; got "
+                         f"{flat[bad][:4].tolist()}")
+    chunk = _chunk_rows(weight.shape[0], chunk_bytes)
+    return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignore_index, softcap or 0.0, chunk)

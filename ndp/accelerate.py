@@ -120,14 +120,17 @@ class Accelerator(accelerate.Accelerator):
         return args, {**kwargs, **extra}
 
     @contextlib.contextmanager
-    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, *,
+                               position_ids=None):
+        """Accelerate's, on ndp's CP (module docstring). position_ids: which buffer holds the positions (ndp's
+        Trainer passes it); without it a packed batch is recognised by a buffer whose values restart at 0."""
         if not (self.parallelism_config and self.parallelism_config.cp_enabled):
             with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
                 yield
             return
         buffers = list(buffers or [])
         keep = no_restore_buffers or set()
-        shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models())
+        shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models(), position_ids)
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):
             b.resize_(s.shape).copy_(s)
@@ -174,10 +177,11 @@ def _items_per_rank(shift_labels, model):
     return (count / state.config.fsdp_size).clamp(min=1e-12).to(torch.float32)[0]
 
 
-def shard_buffers(buffers, seq_dims, ctx):
+def shard_buffers(buffers, seq_dims, ctx, position_ids=None):
     """Each buffer's CP shard (dim 1 of ``[batch, seq]`` tensors) and the extra model kwargs: dense rows in
     ``ctx.layout``; packed rows (a buffer of positions restarting at 0 inside a row) per document, with the
-    document table the attention needs. Everything is checked before anything is sharded.
+    document table the attention needs (`position_ids`: the buffer of positions, else recognised by its values).
+    Everything is checked before anything is sharded.
 
     Raises:
         ValueError: a buffer that is not ``[batch, seq]`` with its sequence on dim 1, buffers of different
@@ -195,7 +199,7 @@ def shard_buffers(buffers, seq_dims, ctx):
     if len(lengths) > 1:
         raise ValueError(f"maybe_context_parallel's buffers have sequence lengths {sorted(lengths)}; they must be one")
     rows = {f"buffer{i}": b for i, b in enumerate(buffers)}
-    cu, name = _packed(rows)
+    cu, name = _packed(rows, position_ids)
     if cu is None:
         return [shard_rows({k: t}, ctx, pad=False)[k] for k, t in rows.items()], {}
     if len({tuple(b.shape) for b in buffers}) > 1:
@@ -206,16 +210,26 @@ def shard_buffers(buffers, seq_dims, ctx):
     return shards, {k: v for k, v in out.items() if k in PACKING_KEYS}
 
 
-def _packed(rows):
-    """(global cu_seqlens, buffer name) when one buffer holds positions that restart at 0 inside its rows
-    (``DataCollatorWithFlattening``), else (None, None)."""
+def _packed(rows, position_ids=None):
+    """(global cu_seqlens, buffer name) when the positions restart at 0 inside a row (``DataCollatorWithFlattening``),
+    else (None, None). `position_ids`: the buffer that holds them; else the buffer whose every row starts at 0 and
+    only steps by +1 or back to 0 (never two zeros in a row, which would be a one-token document or a seq_idx: such
+    a batch is sharded dense, and ndp's attention refuses its positions by name rather than guess)."""
+    if position_ids is not None:
+        name = next((k for k, t in rows.items() if t is position_ids), None)
+        if name is None:
+            raise ValueError("maybe_context_parallel(position_ids=...) must be one of the buffers (it is sharded "
+                             "with them)")
+        starts = position_restarts(position_ids)
+        return (cu_from_starts(starts), name) if bool(starts.any()) else (None, None)
     found = {}
     for name, t in rows.items():
         if t.is_floating_point() or t.numel() == 0 or bool((t[:, 0] != 0).any()):
             continue
         step = t[:, 1:] - t[:, :-1]
         restart = t[:, 1:] == 0
-        if bool(((step == 1) | restart).all()) and bool(restart.any()):
+        double_zero = restart & (t[:, :-1] == 0)
+        if bool(((step == 1) | restart).all()) and bool(restart.any()) and not bool(double_zero.any()):
             found[name] = position_restarts(t)
     if not found:
         return None, None

@@ -69,7 +69,8 @@ class NdpTrainerMixin:
                  if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
         buffers = [inputs[k] for k in names]
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
-                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
+                                 position_ids=inputs["position_ids"]), inputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = getattr(self.accelerator, "parallelism_config", None)

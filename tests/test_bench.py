@@ -160,10 +160,12 @@ def test_gpu_report_part_past_its_limit_is_reported_and_the_rest_run(tmp_path):
 
 def test_bench_memory_fused_loss_keeps_a_fraction_of_the_logits(tmp_path):
     # seq 2048 x vocab 32768: the fp32 logits are 256 MiB; the full path keeps about 3 of them, the fused op a chunk
-    # and the weight's fp32 gradient (~0.35x here; 0.15x at seq 8192 x vocab 65536, where the logits are 2 GiB).
+    # and the weight's fp32 gradient (0.35-0.6x here with the allocator's slack; 0.15x at seq 8192 x vocab 65536,
+    # where the logits are 2 GiB). A fused path that materialised the logits once would keep >= 1/3 of the full one.
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_memory.py"), "--seqlens", "2048",
                         "--vocabs", "32768", "--hidden", "64", "--chunk-mib", "8", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["loss"]: row for row in json.load(open(tmp_path / "memory.json"))["rows"]}
-    assert rows["full"]["x_logits"] >= 1.5 and rows["fused"]["x_logits"] <= 0.5, rows
+    assert rows["full"]["x_logits"] >= 1.5, rows
+    assert rows["fused"]["peak_growth_bytes"] <= 0.25 * rows["full"]["peak_growth_bytes"], rows

@@ -355,3 +355,18 @@ def _one_process_script(code, tmp_path, model_dir):
         del os.environ["MODEL"]
         AcceleratorState._reset_state(True)
     return [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
+
+
+def test_packed_rows_are_recognised_only_by_unambiguous_positions():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])
+    cu, name = ndp.accelerate._packed({"a": seq_idx, "b": pos})
+    assert name == "b" and cu.tolist() == [0, 3, 7, 8]
+    assert ndp.accelerate._packed({"a": seq_idx[:, :3]}) == (None, None)      # one document: zeros only
+    assert ndp.accelerate._packed({"a": torch.tensor([[0, 0, 1, 1, 2]])}) == (None, None)   # a seq_idx
+    one_token_doc = torch.tensor([[0, 1, 0, 0, 1]])   # ambiguous by value: sharded dense, refused by the attention
+    assert ndp.accelerate._packed({"a": one_token_doc}) == (None, None)
+    cu, name = ndp.accelerate._packed({"a": seq_idx, "p": one_token_doc}, position_ids=one_token_doc)
+    assert name == "p" and cu.tolist() == [0, 2, 3, 5]                        # named: taken as it is
+    with pytest.raises(ValueError, match="must be one of the buffers"):
+        ndp.accelerate._packed({"a": seq_idx}, position_ids=pos)

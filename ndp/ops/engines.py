@@ -37,7 +37,7 @@ from . import _flash_attn, _sdpa
 log = logging.getLogger(__name__)
 
 __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
-           "HEAD_KINDS", "head_kind", "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use",
+           "HEAD_KINDS", "head_kind", "row_key", "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use",
            "choose", "SHIPPED_DIR"]
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
@@ -58,6 +58,11 @@ DEFAULT_ORDER = {"cuda": ("flash_attn", "triton", "sdpa"), "cpu": ("sdpa",)}
 def head_kind(q4, k4) -> str:
     """The head layout of a block (HEAD_KINDS): "mha" when K/V have as many heads as the queries, else "gqa"."""
     return "mha" if q4.shape[2] == k4.shape[2] else "gqa"
+
+
+def row_key(cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None) -> tuple:
+    """A table row's key: (class, dtype name, head_dim bucket[, head kind]); ``"/".join`` of it names it in a file."""
+    return (cls, str(dtype).replace("torch.", ""), bucket) + ((kind,) if kind else ())
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -154,15 +159,14 @@ class EngineTable:
 
     def row(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
         """The row measured for exactly this block (its head kind's, else one for both layouts), or None."""
-        dt = str(dtype).replace("torch.", "")
-        return self.rows.get((cls, dt, bucket, kind)) or self.rows.get((cls, dt, bucket))
+        return self.rows.get(row_key(cls, dtype, bucket, kind)) or self.rows.get(row_key(cls, dtype, bucket))
 
     def order(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
         """(engine order, how it was found) for a block; order is () when no row applies."""
         row = self.row(cls, dtype, bucket, kind)
         if row is not None:
             return tuple(row["order"]), "measured"
-        dt = str(dtype).replace("torch.", "")
+        dt = row_key(cls, dtype, bucket)[1]
         # the nearest head_dim bucket, the block's head kind first
         near = sorted((abs(k[2] - bucket), len(k) == 4 and k[3] != kind, k) for k in self.rows
                       if k[0] == cls and k[1] == dt)
@@ -241,25 +245,24 @@ def _may_probe(device) -> bool:
 def _probe(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
     """Measures the row once (see ``tune.probe_row``), adds it to the in-memory table, returns its order; on
     failure (logged once) the order the table had for a neighbouring row, else () (auto then takes DEFAULT_ORDER)."""
-    dt = str(dtype).replace("torch.", "")
-    key = (cls, dt, bucket, kind)
+    key = row_key(cls, dtype, bucket, kind)
     if (table.device_key,) + key in _PROBE_FAILED:
         return table.order(cls, dtype, bucket, kind)[0]
-    log.info("auto: no measured engine row for %s/%s/%d/%s on %s; measuring it once (python -m ndp.ops.tune "
-             "measures the whole table)", cls, dt, bucket, kind, table.device_key)
+    log.info("auto: no measured engine row for %s on %s; measuring it once (python -m ndp.ops.tune measures the "
+             "whole table)", "/".join(map(str, key)), table.device_key)
     try:
         return _measure(table, cls, dtype, bucket, kind, device)
     except Exception as e:
         _PROBE_FAILED.add((table.device_key,) + key)
-        log.warning("auto: measuring engines for %s/%s/%d/%s on %s failed (%s: %s); using the table's nearest row "
-                    "or the default order %s", cls, dt, bucket, kind, table.device_key, type(e).__name__, e,
+        log.warning("auto: measuring engines for %s on %s failed (%s: %s); using the table's nearest row or the "
+                    "default order %s", "/".join(map(str, key)), table.device_key, type(e).__name__, e,
                     DEFAULT_ORDER.get(device.type))
         return table.order(cls, dtype, bucket, kind)[0]
 
 
 def _measure(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
     row = _TUNER.probe_row(device, cls, dtype, bucket, kind)
-    table.rows[(cls, str(dtype).replace("torch.", ""), bucket, kind)] = row
+    table.rows[row_key(cls, dtype, bucket, kind)] = row
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
     return tuple(row["order"])

@@ -143,7 +143,7 @@ def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True, 
 
 
 def _row_key(cls, dtype, head_dim, kind) -> str:
-    return f"{cls}/{str(dtype).replace('torch.', '')}/{head_dim}/{kind}"
+    return "/".join(map(str, engines.row_key(cls, dtype, head_dim, kind)))
 
 
 def _meta(device, s, iters) -> dict:

@@ -79,10 +79,24 @@ def test_accelerate_meshes_are_read_as_ndp_meshes(tmp_path):
     spawn(_meshes, 4, tmp_path)
 
 
-def blog_code() -> str:
+def readme_block(i: int) -> str:
+    """The i-th Python block of the README's "With Accelerate, Trainer and TRL" (0: the script, 1: the Trainer,
+    2: the SFTTrainer)."""
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     section = text[text.index("## With Accelerate, Trainer and TRL"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.findall(r"```python\n(.*?)```", section, re.S)[i]
+
+
+def _save_tiny_llama(model_dir):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+
+
+def _rank_env(rank, world, **extra):
+    """torchrun's variables for a rank of a tests/dist.py job (its process group exists; Accelerate reads them)."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="1", **extra)
 
 
 def _blog_rank(rank, world, code, port, out, model_dir):
@@ -127,12 +141,10 @@ def _one_process(model_dir, tokens, steps, dp, clip=None):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_readme_accelerate_script_verbatim(tmp_path):
-    code = blog_code()
+    code = readme_block(0)
     assert "\nfrom ndp.accelerate import Accelerator" in code and "\nfrom accelerate import Accelerator" not in code
     model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    _save_tiny_llama(model_dir)
     out = str(tmp_path / "run.pt")
     mp.spawn(_blog_rank, args=(4, code, _free_port(), out, model_dir), nprocs=4, join=True)
     got = torch.load(out)
@@ -146,9 +158,7 @@ def test_readme_accelerate_script_verbatim(tmp_path):
 def _packed_through_accelerator(rank, world, cases):
     # A DataCollatorWithFlattening batch (position_ids restarting per document) through the Accelerator's
     # maybe_context_parallel: loss and every gradient equal each document run alone (float64).
-    # the process group exists (tests/dist.py); Accelerate still reads torchrun's variables
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
+    _rank_env(rank, world)
     for model_type, impl in cases:
         os.environ.pop("NDP_CP_IMPL", None)
         if impl == "ulysses":
@@ -198,8 +208,7 @@ class _InOrder(ndp.trainer.Trainer):
 
 
 def _trainer_rank(rank, world, tmp, model_dir, ga, steps):
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
+    _rank_env(rank, world)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=steps,
                              gradient_accumulation_steps=ga, per_device_eval_batch_size=1,
@@ -227,9 +236,7 @@ def _samples():
 def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps):
     # dp_shard 2 x cp 2; with gradient accumulation the Trainer's num_items_in_batch spans the micro-batches.
     model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    _save_tiny_llama(model_dir)
     spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, timeout_s=300)
     got = torch.load(tmp_path / "trainer.pt")
     data = torch.stack([s["input_ids"] for s in _samples()])
@@ -242,8 +249,7 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps):
 
 
 def _resume_rank(rank, world, tmp, model_dir):
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1")
+    _rank_env(rank, world)
     runs = []
     for resume in (None, os.path.join(tmp, "out", "checkpoint-2")):
         args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=4,
@@ -267,21 +273,12 @@ def _resume_rank(rank, world, tmp, model_dir):
 @pytest.mark.timeout(600)
 def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path):
     model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    _save_tiny_llama(model_dir)
     spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
 
 
-def trainer_code() -> str:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text[text.index("## With Accelerate, Trainer and TRL"):]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[1]
-
-
 def _readme_trainer_rank(rank, world, tmp, code, model_dir):
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT="1", MODEL=model_dir)
+    _rank_env(rank, world, MODEL=model_dir)
     os.chdir(tmp)
     ns = {"__name__": "__main__"}
     exec(compile(code, "README.md:trainer", "exec"), ns)
@@ -293,57 +290,44 @@ def _readme_trainer_rank(rank, world, tmp, code, model_dir):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_readme_trainer_verbatim_matches_a_one_process_trainer(tmp_path):
-    code = trainer_code()
+    code = readme_block(1)
     assert "\nfrom ndp.trainer import Trainer" in code
     model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    _save_tiny_llama(model_dir)
     spawn(_readme_trainer_rank, 4, tmp_path, str(tmp_path), code, model_dir, timeout_s=300)
     got = torch.load(tmp_path / "l.pt")
-    # The same script as a plain transformers.Trainer on one process: per-device batch 2 = the dp 2 global batch,
-    # the same seeded sampler order.
-    ref = code.replace("from ndp.trainer import Trainer", "from transformers import Trainer")
-    ref = ref.replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
-    ref = re.sub(r"parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", ref, flags=re.S)
-    assert "parallelism_config=" not in ref and "fsdp=" not in ref
-    want = _one_process_script(ref, tmp_path, model_dir)
+    want = _one_process_script(code, ("from ndp.trainer import Trainer", "from transformers import Trainer"),
+                               tmp_path, model_dir)
     assert len(got) == 5 and got == pytest.approx(want, abs=1e-4)
-
-
-def sft_code() -> str:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text[text.index("## With Accelerate, Trainer and TRL"):]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[2]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_readme_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
     # TRL refuses packing=True with cp_size > 1; ndp's SFTTrainer trains it, per document.
-    code = sft_code()
+    code = readme_block(2)
     assert "\nfrom ndp.trainer import SFTTrainer" in code and "packing=True" in code
     model_dir = str(tmp_path / "model")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    _save_tiny_llama(model_dir)
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)},
                                                                         unk_token="t0")),
                             pad_token="t0", eos_token="t1").save_pretrained(model_dir)
     spawn(_readme_trainer_rank, 4, tmp_path, str(tmp_path), code, model_dir, timeout_s=300)
     got = torch.load(tmp_path / "l.pt")
-    ref = code.replace("from ndp.trainer import SFTTrainer", "from trl import SFTTrainer")
-    ref = ref.replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
-    ref = re.sub(r",\s*parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", ref, flags=re.S)
-    assert "parallelism_config=" not in ref and "fsdp=" not in ref
-    want = _one_process_script(ref, tmp_path, model_dir)
+    want = _one_process_script(code, ("from ndp.trainer import SFTTrainer", "from trl import SFTTrainer"),
+                               tmp_path, model_dir)
     # fp32 (accelerate trains FSDP2 in fp32): one process alone moves these losses by up to 2e-4 between eager, sdpa
     # and ndp attention; documents attending across their boundaries, or a wrong normalisation, move them by > 1e-2
     assert len(got) == 4 and got == pytest.approx(want, abs=5e-4), (got, want)
 
 
-def _one_process_script(code, tmp_path, model_dir):
-    """The logged losses of a README script run in this process (no process group)."""
+def _one_process_script(code, imports, tmp_path, model_dir):
+    """The logged losses of a README trainer script run as its upstream trainer in this process (no process group):
+    `imports` (ndp's import line, upstream's) swapped, per-device batch 2 (the dp 2 global batch, the same seeded
+    sampler order), the parallelism and FSDP arguments dropped."""
+    code = code.replace(*imports).replace("per_device_train_batch_size=1", "per_device_train_batch_size=2")
+    code = re.sub(r"parallelism_config=.*?\n\s*fsdp_config=\{.*?\}\)", ")", code, flags=re.S)
+    assert imports[1] in code and "parallelism_config=" not in code and "fsdp=" not in code
     cwd = os.getcwd()
     os.environ["MODEL"] = model_dir
     try:

@@ -7,11 +7,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import ModelPlan, ParallelismConfig, as_config
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, ndp_attention_forward, register_attention
 from .batch import parallel_state, shard_batch
+from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
                      layer_stacks, outside_layers, text_config)
 
@@ -148,15 +150,48 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
         raise ValueError(f"ndp.hf.loss needs logits [batch, local_seq, vocab] and labels [batch, local_seq]; got "
                          f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}. Pass the labels that "
                          f"shard_batch returned with the input_ids.")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"ndp.hf.loss needs integer class labels (token ids, {ignore_index} for none); got labels of "
-                         f"dtype {labels.dtype}. Pass the labels shard_batch returned (input_ids shifted by one), as "
-                         f"torch.long.")
-    labels = labels.long()
+    labels = _class_labels(labels, ignore_index, "ndp.hf.loss")
     # fp32 at least (float64 logits stay float64)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                 ignore_index=ignore_index, reduction="sum")
+    return _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean)
+
+
+def lm_loss(model, labels, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False,
+            chunk_bytes: int = CHUNK_BYTES, **inputs):
+    """:func:`loss` of ``model(**inputs)`` without the logits: the model runs to its hidden states and its LM head
+    and the token cross-entropy run fused, a chunk of tokens at a time (``ndp.hf.head.head_loss``), so that no
+    ``[batch, local_seq, vocab]`` tensor is ever allocated. Same value, gradients and normalisation as
+    ``loss(model(**inputs).logits, labels, model, ...)``.
+
+    Args:
+        model, labels, ignore_index, num_tokens, return_mean: as :func:`loss`.
+        chunk_bytes: the fused op's working memory (fp32 logits of one chunk of tokens).
+        inputs: the model's forward arguments from ``shard_batch`` (input_ids, position_ids, ...; not labels).
+    Returns:
+        as :func:`loss`.
+    Raises:
+        ValueError: as :func:`loss`.
+        Unsupported: the model's LM head or what its forward does to the logits cannot be fused exactly
+            (see ``ndp.hf.head``): use :func:`loss` on the logits.
+    """
+    state, _ = parallel_state(model, "ndp.hf.lm_loss")
+    labels = _class_labels(labels, ignore_index, "ndp.hf.lm_loss")
+    local_sum = head_loss(model, labels, ignore_index=ignore_index, chunk_bytes=chunk_bytes, **inputs)
+    return _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean)
+
+
+def _class_labels(labels, ignore_index, what):
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"{what} needs integer class labels (token ids, {ignore_index} for none); got labels of "
+                         f"dtype {labels.dtype}. Pass the labels shard_batch returned (input_ids shifted by one), as "
+                         f"torch.long.")
+    return labels.long()
+
+
+def _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean):
+    """``local_sum * fsdp_size / global labelled-token count`` (and the global mean when asked)."""
     stats = torch.stack([local_sum.detach().double(), (labels != ignore_index).sum().double()])
     group = state.axis("dp_cp")
     if group is not None and group.size() > 1 and (num_tokens is None or return_mean):
@@ -170,6 +205,6 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     return out
 
 
-__all__ = ["shard_batch", "loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
+__all__ = ["shard_batch", "loss", "lm_loss", "head_loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
            "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers",
            "layer_stacks", "check_cp_model", "text_config"]

@@ -1,11 +1,12 @@
 """Fused linear cross-entropy: the LM head and the token cross-entropy in one op, a chunk of logits at a time.
 
 ``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N])`` returns the summed cross-entropy of
-``hidden @ weight.T`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the tokens
+``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the tokens
 in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
 per-token log-sum-exp; the backward recomputes each chunk's logits and adds its share of the gradients of
 `hidden` and `weight`. Peak memory beyond the inputs: one ``[chunk, V]`` logits block (fp32) and its softmax.
-Soft-capped final logits (Gemma 2's ``final_logit_softcapping``: ``c * tanh(logits / c)``) are honoured.
+A constant logit scale (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and soft-capped final logits
+(Gemma 2's ``final_logit_softcapping``: ``c * tanh(logits / c)``, after the scale) are honoured.
 """
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ def _chunk_rows(vocab: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def _logits(h, weight, softcap):
-    """fp32 (or fp64) logits of a chunk, soft-capped; also tanh for the backward when capped."""
-    z = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))
+def _logits(h, weight, bias, scale, softcap):
+    """fp32 (or fp64) logits of a chunk, scaled and soft-capped; also tanh for the backward when capped."""
+    z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+    z = z.to(torch.promote_types(h.dtype, torch.float32))
+    if scale != 1.0:
+        z = z * scale
     if not softcap:
         return z, None
     t = torch.tanh(z / softcap)
@@ -32,31 +36,32 @@ def _logits(h, weight, softcap):
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, softcap, chunk):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, scale, softcap, chunk):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for a in range(0, n, chunk):
-            z, _ = _logits(hidden[a:a + chunk], weight, softcap)
+            z, _ = _logits(hidden[a:a + chunk], weight, bias, scale, softcap)
             y = labels[a:a + chunk]
             keep = y != ignore_index
             lse[a:a + chunk] = torch.logsumexp(z, dim=-1)
             target = z.gather(1, torch.where(keep, y, 0)[:, None])[:, 0]
             total = total + ((lse[a:a + chunk] - target) * keep).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.args = (ignore_index, softcap, chunk)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.args = (ignore_index, scale, softcap, chunk)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        ignore_index, softcap, chunk = ctx.args
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        ignore_index, scale, softcap, chunk = ctx.args
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        gb = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None
         for a in range(0, hidden.shape[0], chunk):
             h = hidden[a:a + chunk]
-            z, t = _logits(h, weight, softcap)
+            z, t = _logits(h, weight, bias, scale, softcap)
             y = labels[a:a + chunk]
             keep = y != ignore_index
             d = torch.exp(z - lse[a:a + chunk, None])                     # softmax
@@ -64,21 +69,29 @@ class _LinearCE(torch.autograd.Function):
             d *= (keep * grad).to(d.dtype)[:, None]
             if t is not None:
                 d *= 1 - t * t                                             # d(c tanh(z/c))/dz
+            if scale != 1.0:
+                d *= scale
             if gh is not None:
                 gh[a:a + chunk] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
             if gw is not None:
                 gw += d.T @ h.to(d.dtype)
-        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
+            if gb is not None:
+                gb += d.sum(0)
+        gw = gw.to(weight.dtype) if gw is not None else None
+        gb = gb.to(bias.dtype) if gb is not None else None
+        return gh, gw, gb, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100, softcap: float | None = None,
-                         chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden @ weight.T`` (soft-capped by `softcap` when given) against `labels`.
+def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100, scale: float = 1.0,
+                         softcap: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Summed cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against `labels`.
 
     Args:
         hidden: ``[..., H]`` hidden states (the LM head's input), any float dtype.
         weight: ``[V, H]`` LM head weight, the dtype of `hidden`.
         labels: ``[...]`` integer targets (`ignore_index` for none), shaped like ``hidden`` without H.
+        bias: ``[V]`` LM head bias (None: none), the dtype of `weight`.
+        scale: constant factor of the logits (Cohere's logit_scale; Granite's 1 / logits_scaling).
         softcap: Gemma 2's final_logit_softcapping (None or 0: off).
         chunk_bytes: fp32 logits bytes per chunk (the working memory).
     Returns:
@@ -93,6 +106,9 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100, so
     if hidden.dtype != weight.dtype or not hidden.is_floating_point():
         raise ValueError(f"linear_cross_entropy needs float hidden and weight of one dtype; got {hidden.dtype} and "
                          f"{weight.dtype}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(f"linear_cross_entropy needs a bias [V] of weight's dtype; got {tuple(bias.shape)} "
+                         f"{bias.dtype} for weight {tuple(weight.shape)} {weight.dtype}")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"linear_cross_entropy needs integer labels; got {labels.dtype}")
     flat = labels.reshape(-1).long()
@@ -101,4 +117,5 @@ def linear_cross_entropy(hidden, weight, labels, *, ignore_index: int = -100, so
         raise ValueError(f"linear_cross_entropy: labels must be in [0, {weight.shape[0]}) or {ignore_index}; got "
                          f"{flat[bad][:4].tolist()}")
     chunk = _chunk_rows(weight.shape[0], chunk_bytes)
-    return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat, ignore_index, softcap or 0.0, chunk)
+    return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, ignore_index, float(scale),
+                           float(softcap or 0.0), chunk)

@@ -16,6 +16,9 @@ from ndp.parallel import CP_IMPLS, CP_LAYOUTS, ParallelismConfig
 from .presets import INITS
 
 DTYPES = ("fp32", "bf16")
+# fused: the LM head and the loss run fused (ndp.hf.head_loss), no [batch, seq, vocab] logits; full: cross_entropy
+# on the model's logits (for a model whose head the fused path refuses).
+LOSSES = ("fused", "full")
 # Environment variables for the parallel degrees (as set by a launcher or a job script).
 ENV_PARALLEL = {
     "NDP_DP_REPLICATE_SIZE": "dp_replicate_size", "NDP_DP_SHARD_SIZE": "dp_shard_size",
@@ -59,6 +62,7 @@ class TrainConfig:
     stop_after: int | None = None
     skip_nonfinite: int = 0
     init: str = "full"
+    loss: str = "fused"
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
@@ -84,6 +88,9 @@ class TrainConfig:
             raise ValueError(f"--init must be one of {', '.join(INITS)} (full: build the whole model on CPU, then "
                              f"shard it; meta: build it on the meta device and materialize only this rank's "
                              f"shards); got init={self.init!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"--loss must be one of {', '.join(LOSSES)} (fused: the LM head and the loss in one "
+                             f"op, no logits tensor; full: cross_entropy on the model's logits); got {self.loss!r}")
         if self.skip_nonfinite < 0:
             raise ValueError(f"--skip-nonfinite must be >= 0 (steps with a non-finite loss or gradient that may be "
                              f"skipped before the run stops); got {self.skip_nonfinite}")
@@ -184,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--init", help=f"one of {'|'.join(INITS)}: full (default) builds the whole model on CPU and shards it; "
                      f"meta builds it on the meta device and materializes only this rank's shards, with the "
                      f"same values")
+    a("--loss", help=f"one of {'|'.join(LOSSES)}: fused (default) computes the LM head and the token loss a chunk of "
+                     f"tokens at a time, never the [batch, seq, vocab] logits; full computes the logits (for a "
+                     f"model whose head the fused path refuses)")
     return p
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ndp
+import ndp.hf
 from ndp.parallel import clip_grad_norm_, mesh_axis
 
 from . import checkpoint as ckpt
@@ -128,6 +129,16 @@ def attention_head_kind(config) -> str:
     return "mha" if kv == config.num_attention_heads else "gqa"
 
 
+def token_loss_sum(model, loss: str, kwargs: dict, labels) -> torch.Tensor:
+    """This rank's summed token cross-entropy (fp32) of ``model(**kwargs)``: fused with the LM head, or on the
+    model's logits (``TrainConfig.loss``)."""
+    if loss == "fused":
+        return ndp.hf.head_loss(model, labels, ignore_index=IGNORE_INDEX, **kwargs).float()
+    logits = model(**kwargs).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
 def _first_nonfinite(model, loss_ok: bool) -> str:
     """Names the first tensor that is not finite on this rank: the loss, or a parameter's gradient."""
     if not loss_ok:
@@ -163,7 +174,6 @@ def train(cfg: TrainConfig, *, return_state: bool = False, before_commit=None, s
 
 
 def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=None) -> TrainResult:
-    import ndp.hf
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     t_start = time.perf_counter()
@@ -232,7 +242,6 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
     loss_mesh = mesh_axis(mesh, "dp_cp")
     loss_group = loss_mesh.get_group() if loss_mesh.size() > 1 else None
     grad_scale_world = p.fsdp_size if fsdp_mods else 1
-    vocab = model.config.vocab_size
 
     metrics_f = None
     if cfg.metrics and rank == 0:
@@ -273,9 +282,7 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
                 m.set_requires_gradient_sync(last)
             kwargs, labels = model_inputs(mb, ctx, device)
             with autocast:
-                logits = model(**kwargs).logits
-            ls = F.cross_entropy(logits.float().reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="sum")
+                ls = token_loss_sum(model, cfg.loss, kwargs, labels)
             (ls * (grad_scale_world / max(1, n_global))).backward()
             loss_sum += ls.detach()
         if step_hook is not None:

@@ -136,11 +136,15 @@ def batch():
     return ids, labels, pos
 
 
-def _forward(model, ids, pos):
+def _inputs(model, ids, pos):
     params = inspect.signature(model.forward).parameters
     # position_ids named, or through **kwargs (moss_transcribe_diarize hands them to its language model)
     takes_pos = "position_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return model(input_ids=ids, position_ids=pos).logits if takes_pos else model(input_ids=ids).logits
+    return dict(input_ids=ids, position_ids=pos) if takes_pos else dict(input_ids=ids)
+
+
+def _forward(model, ids, pos):
+    return model(**_inputs(model, ids, pos)).logits
 
 
 def classify(fn, tol=TOL):
@@ -183,9 +187,39 @@ def reference(model_type):
     model = tiny_model(model_type).train()
     ids, labels, pos = batch()
     logits = _forward(model, ids, pos)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                                    labels.reshape(-1)))
+
+
+def _loss_and_grads(model, loss):
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def fused(model_type):
+    """1 process: ndp's fused LM-head loss (``ndp.hf.head.head_loss``) vs cross_entropy on the model's logits
+    (the summed loss and every gradient)."""
+    from ndp.hf.head import head_loss
+
+    try:
+        model = tiny_model(model_type).train()
+        ids, labels, pos = batch()
+        logits = _forward(model, ids, pos)
+        ref, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"))
+    except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        got, grads = _loss_and_grads(model, head_loss(model, labels, **_inputs(model, ids, pos)))
+        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+        rel = _rel(got, ref)
+        for n, g in ref_grads.items():
+            rel = max(rel, _rel(grads[n], g, floor) if n in grads else float("inf"))
+        return rel
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
 
 
 def cp(model_type, impl, world):

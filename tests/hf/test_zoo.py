@@ -2,6 +2,8 @@
 by name (``ndp.hf.Unsupported``); never a silent difference, never an unrelated crash.
 
 (a) 1 process: ndp attention against the model's eager attention (logits).
+(c) 1 process: ndp's fused LM-head loss (``ndp.hf.head.head_loss``, what ``ndp-train`` uses) against cross_entropy
+on the model's own logits (the loss and every gradient).
 (b) cp 2, ring and Ulysses, zigzag: ``ndp.hf.parallelize`` + ``shard_batch`` + ``ndp.hf.loss`` on 2 gloo ranks
 against one process on the whole batch (the loss and every gradient).
 
@@ -25,6 +27,7 @@ import _zoo  # noqa: E402
 CP_KNOWN = {}
 MIN_EXACT_SINGLE = 128
 MIN_EXACT_CP = 100
+MIN_EXACT_FUSED = 120
 
 
 def _quiet():
@@ -80,6 +83,18 @@ def test_zoo_single_process_exact_or_refused(single_results):
     assert exact >= MIN_EXACT_SINGLE, collections.Counter(r[0] for r in single_results.values())
 
 
+def run_fused():
+    _quiet()
+    return {mt: _zoo.fused(mt) for mt in _zoo.families()}
+
+
+def test_zoo_fused_loss_exact_or_refused():
+    results = run_fused()
+    assert not _bad(results), _bad(results)
+    exact = sum(r[0] == "EXACT" for r in results.values())
+    assert exact >= MIN_EXACT_FUSED, collections.Counter(r[0] for r in results.values())
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
@@ -98,14 +113,17 @@ if __name__ == "__main__":
     t0 = time.time()
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fused = run_fused()
     cp = {impl: run_cp(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses")}
-    print(f"{'family':28s} {'1 process':10s} {'cp 2 ring':10s} {'ulysses':10s} detail")
+    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'cp 2 ring':10s} {'ulysses':10s} detail")
     for mt, r in single.items():
         c, u = (cp[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses"))
-        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (c, u) if x[0] not in ("EXACT", "-")), "")
-        print(f"{mt:28s} {r[0]:10s} {c[0]:10s} {u[0]:10s} "
+        f = fused[mt]
+        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, c, u) if x[0] not in ("EXACT", "-")), "")
+        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {c[0]:10s} {u[0]:10s} "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
+    print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     for impl, res in cp.items():
         print(f"cp 2 {impl}:", dict(collections.Counter(r[0] for r in res.values())),
               f"({len(CP_KNOWN)} known FSDP failure)")

@@ -15,8 +15,8 @@ def _case(n=37, h=16, v=53, dtype=torch.float64, seed=0):
     return hidden, weight, labels
 
 
-def _reference(hidden, weight, labels, softcap=None):
-    z = hidden @ weight.T
+def _reference(hidden, weight, labels, softcap=None, bias=None, scale=1.0):
+    z = (hidden @ weight.T if bias is None else hidden @ weight.T + bias) * scale
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     return F.cross_entropy(z.float() if z.dtype != torch.float64 else z, labels, ignore_index=-100, reduction="sum")
@@ -32,6 +32,17 @@ def test_loss_and_grads_equal_full_logits_fp64(chunk_rows, softcap):
     rh, rw = torch.autograd.grad(want * 0.5, (hidden, weight))
     assert got.dtype == torch.float64
     for a, b in ((got, want), (gh, rh), (gw, rw)):
+        assert float((a - b).detach().abs().max() / b.detach().abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0625])
+def test_bias_and_scale_equal_full_logits_fp64(scale):
+    hidden, weight, labels = _case()
+    bias = torch.randn(53, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    got = linear_cross_entropy(hidden, weight, labels, bias=bias, scale=scale, softcap=2.0, chunk_bytes=5 * 4 * 53)
+    want = _reference(hidden, weight, labels, 2.0, bias, scale)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight, bias)) + (got,),
+                    torch.autograd.grad(want, (hidden, weight, bias)) + (want,)):
         assert float((a - b).detach().abs().max() / b.detach().abs().max()) <= 1e-12
 
 

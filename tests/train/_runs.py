@@ -20,6 +20,7 @@ LAYOUTS = {
     "cp2_ring": (2, dict(cp_size=2), {}),
     "cp2_ulysses": (2, dict(cp_size=2, cp_impl="ulysses"), {}),
     "cp2_allgather": (2, dict(cp_size=2, cp_impl="allgather"), {}),
+    "cp2_ring_full_loss": (2, dict(cp_size=2), dict(loss="full")),  # the reference runs the fused loss
     "bf16_cp2_ring": (2, dict(cp_size=2), dict(dtype="bf16")),
     "qwen2_tp2": (2, dict(tp_size=2), dict(model="tiny-qwen2")),
     "mistral_cp2_ring": (2, dict(cp_size=2), dict(model="tiny-mistral")),

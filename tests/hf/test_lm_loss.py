@@ -1,0 +1,91 @@
+"""ndp.hf.lm_loss (the LM head and the loss fused, no logits) against ndp.hf.loss on the model's logits: one rank,
+and FSDP2 x CP on 2 gloo ranks (the loss and every gradient, float64); a forward that changes its logits in a way
+the fused op cannot reproduce is refused by name. Every family of the zoo: tests/hf/test_zoo.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import ndp
+import ndp.hf
+from dist import spawn
+from ndp.train.presets import build_model
+
+
+def _batch(vocab=256, seq=32, seed=0):
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seed))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    labels[0, :5] = -100
+    return ids, labels, torch.arange(seq).expand(2, seq)
+
+
+def _grads(model):
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[n] = g.clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _both(model, b):
+    """(loss, mean, grads) of ndp.hf.loss on the logits, then of ndp.hf.lm_loss."""
+    res = []
+    for fused in (False, True):
+        kw = {k: b[k] for k in ("input_ids", "position_ids")}
+        if fused:
+            loss, mean = ndp.hf.lm_loss(model, b["labels"], return_mean=True, chunk_bytes=4096, **kw)
+        else:
+            loss, mean = ndp.hf.loss(model(**kw).logits, b["labels"], model, return_mean=True)
+        loss.backward()
+        res.append((loss.detach(), mean, _grads(model)))
+    return res
+
+
+def _assert_same(full, fused, rtol=1e-12):
+    for a, b in zip(full[:2], fused[:2]):
+        torch.testing.assert_close(b.double(), a.double(), rtol=rtol, atol=0)
+    for n, g in full[2].items():
+        torch.testing.assert_close(fused[2][n], g, rtol=rtol, atol=1e-15, msg=lambda m: f"{n}: {m}")
+
+
+def test_lm_loss_equals_loss_on_the_logits_one_rank():
+    model = ndp.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), ndp.ParallelismConfig(), None)
+    ids, labels, pos = _batch()
+    _assert_same(*_both(model, dict(input_ids=ids, labels=labels, position_ids=pos)))
+
+
+def _fsdp_cp_body(rank, world):
+    cfg = ndp.ParallelismConfig(cp_size=2, cp_layout="zigzag")
+    model = ndp.hf.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), cfg,
+                               cfg.build_device_mesh("cpu"))
+    ids, labels, pos = _batch()
+    b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
+    _assert_same(*_both(model, b), rtol=1e-10)
+
+
+@pytest.mark.distributed
+def test_lm_loss_equals_loss_on_the_logits_under_fsdp_and_cp(tmp_path):
+    spawn(_fsdp_cp_body, 2, tmp_path)
+
+
+def test_a_forward_that_changes_its_logits_otherwise_is_refused():
+    model = ndp.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(), None)
+    ids, labels, _ = _batch()
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: out + 1.0)
+    with pytest.raises(ndp.hf.Unsupported, match=r"cannot reproduce .*\[\('add',\)\].*use ndp.hf.loss"):
+        ndp.hf.lm_loss(model, labels, input_ids=ids)
+    handle.remove()
+    assert "forward" not in vars(model.lm_head)  # the head is restored, also after a refusal
+    plain = build_model("tiny-llama", seed=0)
+    with pytest.raises(ValueError, match="ndp.hf.lm_loss needs a model returned by ndp.parallelize"):
+        ndp.hf.lm_loss(plain, labels, input_ids=ids)
+
+
+def test_an_output_embedding_that_is_not_a_linear_is_refused():
+    model = ndp.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(), None)
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    ids, labels, _ = _batch()
+    with pytest.raises(ndp.hf.Unsupported, match="output embedding to be a torch.nn.Linear; LlamaForCausalLM's is "
+                                                 "Sequential"):
+        ndp.hf.lm_loss(model, labels, input_ids=ids)

@@ -122,7 +122,8 @@ FP32_INSIDE = {"apertus": "xIELU activation (alpha_p, alpha_n) in float32",
                "gemma4_unified_text": "RMSNorm of q/k in float32",
                "gemma3n_text": "RMSNorm in float32 (Gemma3nRMSNorm upcasts)",
                "gemma4_unified": "its text model's RMSNorm of q/k in float32",
-               "longcat_flash": "router logits in float32"}
+               "longcat_flash": "router logits in float32",
+               "mamba2": "gated RMSNorm and residual in float32"}
 
 
 def _rel(a, b, floor=1e-30):

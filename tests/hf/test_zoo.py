@@ -27,7 +27,7 @@ import _zoo  # noqa: E402
 CP_KNOWN = {}
 MIN_EXACT_SINGLE = 128
 MIN_EXACT_CP = 100
-MIN_EXACT_FUSED = 120
+MIN_EXACT_FUSED = 134
 
 
 def _quiet():

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import ModelPlan, ParallelismConfig, as_config
+from ndp.parallel import ModelPlan, ParallelismConfig, ac_mode, as_config
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, ndp_attention_forward, register_attention
@@ -118,6 +118,10 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     config = as_config(config)  # Accelerate's ParallelismConfig too
     check_model(model, config)
     kwargs.setdefault("plan", hf_plan(model))
+    if ac_mode(kwargs.get("activation_checkpointing")) != "none":
+        # A recomputed layer would append its keys and values to the KV cache a second time (as transformers'
+        # own gradient checkpointing, ndp's turns the cache off).
+        model.config.use_cache = False
     return _parallelize(model, config, mesh, **kwargs)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
@@ -159,17 +162,45 @@ def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def apply_ac(model: nn.Module, blocks: Sequence[str]) -> list[nn.Module]:
-    """Activation checkpointing: wrap each matched block (recompute its activations in backward).
+AC_MODES = ("none", "full", "selective")
+_aten = torch.ops.aten
+# Selective checkpointing keeps what these ops return (matmuls, the built-in attention kernels: the costly
+# FLOPs) and recomputes the rest of a block in the backward (element-wise ops, norms, activations, RoPE).
+SAVED_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
+def ac_mode(value) -> str:
+    """The activation-checkpointing mode of ``value``: one of AC_MODES, or a bool (True: "full", False: "none")."""
+    if value is None or isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in AC_MODES:
+        raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)} (or a bool: True is "
+                         f"full); got {value!r}. full recomputes each block in the backward; selective keeps its "
+                         f"matmul and attention outputs and recomputes the element-wise rest.")
+    return value
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, blocks: Sequence[str], mode: str = "full") -> list[nn.Module]:
+    """Activation checkpointing of each matched block: "full" recomputes its activations in the backward,
+    "selective" keeps the outputs of SAVED_OPS and recomputes the rest.
 
     Returns:
         the wrapped blocks, in order.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
+    kw = {}
+    if ac_mode(mode) == "selective":
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     out = []
     for name, mod in _match(model, blocks):
-        wrapped = checkpoint_wrapper(mod, preserve_rng_state=False)
+        wrapped = checkpoint_wrapper(mod, preserve_rng_state=False, **kw)
         _replace(model, name, wrapped)
         out.append(wrapped)
     return out
@@ -262,7 +293,7 @@ def _init_device(mesh: DeviceMesh | None, device) -> torch.device:
 
 
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | None, *,
-                plan: ModelPlan | None = None, mp_policy=None, activation_checkpointing: bool = False,
+                plan: ModelPlan | None = None, mp_policy=None, activation_checkpointing: bool | str = False,
                 compile: bool = False, reshard_after_forward: bool = True, init_seed: int = 0,
                 init_device=None) -> nn.Module:
     """Apply TP, CP, activation checkpointing, compile and FSDP2 (in that order, as torchtitan does).
@@ -279,7 +310,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
             mesh whose named axes hold every degree > 1 (axes of size 1 may be left out).
         plan: what to split (``default_plan(model)`` when None: FSDP/AC only).
         mp_policy: FSDP2 MixedPrecisionPolicy (e.g. bf16 params, fp32 reduce) or None.
-        activation_checkpointing: recompute each block's activations in backward.
+        activation_checkpointing: one of AC_MODES (see :func:`apply_ac`), or a bool (True: "full").
         compile: ``torch.compile`` each block.
         init_seed: meta model only: the seed of the per-module initialization.
         init_device: meta model only: where the shards are allocated (default: the mesh's device type, the
@@ -291,6 +322,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
             per-module init leaves a parameter or buffer unset.
     """
     config = as_config(config)  # Accelerate's ParallelismConfig too (ndp's fields at their defaults)
+    ac = ac_mode(activation_checkpointing)
     if mesh is None and config.world_size > 1:
         raise ValueError(f"world size {config.world_size} needs a DeviceMesh; got mesh=None. Pass "
                          f"mesh=config.build_device_mesh(device_type).")
@@ -309,8 +341,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
         apply_tp(model, mesh_axis(mesh, "tp"), plan.tp_plan)
     apply_cp(model, config, mesh, plan)
     blocks = [m for _, m in _match(model, plan.blocks)]
-    if activation_checkpointing:
-        blocks = apply_ac(model, plan.blocks)
+    if ac != "none":
+        blocks = apply_ac(model, plan.blocks, ac)
     if compile:
         for blk in blocks:
             blk.compile()

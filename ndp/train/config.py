@@ -11,7 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from ndp.parallel import CP_IMPLS, CP_LAYOUTS, ParallelismConfig
+from ndp.parallel import AC_MODES, CP_IMPLS, CP_LAYOUTS, ParallelismConfig, ac_mode
 
 from .presets import INITS
 
@@ -56,7 +56,7 @@ class TrainConfig:
     save_every: int = 0
     resume: bool = False
     export_hf: str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # one of AC_MODES (a bool is read as True: full, False: none)
     device: str = "auto"
     progress: bool = True
     stop_after: int | None = None
@@ -65,6 +65,7 @@ class TrainConfig:
     loss: str = "fused"
 
     def __post_init__(self):
+        object.__setattr__(self, "activation_checkpointing", ac_mode(self.activation_checkpointing))
         for name in ("seq_len", "batch_size", "grad_accum", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {name}={getattr(self, name)}")
@@ -180,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--save-every", type=int)
     a("--resume", action="store_true", default=None)
     a("--export-hf", help="write consolidated HF weights (safetensors + config) here at the end")
-    a("--activation-checkpointing", action="store_true", default=None)
+    a("--activation-checkpointing", nargs="?", const="full", metavar="|".join(AC_MODES),
+      help="recompute activations in the backward: full (the flag alone) recomputes each decoder layer; selective "
+           "keeps its matmul and attention outputs and recomputes the element-wise rest; none (default)")
     a("--device", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", default=None)
     a("--stop-after", type=int, help="save and exit cleanly after this step (a time slice); the learning-rate "

@@ -37,6 +37,21 @@ def test_flags_are_the_contract():
         "tiny-qwen2", 128, 16, 2, 7, 0.01, 3, "bf16", "x.txt", "m.jsonl", "ck", 5, True, "hf")
 
 
+def test_activation_checkpointing_and_loss_flags(tmp_path):
+    assert parse_config([], env={}).activation_checkpointing == "none"
+    assert parse_config([], env={}).loss == "fused"
+    assert parse_config(["--activation-checkpointing"], env={}).activation_checkpointing == "full"  # as before
+    cfg = parse_config(["--activation-checkpointing", "selective", "--loss", "full"], env={})
+    assert (cfg.activation_checkpointing, cfg.loss) == ("selective", "full")
+    y = tmp_path / "c.yaml"
+    y.write_text("activation_checkpointing: true\n")  # the YAML of the boolean flag
+    assert parse_config(["--config", str(y)], env={}).activation_checkpointing == "full"
+    with pytest.raises(ValueError, match="one of none, full, selective"):
+        parse_config(["--activation-checkpointing", "some"], env={})
+    with pytest.raises(ValueError, match="--loss must be one of fused, full"):
+        parse_config(["--loss", "chunked"], env={})
+
+
 def test_yaml_and_env_precedence(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model: tiny-mistral\nsteps: 9\nparallel:\n  cp: 2\n  cp-impl: ulysses\nseq_len: 32\n")

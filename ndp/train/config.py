@@ -41,6 +41,7 @@ class TrainConfig:
     seq_len: int = 256
     batch_size: int = 8
     grad_accum: int = 1
+    sharded_grad_accum: bool = False  # reduce-scatter every micro-batch (sharded accumulators) instead of the last
     steps: int = 100
     lr: float = 1e-3
     warmup: int | None = None
@@ -166,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seq-len", type=int)
     a("--batch-size", type=int, help="global batch, in sequences")
     a("--grad-accum", type=int)
+    a("--sharded-grad-accum", action="store_true", default=None,
+      help="under FSDP, reduce-scatter the gradients of every micro-batch into sharded accumulators (1/dp_shard "
+           "of the gradient bytes held between micro-batches, one reduce-scatter per micro-batch) instead of "
+           "accumulating whole gradients and reducing once, after the last")
     a("--steps", type=int)
     a("--lr", type=float)
     a("--warmup", type=int, help="linear warm-up steps (default steps/10), then cosine decay")

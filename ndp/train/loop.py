@@ -279,7 +279,7 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             for m in fsdp_mods:
-                m.set_requires_gradient_sync(last)
+                m.set_requires_gradient_sync(last or cfg.sharded_grad_accum)
             kwargs, labels = model_inputs(mb, ctx, device)
             with autocast:
                 ls = token_loss_sum(model, cfg.loss, kwargs, labels)

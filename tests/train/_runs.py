@@ -14,6 +14,7 @@ BASE = dict(model="tiny-llama", seq_len=64, batch_size=4, steps=4, lr=3e-3, warm
 LAYOUTS = {
     "dp_shard2": (2, dict(dp_shard_size=2), {}),
     "dp_shard2_accum2": (2, dict(dp_shard_size=2), dict(grad_accum=2)),
+    "dp_shard2_accum2_sharded": (2, dict(dp_shard_size=2), dict(grad_accum=2, sharded_grad_accum=True)),
     "dp_shard2_ac": (2, dict(dp_shard_size=2), dict(activation_checkpointing=True)),
     "dp_shard2_sac": (2, dict(dp_shard_size=2), dict(activation_checkpointing="selective")),
     "cp2_ring_sac": (2, dict(cp_size=2), dict(activation_checkpointing="selective")),

@@ -37,12 +37,12 @@ def test_flags_are_the_contract():
         "tiny-qwen2", 128, 16, 2, 7, 0.01, 3, "bf16", "x.txt", "m.jsonl", "ck", 5, True, "hf")
 
 
-def test_activation_checkpointing_and_loss_flags(tmp_path):
+def test_memory_flags(tmp_path):
     assert parse_config([], env={}).activation_checkpointing == "none"
     assert parse_config([], env={}).loss == "fused"
     assert parse_config(["--activation-checkpointing"], env={}).activation_checkpointing == "full"  # as before
-    cfg = parse_config(["--activation-checkpointing", "selective", "--loss", "full"], env={})
-    assert (cfg.activation_checkpointing, cfg.loss) == ("selective", "full")
+    cfg = parse_config(["--activation-checkpointing", "selective", "--loss", "full", "--sharded-grad-accum"], env={})
+    assert (cfg.activation_checkpointing, cfg.loss, cfg.sharded_grad_accum) == ("selective", "full", True)
     y = tmp_path / "c.yaml"
     y.write_text("activation_checkpointing: true\n")  # the YAML of the boolean flag
     assert parse_config(["--config", str(y)], env={}).activation_checkpointing == "full"

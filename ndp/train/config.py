@@ -58,6 +58,7 @@ class TrainConfig:
     resume: bool = False
     export_hf: str | None = None
     activation_checkpointing: str = "none"  # one of AC_MODES (a bool is read as True: full, False: none)
+    activation_offload: bool = False
     device: str = "auto"
     progress: bool = True
     stop_after: int | None = None
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--activation-checkpointing", nargs="?", const="full", metavar="|".join(AC_MODES),
       help="recompute activations in the backward: full (the flag alone) recomputes each decoder layer; selective "
            "keeps its matmul and attention outputs and recomputes the element-wise rest; none (default)")
+    a("--activation-offload", action="store_true", default=None,
+      help="copy the activations saved for the backward to pinned host memory in the forward (on a side stream) "
+           "and bring them back ahead of the backward (with --activation-checkpointing: the layers' inputs)")
     a("--device", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", default=None)
     a("--stop-after", type=int, help="save and exit cleanly after this step (a time slice); the learning-rate "

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import ndp
 import ndp.hf
-from ndp.parallel import clip_grad_norm_, mesh_axis
+from ndp.parallel import ActivationOffload, clip_grad_norm_, mesh_axis
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -281,7 +281,8 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
             for m in fsdp_mods:
                 m.set_requires_gradient_sync(last or cfg.sharded_grad_accum)
             kwargs, labels = model_inputs(mb, ctx, device)
-            with autocast:
+            offload = ActivationOffload(device) if cfg.activation_offload else contextlib.nullcontext()
+            with autocast, offload:
                 ls = token_loss_sum(model, cfg.loss, kwargs, labels)
             (ls * (grad_scale_world / max(1, n_global))).backward()
             loss_sum += ls.detach()

@@ -16,6 +16,7 @@ LAYOUTS = {
     "dp_shard2_accum2": (2, dict(dp_shard_size=2), dict(grad_accum=2)),
     "dp_shard2_accum2_sharded": (2, dict(dp_shard_size=2), dict(grad_accum=2, sharded_grad_accum=True)),
     "dp_shard2_ac": (2, dict(dp_shard_size=2), dict(activation_checkpointing=True)),
+    "dp_shard2_ac_offload": (2, dict(dp_shard_size=2), dict(activation_checkpointing=True, activation_offload=True)),
     "dp_shard2_sac": (2, dict(dp_shard_size=2), dict(activation_checkpointing="selective")),
     "cp2_ring_sac": (2, dict(cp_size=2), dict(activation_checkpointing="selective")),
     "dp_replicate2": (2, dict(dp_replicate_size=2), {}),

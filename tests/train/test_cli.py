@@ -41,8 +41,10 @@ def test_memory_flags(tmp_path):
     assert parse_config([], env={}).activation_checkpointing == "none"
     assert parse_config([], env={}).loss == "fused"
     assert parse_config(["--activation-checkpointing"], env={}).activation_checkpointing == "full"  # as before
-    cfg = parse_config(["--activation-checkpointing", "selective", "--loss", "full", "--sharded-grad-accum"], env={})
-    assert (cfg.activation_checkpointing, cfg.loss, cfg.sharded_grad_accum) == ("selective", "full", True)
+    cfg = parse_config(["--activation-checkpointing", "selective", "--loss", "full", "--sharded-grad-accum",
+                        "--activation-offload"], env={})
+    assert (cfg.activation_checkpointing, cfg.loss, cfg.sharded_grad_accum, cfg.activation_offload) == (
+        "selective", "full", True, True)
     y = tmp_path / "c.yaml"
     y.write_text("activation_checkpointing: true\n")  # the YAML of the boolean flag
     assert parse_config(["--config", str(y)], env={}).activation_checkpointing == "full"

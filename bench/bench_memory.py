@@ -2,6 +2,11 @@
 
     python bench/bench_memory.py                          # seq 8192, vocab 512 .. 65536, hidden 128, fp32, CPU
     python bench/bench_memory.py --seqlens 4096,8192 --vocabs 32768 --out bench/results/
+    python bench/bench_memory.py --train                  # whole ndp-train steps, --loss full vs fused
+
+--train: ``ndp-train`` (1 process, fp32, seq 8192, batch 1, 2 steps) on a 2-layer Llama of hidden 128 built from a
+config.json, at vocab 512 and at each --vocabs; reported: the growth of the run's peak RSS over the vocab-512 run,
+less the vocabulary's own parameter, gradient and AdamW bytes (16 per parameter), in units of one logits tensor.
 
 Each case runs in its own process (peak RSS is per process): the LM head and the loss, forward and backward, on
 ``[seq, hidden]`` hidden states. Reported: the peak-RSS growth over the process after its inputs exist, in units of
@@ -62,6 +67,40 @@ def _child(args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _train_peak_mb(vocab: int, seq: int, hidden: int, loss: str, tmp: str) -> float:
+    """Peak RSS (MB) of an ndp-train run on a 2-layer Llama of this vocabulary (random weights from a config)."""
+    d = os.path.join(tmp, f"llama-{vocab}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=seq, tie_word_embeddings=False), f)
+    metrics = os.path.join(tmp, f"m-{vocab}-{loss}.jsonl")
+    subprocess.run([sys.executable, "-m", "ndp.train", "--model", d, "--seq-len", str(seq), "--batch-size", "1",
+                    "--steps", "2", "--device", "cpu", "--dtype", "fp32", "--loss", loss, "--no-progress",
+                    "--metrics", metrics], check=True, capture_output=True, text=True,
+                   env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+    with open(metrics) as f:
+        return max(json.loads(line)["peak_mem_mb"] for line in f if line.strip())
+
+
+def train_rows(seq: int, vocabs, hidden: int) -> list[dict]:
+    """ndp-train's peak memory by vocabulary and loss (see --train)."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for loss in ("full", "fused"):
+            base = _train_peak_mb(512, seq, hidden, loss, tmp)
+            for vocab in vocabs:
+                peak = _train_peak_mb(vocab, seq, hidden, loss, tmp)
+                params = 16 * 2 * (vocab - 512) * hidden / 2 ** 20  # embedding + lm_head: weight, grad, 2 moments
+                logits = seq * vocab * 4 / 2 ** 20
+                rows.append(dict(loss=loss, seq=seq, vocab=vocab, peak_mb=peak, base_peak_mb=base,
+                                 x_logits=round((peak - base - params) / logits, 3)))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/bench_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="8192")
@@ -70,8 +109,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES // 2 ** 20, help="the fused op's logits chunk")
     ap.add_argument("--out", default=None, help="directory for memory.json")
+    ap.add_argument("--train", action="store_true", help="whole ndp-train steps, --loss full vs fused")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.train:
+        vocabs = [int(x) for x in a.vocabs.split(",") if int(x) != 512]
+        rows = train_rows(int(a.seqlens.split(",")[0]), vocabs, a.hidden)
+        print(f"{'loss':<6} {'vocab':>6} {'peak MB':>9} {'vocab 512':>9} {'growth x logits':>16}")
+        for r in rows:
+            print(f"{r['loss']:<6} {r['vocab']:>6} {r['peak_mb']:>9.0f} {r['base_peak_mb']:>9.0f} {r['x_logits']:>16.3f}")
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "memory_train.json"), "w") as f:
+                json.dump({"hidden": a.hidden, "device": "cpu", "rows": rows}, f, indent=1)
+        return 0
     if a.child:
         c = json.loads(a.child)
         print(json.dumps(measure(c["fused"], c["seq"], c["vocab"], c["hidden"], getattr(torch, c["dtype"]),

@@ -2,6 +2,7 @@
 
     python bench/plan_vs_measured.py                       # all three parts below
     python bench/plan_vs_measured.py --only bytes          # only the in-process byte counts (quick)
+    python bench/plan_vs_measured.py --only memory         # the fused loss and selective checkpointing terms
     python bench/plan_vs_measured.py --only time           # whole steps of ndp-train under torchrun
     python bench/plan_vs_measured.py --only terms          # the step split into the planner's terms
 
@@ -17,6 +18,9 @@
    the predicted tensor bytes (RSS also holds the Python/torch baseline).
 3. Time per term: the profiler splits ndp-train's step on the critical-path rank into the planner's matmul,
    attention, elementwise, comm and optimizer terms (``measure_terms``), for one process and 2-rank configs.
+4. Memory options: the fused loss's working bytes and the bytes selective checkpointing keeps per layer, counted
+   as the storages the ops allocate (``LiveTensorBytes``), against ``fused_loss_bytes`` and
+   ``selective_layer_bytes``.
 Results: a printed table and <out>/plan_vs_measured.json.
 """
 from __future__ import annotations
@@ -31,7 +35,11 @@ import sys
 import tempfile
 import time
 
+import weakref
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -43,6 +51,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
 import bench_cp  # noqa: E402  (the benchmarks' one timer)
 from ndp.parallel import ParallelismConfig  # noqa: E402
 from ndp.plan import Topology, estimate, load_model_spec  # noqa: E402
+from ndp.plan.cost import fused_loss_bytes, selective_layer_bytes  # noqa: E402
 from ndp.plan.spec import GpuProfile  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -145,6 +154,93 @@ def measure_bytes(model="small-llama", names=tuple(CONFIGS), seq_len=128, batch=
             rows.append(dict(config=name, world=world, params_measured=meas[0], params_predicted=e.mem["params"],
                              optimizer_measured=meas[1], optimizer_predicted=e.mem["optimizer"],
                              activations_measured=meas[2], activations_predicted=pred_act))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- memory options
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Bytes of the tensor storages the ops run inside it allocate, while they live (``cur``) and at most
+    (``peak``): a view or an in-place result shares an argument's storage and is not counted again."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.cur, self.peak = {}, 0, 0
+
+    def _free(self, ptr):
+        self.cur -= self.live.pop(ptr, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr and ptr not in given and ptr not in self.live:
+                self.live[ptr] = st.nbytes()
+                self.cur += st.nbytes()
+                self.peak = max(self.peak, self.cur)
+                weakref.finalize(st, self._free, ptr)
+        return out
+
+
+def measure_loss_bytes(tokens=4096, vocab=8192, hidden=64, chunk_bytes=2 ** 20):
+    """The fused loss's peak bytes beyond its inputs and returned gradients, measured and predicted
+    (``fused_loss_bytes``), fp32 and bf16. Returns rows."""
+    from ndp.ops import linear_cross_entropy
+
+    spec = load_model_spec("tiny-llama").replace(vocab_size=vocab, hidden_size=hidden)
+    rows = []
+    for dtype, es in ((torch.float32, 4), (torch.bfloat16, 2)):
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(vocab, hidden, generator=g).to(dtype).requires_grad_()
+        y = torch.randint(0, vocab, (tokens,), generator=g)
+        live = LiveTensorBytes()
+        with live:
+            grads = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes), (h, w))
+        measured = live.peak - sum(t.numel() * t.element_size() for t in grads)
+        rows.append(dict(term="logits (fused loss)", dtype=str(dtype).split(".")[-1], measured=measured,
+                         predicted=fused_loss_bytes(spec, tokens, es, chunk_bytes)))
+    return rows
+
+
+def measure_selective_bytes(seq_len=64):
+    """Bytes a forward keeps per token and layer under selective checkpointing (the tensors alive after it, 1 vs 2
+    layers), measured and predicted (``selective_layer_bytes``), fp32 and bf16. Returns rows."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ndp.hf
+
+    spec = load_model_spec("tiny-llama").replace(hidden_size=96, intermediate_size=160, num_heads=6,
+                                                 num_kv_heads=2, head_dim=16)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rows = []
+    try:
+        for dtype, es in ((torch.float32, 4), (torch.bfloat16, 2)):
+            kept = []
+            for layers in (1, 2):
+                cfg = LlamaConfig(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2,
+                                  vocab_size=128, num_hidden_layers=layers)
+                cfg._attn_implementation = "sdpa"
+                torch.manual_seed(0)
+                m = AutoModelForCausalLM.from_config(cfg).to(dtype)
+                p = ParallelismConfig()
+                ndp.hf.parallelize(m, p, p.build_device_mesh("cpu"), activation_checkpointing="selective")
+                live = LiveTensorBytes()
+                with live:
+                    out = m(input_ids=torch.randint(0, 128, (1, seq_len)), use_cache=False).logits
+                kept.append(live.cur - out.untyped_storage().nbytes())
+            rows.append(dict(term="activations per layer (selective)", dtype=str(dtype).split(".")[-1],
+                             measured=(kept[1] - kept[0]) / seq_len, predicted=selective_layer_bytes(spec, 1, es)))
+    finally:
+        if owned:
+            dist.destroy_process_group()
     return rows
 
 
@@ -577,7 +673,7 @@ def _terms_worker(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--only", choices=("bytes", "time", "terms"))
+    ap.add_argument("--only", choices=("bytes", "memory", "time", "terms"))
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--terms-worker", help=argparse.SUPPRESS)   # internal: one rank of measure_terms' job
     ap.add_argument("--seq-len", type=int, default=1024, help=argparse.SUPPRESS)
@@ -599,6 +695,13 @@ def main(argv=None):
                 p, m = r[f"{t}_predicted"], r[f"{t}_measured"]
                 cells.append(f"{p / 1e6:8.3f}/{m / 1e6:8.3f} MB {p / m:5.3f}")
             print(f"{r['config']:<16} " + " ".join(cells))
+    if args.only in (None, "memory"):
+        rows = measure_loss_bytes() + measure_selective_bytes()
+        result["memory_options"] = rows
+        print("\nmemory options, predicted / measured bytes (tensors the ops allocate, LiveTensorBytes):")
+        for r in rows:
+            print(f"{r['term']:<36} {r['dtype']:<9} {r['predicted']:>12,.0f} / {r['measured']:>12,.0f}  "
+                  f"{r['predicted'] / r['measured']:.4f}")
     if args.only in (None, "time"):
         rows = measure_time(args.model)
         result["time"] = rows

@@ -4,7 +4,9 @@
 ``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the tokens
 in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
 per-token log-sum-exp; the backward recomputes each chunk's logits and adds its share of the gradients of
-`hidden` and `weight`. Peak memory beyond the inputs: one ``[chunk, V]`` logits block (fp32) and its softmax.
+`hidden` and `weight`. Working memory beyond the inputs and the gradients (``ndp.plan.cost.fused_loss_bytes``):
+one ``[chunk, V]`` fp32 logits block, turned into its softmax in place (plus its 16-bit matmul output for 16-bit
+inputs, plus tanh when soft-capped), and the weight gradient's fp32 accumulator ``[V, H]`` in the backward.
 A constant logit scale (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and soft-capped final logits
 (Gemma 2's ``final_logit_softcapping``: ``c * tanh(logits / c)``, after the scale) are honoured.
 """
@@ -23,15 +25,17 @@ def _chunk_rows(vocab: int, chunk_bytes: int) -> int:
 
 
 def _logits(h, weight, bias, scale, softcap):
-    """fp32 (or fp64) logits of a chunk, scaled and soft-capped; also tanh for the backward when capped."""
+    """fp32 (or fp64) logits of a chunk, scaled and soft-capped in place; also tanh for the backward when capped.
+    Working memory: one fp32 chunk (plus the es-byte matmul output when the inputs are 16-bit; plus tanh when
+    capped)."""
     z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
     z = z.to(torch.promote_types(h.dtype, torch.float32))
     if scale != 1.0:
-        z = z * scale
+        z.mul_(scale)
     if not softcap:
         return z, None
-    t = torch.tanh(z / softcap)
-    return softcap * t, t
+    t = z.div_(softcap).tanh_()
+    return t * softcap, t
 
 
 class _LinearCE(torch.autograd.Function):
@@ -42,11 +46,13 @@ class _LinearCE(torch.autograd.Function):
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for a in range(0, n, chunk):
-            z, _ = _logits(hidden[a:a + chunk], weight, bias, scale, softcap)
+            z, t = _logits(hidden[a:a + chunk], weight, bias, scale, softcap)
+            del t
             y = labels[a:a + chunk]
             keep = y != ignore_index
-            lse[a:a + chunk] = torch.logsumexp(z, dim=-1)
             target = z.gather(1, torch.where(keep, y, 0)[:, None])[:, 0]
+            peak = z.amax(dim=-1, keepdim=True)
+            lse[a:a + chunk] = z.sub_(peak).exp_().sum(dim=-1).log_().add_(peak[:, 0])  # log-sum-exp, in place
             total = total + ((lse[a:a + chunk] - target) * keep).sum()
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.args = (ignore_index, scale, softcap, chunk)
@@ -64,19 +70,21 @@ class _LinearCE(torch.autograd.Function):
             z, t = _logits(h, weight, bias, scale, softcap)
             y = labels[a:a + chunk]
             keep = y != ignore_index
-            d = torch.exp(z - lse[a:a + chunk, None])                     # softmax
+            d = z.sub_(lse[a:a + chunk, None]).exp_()                      # softmax, in place
             d.scatter_add_(1, torch.where(keep, y, 0)[:, None], -torch.ones_like(d[:, :1]))
-            d *= (keep * grad).to(d.dtype)[:, None]
+            d.mul_((keep * grad).to(d.dtype)[:, None])
             if t is not None:
-                d *= 1 - t * t                                             # d(c tanh(z/c))/dz
+                d.mul_(1 - t * t)                                          # d(c tanh(z/c))/dz
+                del t
             if scale != 1.0:
-                d *= scale
+                d.mul_(scale)
             if gh is not None:
-                gh[a:a + chunk] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+                gh[a:a + chunk] = d.to(weight.dtype) @ weight
             if gw is not None:
-                gw += d.T @ h.to(d.dtype)
+                gw.addmm_(d.T, h.to(d.dtype))
             if gb is not None:
                 gb += d.sum(0)
+            del z, d
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(bias.dtype) if gb is not None else None
         return gh, gw, gb, None, None, None, None, None

@@ -164,13 +164,11 @@ def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
 
 AC_MODES = ("none", "full", "selective")
 _aten = torch.ops.aten
-# Selective checkpointing keeps what these ops return (matmuls, the built-in attention kernels: the costly
-# FLOPs) and recomputes the rest of a block in the backward (element-wise ops, norms, activations, RoPE).
-SAVED_OPS = frozenset({
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
-})
+# Selective checkpointing keeps what the matmuls return (the FLOPs that dominate a layer) and recomputes the rest
+# of a block in the backward: element-wise ops, norms, activations, RoPE and the attention, whose kernels (Triton,
+# flash-attn, SDPA, by engine) are recomputed alike on every device, so that what a layer keeps is one formula
+# (ndp.plan.cost.selective_layer_bytes).
+SAVED_OPS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default})
 
 
 def ac_mode(value) -> str:
@@ -180,7 +178,7 @@ def ac_mode(value) -> str:
     if value not in AC_MODES:
         raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)} (or a bool: True is "
                          f"full); got {value!r}. full recomputes each block in the backward; selective keeps its "
-                         f"matmul and attention outputs and recomputes the element-wise rest.")
+                         f"matmul outputs and recomputes the rest (element-wise ops, attention).")
     return value
 
 
@@ -190,7 +188,7 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 def apply_ac(model: nn.Module, blocks: Sequence[str], mode: str = "full") -> list[nn.Module]:
     """Activation checkpointing of each matched block: "full" recomputes its activations in the backward,
-    "selective" keeps the outputs of SAVED_OPS and recomputes the rest.
+    "selective" keeps the outputs of SAVED_OPS (matmuls) and recomputes the rest, attention included.
 
     Returns:
         the wrapped blocks, in order.

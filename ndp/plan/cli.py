@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .cost import GiB, MEM_TERMS
+from .cost import LOSSES, GiB, MEM_TERMS
 from .search import AC_CHOICES, PlanRequest, describe, plan, suggest, train_flags
 from .spec import GPU_KINDS, load_gpu_profile, load_model_spec
 
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global batch, in tokens (a multiple of --seq-len)")
     a("--dtype", default="bf16", choices=("bf16", "fp32"))
     a("--activation-checkpointing", default="auto", choices=AC_CHOICES,
-      help="auto: without, or full where nothing fits without it")
+      help="auto: without; where nothing fits, selective, then full, then full with the layers' inputs offloaded "
+           "to host memory")
+    a("--loss", default="fused", choices=LOSSES, help="the token loss ndp-train computes (fused: no logits tensor)")
     a("--top", type=_positive_int("--top"), default=10, help="rows of the table")
     a("--json", help="write every candidate to this JSON file")
     return p
@@ -58,18 +60,22 @@ def _row(e) -> dict:
             "mem_gb": round(e.peak_bytes / GiB, 3), "step_s": round(e.step_s, 6),
             "tokens_per_s": round(e.tokens_per_s, 2), "mfu": round(e.mfu, 4), "fits": e.fits,
             "reason": e.reason(), "grad_accum": e.grad_accum, "micro_batch": e.micro_batch,
-            "activation_checkpointing": e.activation_checkpointing,
+            "activation_checkpointing": e.activation_checkpointing, "activation_offload": e.activation_offload,
+            "sharded_grad_accum": e.sharded_grad_accum, "loss": e.loss, "flags": e.flags,
+            "host_gb": round(e.host_bytes / GiB, 3),
             "mem_terms_gb": {k: round(v / GiB, 3) for k, v in e.mem.items()},
             "time_terms_s": {k: round(v, 6) for k, v in e.time.items()}}
 
 
 def format_table(ests, top: int) -> str:
     """The ranked table (fitting candidates first)."""
-    head = (f"{'#':>3}  {'layout':<34} {'ga':>3} {'AC':>3} {'mem GiB':>8} {'step s':>8} {'tok/s/GPU':>10} "
+    head = (f"{'#':>3}  {'layout':<34} {'ga':>3} {'AC':>9} {'mem GiB':>8} {'step s':>8} {'tok/s/GPU':>10} "
             f"{'MFU':>6}  fits")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(ests[:top], 1):
-        lines.append(f"{i:>3}  {describe(e.config):<34} {e.grad_accum:>3} {'yes' if e.activation_checkpointing else 'no':>3} "
+        ac = e.activation_checkpointing + ("+off" if e.activation_offload else "")
+        ga = f"{e.grad_accum}{'s' if e.sharded_grad_accum else ''}"
+        lines.append(f"{i:>3}  {describe(e.config):<34} {ga:>3} {ac:>9} "
                      f"{e.peak_bytes / GiB:>8.1f} {e.step_s:>8.3f} {e.tokens_per_s:>10,.0f} {e.mfu:>6.1%}  "
                      + ("yes" if e.fits else "no: " + e.reason()))
     return "\n".join(lines)
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
     try:
         req = PlanRequest(spec=spec, profile=profile, gpus=args.gpus, seq_len=args.seq_len, batch_size=batch,
                           gpus_per_node=args.gpus_per_node, dtype=args.dtype,
-                          activation_checkpointing=args.activation_checkpointing)
+                          activation_checkpointing=args.activation_checkpointing, loss=args.loss)
         ests = plan(req)
     except ValueError as e:
         parser.error(str(e))
@@ -116,6 +122,8 @@ def main(argv=None) -> int:
         terms = ", ".join(f"{k} {best.mem[k] / GiB:.2f}" for k in MEM_TERMS if best.mem[k] >= 0.01 * best.peak_bytes)
         print(f"\nbest: {describe(best.config)}: {best.tokens_per_s:,.0f} tokens/s per GPU, MFU {best.mfu:.1%}, "
               f"{best.peak_bytes / GiB:.1f} GiB per GPU ({terms})")
+        if best.host_bytes:
+            print(f"activation offload: {best.host_bytes / GiB:.1f} GiB of pinned host memory per GPU")
         print(train_flags(req, best, args.model))
         return 0
     worst = ests[0]

@@ -35,6 +35,9 @@ CLIP_OPS_PER_TENSOR, ADAMW_OPS_PER_TENSOR = 4, 10
 TP_FWD_ALL_REDUCES, TP_BWD_ALL_REDUCES = 2, 5    # per layer, see estimate()
 OPTIMIZER_OPS_PER_TENSOR = CLIP_OPS_PER_TENSOR + ADAMW_OPS_PER_TENSOR
 MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "activations", "attention", "logits")
+AC_MODES = ("none", "full", "selective")  # ndp.parallel.AC_MODES
+LOSSES = ("fused", "full")                # ndp.train.config.LOSSES
+LOSS_CHUNK_BYTES = 64 * 2**20             # ndp.ops.linear_ce.CHUNK_BYTES (tests/plan checks they agree)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -90,8 +93,32 @@ def root_activation_bytes(spec: ModelSpec, es: int) -> float:
     return (4 * h + es * h + 4) + es * h + 2 * es * spec.head_dim + 8
 
 
+def selective_layer_bytes(spec: ModelSpec, tp: int, es: int) -> float:
+    """Bytes kept per token for one decoder layer under selective checkpointing (``ndp.parallel.SAVED_OPS``): the
+    layer's input (the checkpoint) and the outputs of its matmuls: q, k, v, gate and up (split by TP), o_proj and
+    down_proj (whole [tokens, hidden] partial sums on every TP rank). Exact against the tensors a forward leaves
+    alive (bench/plan_vs_measured.py)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    hkv = spec.num_kv_heads * spec.head_dim
+    hq = spec.num_heads * spec.head_dim
+    return es * (3 * h + (hq + 2 * hkv + 2 * i) / tp)
+
+
+def fused_loss_bytes(spec: ModelSpec, tokens: float, es: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> float:
+    """Peak bytes of ndp's fused linear cross-entropy (``ndp.ops.linear_cross_entropy``) beyond its inputs and
+    the gradients it returns, in its backward (the larger pass): the fp32 logits chunk, turned into its softmax in
+    place (x1.5 for 16-bit inputs: their matmul output, then the softmax's 16-bit copy for the hidden gradient),
+    the fp32 weight-gradient accumulator beyond the es-byte gradient it becomes, and the per-token fp32
+    log-sum-exp. Exact against the tensors the op allocates (bench/plan_vs_measured.py)."""
+    v, h = spec.vocab_size, spec.hidden_size
+    chunk = 4 * min(tokens, max(1, chunk_bytes // (4 * v))) * v
+    if es == 4:
+        return chunk + 4 * tokens
+    return max((4 - es) * v * h + 1.5 * chunk, 4 * v * h) + 4 * tokens
+
+
 def logits_bytes(spec: ModelSpec, es: int) -> float:
-    """Peak bytes per token of logits and loss (ndp.train: ``cross_entropy(logits.float(), ...)``).
+    """Peak bytes per token of logits and loss (ndp.train --loss full: ``cross_entropy(logits.float(), ...)``).
 
     The es-byte logits stay referenced, log_softmax keeps its fp32 output, and its backward holds the fp32
     gradient of the loss and its own fp32 result: (es + 12) * vocab. lm_head is replicated over TP.
@@ -211,15 +238,33 @@ class Estimate:
     config: ParallelismConfig
     micro_batch: int
     grad_accum: int
-    activation_checkpointing: bool
+    activation_checkpointing: str                  # one of AC_MODES
+    loss: str = "fused"                            # one of LOSSES
+    activation_offload: bool = False
+    sharded_grad_accum: bool = False
     mem: dict = field(default_factory=dict)       # term -> bytes
     peak_bytes: float = 0.0
     usable_bytes: float = 0.0
     time: dict = field(default_factory=dict)      # term -> seconds per step
     step_s: float = 0.0
     tokens_per_s: float = 0.0                      # per GPU
+    host_bytes: float = 0.0                        # pinned host memory per GPU (activation offload)
     mfu: float = 0.0
     model_flops: float = 0.0                       # per step, all GPUs (no recomputation)
+
+    @property
+    def flags(self) -> list[str]:
+        """The ndp-train flags of the memory options (checkpointing, offload, accumulators, loss)."""
+        out = []
+        if self.activation_checkpointing != "none":
+            out.append(f"--activation-checkpointing {self.activation_checkpointing}")
+        if self.activation_offload:
+            out.append("--activation-offload")
+        if self.sharded_grad_accum:
+            out.append("--sharded-grad-accum")
+        if self.loss != "fused":
+            out.append(f"--loss {self.loss}")
+        return out
 
     @property
     def fits(self) -> bool:
@@ -268,22 +313,33 @@ def attention_block(spec: ModelSpec, cfg: ParallelismConfig, seq_len: int) -> fl
 
 
 def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, *, seq_len: int,
-             batch_size: int, grad_accum: int = 1, dtype: str = "bf16",
-             activation_checkpointing: bool = False) -> Estimate:
+             batch_size: int, grad_accum: int = 1, dtype: str = "bf16", activation_checkpointing: bool | str = False,
+             loss: str = "fused", activation_offload: bool = False, sharded_grad_accum: bool = False) -> Estimate:
     """Predict peak memory per GPU and time per optimizer step of one configuration.
 
     Args:
         spec: the model. cfg: the degrees (already valid for ``topo.gpus``). profile: the GPU.
         topo: GPUs and GPUs per node. seq_len: tokens per sequence. batch_size: global batch in sequences
             (divisible by ``cfg.dp_size * grad_accum``). dtype: "bf16" | "fp32" (compute dtype; master
-            weights and optimizer are fp32 either way). activation_checkpointing: full per-layer recompute.
+            weights and optimizer are fp32 either way). activation_checkpointing: one of AC_MODES (a bool: True is
+            "full"). loss: "fused" (ndp-train's default: no logits tensor) or "full". activation_offload: the
+            checkpointed layers' inputs go to host memory (with "full" checkpointing). sharded_grad_accum: FSDP2
+            reduce-scatters every micro-batch into sharded accumulators.
     Returns:
         an Estimate.
     Raises:
-        ValueError: batch not divisible by dp_size * grad_accum, unknown dtype.
+        ValueError: batch not divisible by dp_size * grad_accum, unknown dtype, checkpointing mode or loss,
+            offload without full checkpointing.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}; got {dtype!r}")
+    ac = {True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
+    if ac not in AC_MODES or loss not in LOSSES:
+        raise ValueError(f"activation_checkpointing must be one of {AC_MODES} and loss one of {LOSSES}; got "
+                         f"{activation_checkpointing!r}, {loss!r}")
+    if activation_offload and ac != "full":
+        raise ValueError(f"the planner models activation offloading of the checkpointed layers' inputs: it needs "
+                         f"activation_checkpointing='full'; got {ac!r}")
     if batch_size % (cfg.dp_size * grad_accum):
         raise ValueError(f"batch_size must be divisible by dp_replicate*dp_shard*grad_accum; got batch_size="
                          f"{batch_size}, dp_size={cfg.dp_size}, grad_accum={grad_accum}")
@@ -295,7 +351,8 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     mb = batch_size // cfg.dp_size // grad_accum          # sequences per rank per micro-batch
     tokens = mb * seq_len / n_cp                          # local tokens per micro-batch
     pn = local_param_numel(spec, tp, shard)
-    est = Estimate(cfg, mb, grad_accum, activation_checkpointing, usable_bytes=profile.usable_bytes)
+    est = Estimate(cfg, mb, grad_accum, ac, loss, activation_offload, sharded_grad_accum,
+                   usable_bytes=profile.usable_bytes)
 
     # ---------------- memory (bytes per GPU)
     m = dict.fromkeys(MEM_TERMS, 0.0)
@@ -308,21 +365,24 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         # lm_head's unsharded grad until the root's reduce-scatter.
         lm = spec.vocab_size * spec.hidden_size if not spec.tie_word_embeddings else 0
         m["fsdp_buffers"] = es * (3 * pn["block_tp"] + pn["root_tp"]) + (es + 4) * pn["block_tp"] + es * lm
-        if grad_accum > 1:
+        if grad_accum > 1 and not sharded_grad_accum:
             m["grad_accum"] = 4.0 * (pn["block_tp"] * L + pn["root_tp"])   # unsharded fp32 accumulators
     elif es == 2:
         # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
         m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L + spec.vocab_size * spec.hidden_size)
     layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
     root = root_activation_bytes(spec, es)
-    if activation_checkpointing:
-        m["activations"] = tokens * (L * es * spec.hidden_size + layer + root)
-    else:
-        m["activations"] = tokens * (L * layer + root)
+    # full: every layer's input, and one layer's activations while it is recomputed; offloaded: the inputs of
+    # the layer computed and of the one being copied stay on the device; selective: the matmul outputs
+    ckpt = es * spec.hidden_size
+    kept = {"none": L * layer, "full": (2 if activation_offload else L) * ckpt + layer,
+            "selective": L * selective_layer_bytes(spec, tp, es) + layer}[ac]
+    m["activations"] = tokens * (kept + root)
     m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
-    m["logits"] = tokens * logits_bytes(spec, es)
+    m["logits"] = tokens * logits_bytes(spec, es) if loss == "full" else fused_loss_bytes(spec, tokens, es)
     transient = m["activations"] + m["attention"] + m["logits"] + m["grad_accum"]
     est.mem = m
+    est.host_bytes = L * tokens * ckpt if activation_offload else 0.0
     est.peak_bytes = m["params"] + m["optimizer"] + m["fsdp_buffers"] + max(m["grads"], transient)
 
     # ---------------- time (seconds per micro-batch, then per step)
@@ -330,8 +390,10 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     mm_rate = (profile.matmul_tflops if es == 2 else profile.matmul_fp32_tflops) * 1e12
     block_mm = spec.block_matmul_params / tp
     head_mm = spec.vocab_size * spec.hidden_size                   # lm_head: replicated over TP
-    recompute = 2 if activation_checkpointing else 0
-    t["matmul"] = ((6 + recompute) * tokens * block_mm * L + 6 * tokens * head_mm) / mm_rate
+    recompute = 2 if ac == "full" else 0                           # selective keeps the matmul outputs
+    again = 2 if ac != "none" else 1                               # forward passes of the rest of a layer
+    head = 8 if loss == "fused" else 6                             # the fused loss recomputes its logits
+    t["matmul"] = ((6 + recompute) * tokens * block_mm * L + head * tokens * head_mm) / mm_rate
 
     pairs = mb * spec.attn_pairs(seq_len) / n_cp                   # balanced (zigzag) share of visible pairs
     fwd_flops = 4 * spec.head_dim * (spec.num_heads / tp) * pairs * L
@@ -342,9 +404,9 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     over = profile.cp_overhead.get(cfg.cp_impl, 1.0) if n_cp > 1 else 1.0
     a_f = fwd_flops / r_f / over
     a_b = 2.5 * fwd_flops / r_b / over
-    t["attention"] = a_f * (2 if activation_checkpointing else 1) + a_b
-    act_moved = tokens * (L * layer + root) + m["logits"]
-    passes = profile.elementwise_passes + (2 if activation_checkpointing else 0)
+    t["attention"] = a_f * again + a_b
+    act_moved = tokens * (L * layer + root) + (m["logits"] if loss == "full" else 0)
+    passes = profile.elementwise_passes + (2 if ac != "none" else 0)
     t["elementwise"] = act_moved * passes / profile.elementwise_rate
 
     # CP communication per layer (ring steps overlap their compute; the all-gather overlaps one slice)
@@ -363,7 +425,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
                 cb = cpb["bwd_p2p"] / steps / bw + 2 * lat
                 fwd_ring = steps * _overlap(af / r, cf, ov) + af / r
                 bwd_ring = steps * _overlap(ab / r, cb, ov) + ab / r
-                cp_exposed += (fwd_ring - af) * (2 if activation_checkpointing else 1) + (bwd_ring - ab)
+                cp_exposed += (fwd_ring - af) * again + (bwd_ring - ab)
         if cfg.cp_impl == "allgather":
             bw, lat = _link(profile, topo, n_cp, tp)
             ns = 2 if spec.num_kv_heads // tp >= 2 else 1
@@ -371,12 +433,11 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
             g_b = (cpb["bwd_ag"] + cpb["bwd_rs"] / profile.reduce_scatter_efficiency) / bw + 2 * ns * lat
             fwd_x = g_f / ns + _overlap(af * (ns - 1) / ns, g_f * (ns - 1) / ns, ov) - af * (ns - 1) / ns
             bwd_x = g_b / ns + _overlap(ab * (ns - 1) / ns, g_b * (ns - 1) / ns, ov) - ab * (ns - 1) / ns
-            cp_exposed += fwd_x * (2 if activation_checkpointing else 1) + bwd_x
+            cp_exposed += fwd_x * again + bwd_x
         if cfg.cp_impl in ("ulysses", "usp"):
             u = cfg.head_parallel_size
             bw, lat = _link(profile, topo, u, tp)
-            cp_exposed += ((cpb["fwd_a2a"] / bw + 2 * lat) * (2 if activation_checkpointing else 1)
-                           + cpb["bwd_a2a"] / bw + 2 * lat)
+            cp_exposed += (cpb["fwd_a2a"] / bw + 2 * lat) * again + cpb["bwd_a2a"] / bw + 2 * lat
         cp_exposed *= L
     t["cp_comm"] = cp_exposed
 
@@ -387,12 +448,15 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     if tp > 1:
         bw, lat = _link(profile, topo, tp, 1)
         ar = _all_reduce_s(tp, tokens * spec.hidden_size * es, bw) + 2 * lat
-        t["tp_comm"] = ar * L * (TP_FWD_ALL_REDUCES * (2 if activation_checkpointing else 1) + TP_BWD_ALL_REDUCES)
+        t["tp_comm"] = ar * L * (TP_FWD_ALL_REDUCES * again + TP_BWD_ALL_REDUCES)
     else:
         t["tp_comm"] = 0.0
 
     compute = t["matmul"] + t["attention"] + t["elementwise"]
-    micro = compute + t["cp_comm"] + t["tp_comm"]
+    # Offload: each layer's input to the host in the forward and back in the backward, over PCIe on a side
+    # stream, hidden behind the micro-batch's compute as far as it lasts.
+    t["offload"] = max(0.0, 2 * L * tokens * ckpt / (profile.pcie_gbps * 1e9) - compute) if activation_offload else 0.0
+    micro = compute + t["cp_comm"] + t["tp_comm"] + t["offload"]
 
     # FSDP2: all-gathers each micro-batch (forward and again in backward), reduce-scatter (fp32) on the last
     # micro-batch, HSDP all-reduce over dp_replicate; prefetch hides them behind compute but the first block.
@@ -410,7 +474,8 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
             bw, lat = _link(profile, topo, R, tp * shard)
             hs = _all_reduce_s(R, 4 * pn["total"], bw) + (L + 1) * lat
         first = (ag + rs + hs) / (L + 1)
-        per_micro = _overlap(compute, ag, ov) - compute + ag / (L + 1)
+        each = ag + (rs if sharded_grad_accum else 0.0)   # sharded accumulators: a reduce-scatter per micro-batch
+        per_micro = _overlap(compute, each, ov) - compute + each / (L + 1)
         last = _overlap(compute, ag + rs + hs, ov) - compute + first
         fsdp_exposed = (grad_accum - 1) * per_micro + last
         t["fsdp_comm"] = fsdp_exposed
@@ -424,7 +489,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     t["optimizer"] = (OPTIMIZER_BYTES_PER_PARAM * pn["total"] / (profile.hbm_gbps * 1e9)
                       + pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * op_us * 1e-6)
     step = grad_accum * micro + fsdp_exposed + t["optimizer"]
-    for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm"):
+    for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm", "offload"):
         t[k] *= grad_accum
     est.time = t
     est.step_s = step

@@ -5,10 +5,13 @@ from dataclasses import dataclass
 
 from ndp.parallel.config import ParallelismConfig
 
-from .cost import GiB, Estimate, Topology, estimate
+from .cost import LOSSES, GiB, Estimate, Topology, estimate
 from .spec import GpuProfile, ModelSpec
 
-AC_CHOICES = ("auto", "none", "full")
+AC_CHOICES = ("auto", "none", "selective", "full")
+# Memory options in order of cost, each tried when nothing fits with the ones before (checkpointing mode, offload)
+_AC_STEPS = {"none": [("none", False)], "selective": [("selective", False)], "full": [("full", False), ("full", True)],
+             "auto": [("none", False), ("selective", False), ("full", False), ("full", True)]}
 
 
 def _divisors(n: int) -> list[int]:
@@ -22,8 +25,9 @@ class PlanRequest:
     Args:
         spec: the model. profile: the GPU kind. gpus: total GPUs. gpus_per_node: GPUs per node (TP and
             Ulysses groups stay inside one). seq_len: tokens per sequence. batch_size: global batch in
-            sequences. dtype: "bf16" | "fp32". activation_checkpointing: "auto" (without, else full, per
-            candidate) | "none" | "full".
+            sequences. dtype: "bf16" | "fp32". activation_checkpointing: "auto" (without, else selective, else
+            full, else full with the layers' inputs offloaded, per candidate) | "none" | "selective" | "full"
+            (with offload where it does not fit without). loss: "fused" (ndp-train's default) | "full".
 
     Raises:
         ValueError: a non-positive size, gpus not a multiple of gpus_per_node (when larger), an odd seq_len
@@ -38,6 +42,7 @@ class PlanRequest:
     gpus_per_node: int = 8
     dtype: str = "bf16"
     activation_checkpointing: str = "auto"
+    loss: str = "fused"
 
     def __post_init__(self):
         for f in ("gpus", "seq_len", "batch_size", "gpus_per_node"):
@@ -51,6 +56,8 @@ class PlanRequest:
                              f"{-(-self.gpus // self.gpus_per_node) * self.gpus_per_node}.")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype must be bf16 or fp32; got {self.dtype!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}; got {self.loss!r}")
         if self.activation_checkpointing not in AC_CHOICES:
             raise ValueError(f"activation_checkpointing must be one of {AC_CHOICES}; got "
                              f"{self.activation_checkpointing!r}")
@@ -102,22 +109,24 @@ def enumerate_configs(spec: ModelSpec, gpus: int, gpus_per_node: int, seq_len: i
 
 
 def best_estimate(req: PlanRequest, cfg: ParallelismConfig) -> Estimate:
-    """The fastest fitting (grad_accum, checkpointing) choice for ``cfg``; if none fits, the smallest one.
+    """The fastest fitting (grad_accum, memory options) choice for ``cfg``; if none fits, the smallest one.
 
     grad_accum runs over the divisors of the per-rank batch (fewer sequences per micro-batch, less activation
-    memory); checkpointing as the request says ("auto": tried when nothing fits without it).
+    memory), with whole or (under FSDP, grad_accum > 1) sharded accumulators; checkpointing and offload step up
+    as the request allows (``_AC_STEPS``) only while nothing fits.
     """
     per_rank = req.batch_size // cfg.dp_size
-    acs = {"none": [False], "full": [True], "auto": [False, True]}[req.activation_checkpointing]
     best = smallest = None
-    for ac in acs:
+    for ac, offload in _AC_STEPS[req.activation_checkpointing]:
         for ga in _divisors(per_rank):
-            e = estimate(req.spec, cfg, req.profile, req.topology, seq_len=req.seq_len, batch_size=req.batch_size,
-                         grad_accum=ga, dtype=req.dtype, activation_checkpointing=ac)
-            if e.fits and (best is None or e.step_s < best.step_s):
-                best = e
-            if smallest is None or e.peak_bytes < smallest.peak_bytes:
-                smallest = e
+            for sharded in (False, True) if ga > 1 and cfg.fsdp_size > 1 else (False,):
+                e = estimate(req.spec, cfg, req.profile, req.topology, seq_len=req.seq_len,
+                             batch_size=req.batch_size, grad_accum=ga, dtype=req.dtype, activation_checkpointing=ac,
+                             loss=req.loss, activation_offload=offload, sharded_grad_accum=sharded)
+                if e.fits and (best is None or e.step_s < best.step_s):
+                    best = e
+                if smallest is None or e.peak_bytes < smallest.peak_bytes:
+                    smallest = e
         if best is not None:
             break
     return best if best is not None else smallest
@@ -156,11 +165,11 @@ def suggest(req: PlanRequest) -> str:
         except ValueError:
             return None
 
-    if req.activation_checkpointing == "none":
-        e = any_fit(dataclasses.replace(req, activation_checkpointing="full"))
+    if req.activation_checkpointing != "auto":
+        e = any_fit(dataclasses.replace(req, activation_checkpointing="auto"))
         if e is not None:
-            return "--activation-checkpointing full (or auto) would fit"
-    ac = "auto" if req.activation_checkpointing == "none" else req.activation_checkpointing
+            return f"--activation-checkpointing auto would fit ({' '.join(e.flags) or 'none needed'})"
+    ac = "auto"
     g = req.gpus
     for _ in range(6):
         g *= 2
@@ -203,9 +212,7 @@ def train_flags(req: PlanRequest, e: Estimate, model: str) -> str:
     if c.cp_impl == "usp":
         flags.append(f"--ulysses {c.ulysses_size}")
     flags += [f"--cp-layout {c.cp_layout}", f"--seq-len {req.seq_len}", f"--batch-size {req.batch_size}",
-              f"--grad-accum {e.grad_accum}", f"--dtype {req.dtype}"]
-    if e.activation_checkpointing:
-        flags.append("--activation-checkpointing")
+              f"--grad-accum {e.grad_accum}", f"--dtype {req.dtype}"] + e.flags
     nodes = max(1, req.gpus // req.gpus_per_node)
     launcher = (f"torchrun --nproc-per-node {min(req.gpus, req.gpus_per_node)}"
                 + (f" --nnodes {nodes}" if nodes > 1 else " --standalone"))

@@ -189,13 +189,14 @@ class GpuProfile:
     comm_overlap: float = 1.0       # share of a collective hidden behind compute issued beside it (0..1)
     dtensor_launch_us: float = 0.0  # host cost of one optimizer op on a DTensor (FSDP2 / TP) param; 0: launch_us
     reduce_scatter_efficiency: float = 1.0   # reduce-scatter bandwidth / all-gather bandwidth (0..1]
+    pcie_gbps: float = 50.0         # host <-> GPU copies (activation offload), GB/s per direction
     cp_overhead: dict = field(default_factory=lambda: {"ring": 1.0, "allgather": 1.0, "ulysses": 1.0, "usp": 1.0})
     measured: tuple = ()
     source: str = ""
 
     def __post_init__(self):
         for f in ("peak_tflops", "peak_fp32_tflops", "matmul_tflops", "matmul_fp32_tflops", "attn_fwd_tflops",
-                  "attn_bwd_tflops", "hbm_gbps", "memory_gib", "nvlink_gbps", "network_gbps"):
+                  "attn_bwd_tflops", "hbm_gbps", "memory_gib", "nvlink_gbps", "network_gbps", "pcie_gbps"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"GPU profile {self.name!r}: {f} must be a number > 0; got {f}={v!r}")

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--export-hf", help="write consolidated HF weights (safetensors + config) here at the end")
     a("--activation-checkpointing", nargs="?", const="full", metavar="|".join(AC_MODES),
       help="recompute activations in the backward: full (the flag alone) recomputes each decoder layer; selective "
-           "keeps its matmul and attention outputs and recomputes the element-wise rest; none (default)")
+           "keeps its matmul outputs and recomputes the rest (element-wise ops, attention); none (default)")
     a("--activation-offload", action="store_true", default=None,
       help="copy the activations saved for the backward to pinned host memory in the forward (on a side stream) "
            "and bring them back ahead of the backward (with --activation-checkpointing: the layers' inputs)")

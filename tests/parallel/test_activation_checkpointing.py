@@ -1,6 +1,6 @@
 """Activation checkpointing modes on a transformers model (float64, one process): none, full and selective give
 the same loss and gradients; full recomputes every matmul of a layer in the backward, selective none of them
-(it keeps their outputs and recomputes the element-wise rest). Under FSDP2 and CP: tests/train/test_parity.py."""
+(it keeps their outputs and recomputes the rest: element-wise ops, attention). Under FSDP2 and CP: tests/train/test_parity.py."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from ndp.train.presets import build_model
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the ops of SAVED_OPS (matmuls, attention kernels) and the other ops that run."""
+    """Counts the ops of SAVED_OPS (matmuls) and the other ops that run."""
 
     def __init__(self):
         super().__init__()

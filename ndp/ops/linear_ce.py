@@ -12,6 +12,8 @@ A constant logit scale (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
@@ -38,48 +40,68 @@ def _logits(h, weight, bias, scale, softcap):
     return t * softcap, t
 
 
+@dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    scale: float
+    softcap: float
+    chunk: int          # tokens per chunk
+    smoothing: float    # label smoothing epsilon
+    z_loss: float       # weight of lse^2
+
+
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, scale, softcap, chunk):
+    def forward(ctx, hidden, weight, bias, labels, o: _Options):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        for a in range(0, n, chunk):
-            z, t = _logits(hidden[a:a + chunk], weight, bias, scale, softcap)
+        for a in range(0, n, o.chunk):
+            z, t = _logits(hidden[a:a + o.chunk], weight, bias, o.scale, o.softcap)
             del t
-            y = labels[a:a + chunk]
-            keep = y != ignore_index
+            y = labels[a:a + o.chunk]
+            keep = y != o.ignore_index
             target = z.gather(1, torch.where(keep, y, 0)[:, None])[:, 0]
+            mean = z.mean(dim=-1) if o.smoothing else 0.0
             peak = z.amax(dim=-1, keepdim=True)
-            lse[a:a + chunk] = z.sub_(peak).exp_().sum(dim=-1).log_().add_(peak[:, 0])  # log-sum-exp, in place
-            total = total + ((lse[a:a + chunk] - target) * keep).sum()
+            s = lse[a:a + o.chunk]
+            s.copy_(z.sub_(peak).exp_().sum(dim=-1).log_().add_(peak[:, 0]))  # log-sum-exp, in place
+            # (1 - eps) * (lse - z_y) + eps * (lse - mean z) + z_loss * lse^2: torch's label smoothing, PaLM's z-loss
+            row = s - (1 - o.smoothing) * target - o.smoothing * mean + o.z_loss * s * s
+            total = total + (row * keep).sum()
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.args = (ignore_index, scale, softcap, chunk)
+        ctx.o = o
         return total
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        ignore_index, scale, softcap, chunk = ctx.args
+        o = ctx.o
+        v = weight.shape[0]
         gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         gb = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None
-        for a in range(0, hidden.shape[0], chunk):
-            h = hidden[a:a + chunk]
-            z, t = _logits(h, weight, bias, scale, softcap)
-            y = labels[a:a + chunk]
-            keep = y != ignore_index
-            d = z.sub_(lse[a:a + chunk, None]).exp_()                      # softmax, in place
-            d.scatter_add_(1, torch.where(keep, y, 0)[:, None], -torch.ones_like(d[:, :1]))
+        for a in range(0, hidden.shape[0], o.chunk):
+            h = hidden[a:a + o.chunk]
+            s = lse[a:a + o.chunk]
+            z, t = _logits(h, weight, bias, o.scale, o.softcap)
+            y = labels[a:a + o.chunk]
+            keep = y != o.ignore_index
+            d = z.sub_(s[:, None]).exp_()                                  # softmax, in place
+            if o.z_loss:
+                d.mul_((1 + 2 * o.z_loss * s)[:, None])
+            d.scatter_add_(1, torch.where(keep, y, 0)[:, None], torch.full_like(d[:, :1], o.smoothing - 1))
+            if o.smoothing:
+                d.sub_(o.smoothing / v)
             d.mul_((keep * grad).to(d.dtype)[:, None])
             if t is not None:
                 d.mul_(1 - t * t)                                          # d(c tanh(z/c))/dz
                 del t
-            if scale != 1.0:
-                d.mul_(scale)
+            if o.scale != 1.0:
+                d.mul_(o.scale)
             if gh is not None:
-                gh[a:a + chunk] = d.to(weight.dtype) @ weight
+                gh[a:a + o.chunk] = d.to(weight.dtype) @ weight
             if gw is not None:
                 gw.addmm_(d.T, h.to(d.dtype))
             if gb is not None:
@@ -87,11 +109,12 @@ class _LinearCE(torch.autograd.Function):
             del z, d
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(bias.dtype) if gb is not None else None
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, gb, None, None
 
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100, scale: float = 1.0,
-                         softcap: float | None = None, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                         softcap: float | None = None, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Summed cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against `labels`.
 
     Args:
@@ -101,6 +124,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
         bias: ``[V]`` LM head bias (None: none), the dtype of `weight`.
         scale: constant factor of the logits (Cohere's logit_scale; Granite's 1 / logits_scaling).
         softcap: Gemma 2's final_logit_softcapping (None or 0: off).
+        label_smoothing: as ``torch.nn.functional.cross_entropy``'s (the target mixed with the uniform
+            distribution over the vocabulary).
+        z_loss: weight of the squared log-sum-exp added per labelled token (PaLM's z-loss; 0: off).
         chunk_bytes: fp32 logits bytes per chunk (the working memory).
     Returns:
         fp32 scalar (fp64 for fp64 inputs): the sum over labelled tokens; divide by their count for the mean.
@@ -125,5 +151,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
         raise ValueError(f"linear_cross_entropy: labels must be in [0, {weight.shape[0]}) or {ignore_index}; got "
                          f"{flat[bad][:4].tolist()}")
     chunk = _chunk_rows(weight.shape[0], chunk_bytes)
-    return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, ignore_index, float(scale),
-                           float(softcap or 0.0), chunk)
+    if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0:
+        raise ValueError(f"linear_cross_entropy needs label_smoothing in [0, 1] and z_loss >= 0; got "
+                         f"label_smoothing={label_smoothing}, z_loss={z_loss}")
+    o = _Options(ignore_index, float(scale), float(softcap or 0.0), chunk, float(label_smoothing), float(z_loss))
+    return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, o)

@@ -46,6 +46,20 @@ def test_bias_and_scale_equal_full_logits_fp64(scale):
         assert float((a - b).detach().abs().max() / b.detach().abs().max()) <= 1e-12
 
 
+@pytest.mark.parametrize("smoothing, z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+def test_label_smoothing_and_z_loss_equal_full_logits_fp64(smoothing, z_loss):
+    hidden, weight, labels = _case()
+    got = linear_cross_entropy(hidden, weight, labels, softcap=3.0, label_smoothing=smoothing, z_loss=z_loss,
+                               chunk_bytes=6 * 4 * 53)
+    z = 3.0 * torch.tanh(hidden @ weight.T / 3.0)
+    keep = labels != -100
+    want = F.cross_entropy(z, labels, ignore_index=-100, reduction="sum", label_smoothing=smoothing)
+    want = want + z_loss * (torch.logsumexp(z, -1)[keep] ** 2).sum()
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)) + (got,),
+                    torch.autograd.grad(want, (hidden, weight)) + (want,)):
+        assert float((a - b).detach().abs().max() / b.detach().abs().max()) <= 1e-12
+
+
 def test_batched_labels_and_no_labelled_token():
     hidden, weight, labels = _case(n=24)
     got = linear_cross_entropy(hidden.reshape(2, 12, -1), weight, labels.reshape(2, 12))
@@ -71,6 +85,8 @@ def test_bf16_within_the_error_of_the_unfused_bf16_path():
     (dict(weight=torch.zeros(53, 16, dtype=torch.float32)), "one dtype"),
     (dict(labels=torch.full((37,), 53)), r"labels must be in \[0, 53\)"),
     (dict(labels=torch.zeros(37)), "integer labels"),
+    (dict(label_smoothing=1.5), r"label_smoothing in \[0, 1\] and z_loss >= 0; got label_smoothing=1.5"),
+    (dict(z_loss=-1.0), r"z_loss >= 0; got label_smoothing=0.0, z_loss=-1.0"),
 ])
 def test_bad_input_is_refused_by_name(args, match):
     hidden, weight, labels = _case()

@@ -4,9 +4,11 @@
     python bench/bench_memory.py --seqlens 4096,8192 --vocabs 32768 --out bench/results/
     python bench/bench_memory.py --train                  # whole ndp-train steps, --loss full vs fused
 
---train: ``ndp-train`` (1 process, fp32, seq 8192, batch 1, 2 steps) on a 2-layer Llama of hidden 128 built from a
-config.json, at vocab 512 and at each --vocabs; reported: the growth of the run's peak RSS over the vocab-512 run,
-less the vocabulary's own parameter, gradient and AdamW bytes (16 per parameter), in units of one logits tensor.
+--train: ``ndp-train`` (1 process, fp32, batch 1, 3 steps) on a 2-layer Llama of hidden 128 built from a
+config.json, per --seqlens and --vocabs, for each of VARIANTS (the loss, checkpointing and offload flags): peak RSS
+and the median step time after the first (table, memory_train.json and memory_train.png under --out); for the
+two losses also the growth of the peak over the vocab-512 run, less the vocabulary's own parameter, gradient and
+AdamW bytes (16 per parameter), in units of one fp32 logits tensor.
 
 Each case runs in its own process (peak RSS is per process): the LM head and the loss, forward and backward, on
 ``[seq, hidden]`` hidden states. Reported: the peak-RSS growth over the process after its inputs exist, in units of
@@ -67,38 +69,76 @@ def _child(args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _train_peak_mb(vocab: int, seq: int, hidden: int, loss: str, tmp: str) -> float:
-    """Peak RSS (MB) of an ndp-train run on a 2-layer Llama of this vocabulary (random weights from a config)."""
-    d = os.path.join(tmp, f"llama-{vocab}")
+# ndp-train variants of --train: name -> flags
+VARIANTS = {
+    "full loss": ["--loss", "full"],
+    "fused": [],
+    "fused + selective AC": ["--activation-checkpointing", "selective"],
+    "fused + full AC": ["--activation-checkpointing", "full"],
+    "fused + full AC + offload": ["--activation-checkpointing", "full", "--activation-offload"],
+}
+
+
+def _train_run(vocab: int, seq: int, hidden: int, flags: list, tmp: str) -> tuple[float, float]:
+    """(peak RSS MB, median step seconds) of a 3-step ndp-train run on a 2-layer Llama of this vocabulary (random
+    weights from a config)."""
+    d = os.path.join(tmp, f"llama-{vocab}-{seq}")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=seq, tie_word_embeddings=False), f)
-    metrics = os.path.join(tmp, f"m-{vocab}-{loss}.jsonl")
+    metrics = os.path.join(tmp, "m.jsonl")
     subprocess.run([sys.executable, "-m", "ndp.train", "--model", d, "--seq-len", str(seq), "--batch-size", "1",
-                    "--steps", "2", "--device", "cpu", "--dtype", "fp32", "--loss", loss, "--no-progress",
-                    "--metrics", metrics], check=True, capture_output=True, text=True,
+                    "--steps", "3", "--device", "cpu", "--dtype", "fp32", "--no-progress", "--metrics", metrics]
+                   + flags, check=True, capture_output=True, text=True,
                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
     with open(metrics) as f:
-        return max(json.loads(line)["peak_mem_mb"] for line in f if line.strip())
+        recs = [json.loads(line) for line in f if line.strip()]
+    return max(r["peak_mem_mb"] for r in recs), statistics.median(r["step_time_s"] for r in recs[1:])
 
 
-def train_rows(seq: int, vocabs, hidden: int) -> list[dict]:
-    """ndp-train's peak memory by vocabulary and loss (see --train)."""
+def train_rows(seqlens, vocabs, hidden: int) -> list[dict]:
+    """ndp-train's peak memory and step time by sequence length, vocabulary and variant (see --train)."""
     import tempfile
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for loss in ("full", "fused"):
-            base = _train_peak_mb(512, seq, hidden, loss, tmp)
+        for seq in seqlens:
+            base = {name: _train_run(512, seq, hidden, VARIANTS[name], tmp)[0] for name in ("full loss", "fused")}
             for vocab in vocabs:
-                peak = _train_peak_mb(vocab, seq, hidden, loss, tmp)
-                params = 16 * 2 * (vocab - 512) * hidden / 2 ** 20  # embedding + lm_head: weight, grad, 2 moments
-                logits = seq * vocab * 4 / 2 ** 20
-                rows.append(dict(loss=loss, seq=seq, vocab=vocab, peak_mb=peak, base_peak_mb=base,
-                                 x_logits=round((peak - base - params) / logits, 3)))
+                for name, flags in VARIANTS.items():
+                    peak, step = _train_run(vocab, seq, hidden, flags, tmp)
+                    row = dict(variant=name, seq=seq, vocab=vocab, peak_mb=peak, step_s=step)
+                    if name in base:  # the loss's growth over vocab 512, beyond 16 bytes per vocabulary parameter
+                        params = 16 * 2 * (vocab - 512) * hidden / 2 ** 20
+                        row["x_logits"] = round((peak - base[name] - params) / (seq * vocab * 4 / 2 ** 20), 3)
+                    rows.append(row)
     return rows
+
+
+def plot(rows, path):
+    """Peak memory and step time per variant, one group of bars per (seq, vocab)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["seq"], r["vocab"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(VARIANTS)
+    for k, name in enumerate(VARIANTS):
+        got = {(r["seq"], r["vocab"]): r for r in rows if r["variant"] == name}
+        xs = [i + k * width for i in range(len(cases))]
+        axes[0].bar(xs, [got[c]["peak_mb"] for c in cases], width, label=name)
+        axes[1].bar(xs, [got[c]["step_s"] for c in cases], width, label=name)
+    for ax, what in zip(axes, ("peak RSS (MB)", "step time (s)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], [f"seq {s}\nvocab {v}" for s, v in cases])
+        ax.set_ylabel(what)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("ndp-train, 1 process, fp32, 2-layer Llama (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -114,14 +154,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.train:
         vocabs = [int(x) for x in a.vocabs.split(",") if int(x) != 512]
-        rows = train_rows(int(a.seqlens.split(",")[0]), vocabs, a.hidden)
-        print(f"{'loss':<6} {'vocab':>6} {'peak MB':>9} {'vocab 512':>9} {'growth x logits':>16}")
+        rows = train_rows([int(x) for x in a.seqlens.split(",")], vocabs, a.hidden)
+        print(f"{'variant':<26} {'seq':>6} {'vocab':>6} {'peak MB':>9} {'step s':>8} {'loss growth x logits':>21}")
         for r in rows:
-            print(f"{r['loss']:<6} {r['vocab']:>6} {r['peak_mb']:>9.0f} {r['base_peak_mb']:>9.0f} {r['x_logits']:>16.3f}")
+            print(f"{r['variant']:<26} {r['seq']:>6} {r['vocab']:>6} {r['peak_mb']:>9.0f} {r['step_s']:>8.2f} "
+                  f"{r.get('x_logits', ''):>21}")
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "memory_train.json"), "w") as f:
                 json.dump({"hidden": a.hidden, "device": "cpu", "rows": rows}, f, indent=1)
+            plot(rows, os.path.join(a.out, "memory_train.png"))
         return 0
     if a.child:
         c = json.loads(a.child)

@@ -88,7 +88,7 @@ def _bytes_worker(rank, world, tmp, model, names, seq_len, batch, out_file):
                 continue
             mesh = pc.build_device_mesh("cpu")
             m = build_model(model, seed=0)
-            ndp.hf.parallelize(m, pc, mesh)
+            ndp.hf.parallelize(m, pc, mesh, loss_parallel=True)  # as ndp-train's fused loss under TP
             local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
             params = sum(local(p).numel() * local(p).element_size() for p in m.parameters())
             pstores = {local(p).untyped_storage().data_ptr() for p in m.parameters()}

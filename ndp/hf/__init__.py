@@ -50,18 +50,25 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
         config.check_heads(heads, kv)
 
 
-def hf_plan(model: nn.Module) -> ModelPlan:
+def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     """ModelPlan of a transformers decoder-only model.
 
     TP comes from the model's own ``config.base_model_tp_plan`` when it has one (else DEFAULT_TP_PLAN);
     the layers of the text decoder's stacks (``layer_stacks``) are the FSDP/AC blocks; every module of
     the decoder layers that calls transformers' AttentionInterface, wherever it sits, receives the CP context;
     CP switches ``config._attn_implementation`` to ``ndp_<impl>`` through ``set_attn_implementation``; attention
-    and token mixers outside the decoder layers (vision / audio towers) refuse to run under CP.
+    and token mixers outside the decoder layers (vision / audio towers) refuse to run under CP. ``loss_parallel``:
+    the output embedding is split by vocabulary rows over TP too ("colwise"), for ``lm_loss`` / ``head_loss``.
+
+    Raises:
+        Unsupported: loss_parallel for a model whose output embedding is tied to its input embedding or is not
+            a top-level nn.Linear.
     """
     prefix = _base_prefix(model)
     base_plan = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN
     tp_plan = {prefix + k: v for k, v in base_plan.items()}
+    if loss_parallel:
+        tp_plan[_loss_parallel_head(model)] = "colwise"
 
     outside = outside_layers(model)
 
@@ -74,6 +81,21 @@ def hf_plan(model: nn.Module) -> ModelPlan:
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),
                      enable_cp=enable_cp, init_module=model._init_weights)
+
+
+def _loss_parallel_head(model: nn.Module) -> str:
+    """The name of the output embedding a vocabulary-parallel loss splits."""
+    head = model.get_output_embeddings()
+    name = next((n for n, m in model.named_modules() if m is head and head is not None), None)
+    emb = model.get_input_embeddings()
+    if not isinstance(head, nn.Linear) or name is None:
+        raise Unsupported(f"loss_parallel splits the output embedding, an nn.Linear; {type(model).__name__}'s is "
+                          f"{type(head).__name__}. Leave loss_parallel off.")
+    if emb is not None and head.weight is getattr(emb, "weight", None):
+        raise Unsupported(f"loss_parallel splits the output embedding by vocabulary rows; {type(model).__name__}'s "
+                          f"is tied to the input embedding (tie_word_embeddings), which tensor parallel keeps whole. "
+                          f"Leave loss_parallel off (the fused loss then computes the whole vocabulary per rank).")
+    return name
 
 
 def init_weights(model: nn.Module, *, seed: int) -> nn.Module:
@@ -103,7 +125,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     Args:
         model: e.g. ``LlamaForCausalLM`` built identically on every rank.
         config, mesh: the ParallelismConfig and its ``build_device_mesh`` mesh.
-        kwargs: passed on (plan to override :func:`hf_plan`, mp_policy, activation_checkpointing, compile,
+        kwargs: loss_parallel (see :func:`hf_plan`; the logits are then vocabulary shards: use :func:`lm_loss`),
+            passed on (plan to override :func:`hf_plan`, mp_policy, activation_checkpointing, compile,
             reshard_after_forward, init_seed, init_device). A model that is not a transformers model takes the
             generic path. A model on the meta device is materialized shard by shard, initialized as
             :func:`init_weights` with ``seed=init_seed`` would (see ``ndp.parallel.parallelize``).
@@ -112,12 +135,15 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     Raises:
         ValueError: heads not divisible by tp / the Ulysses degree.
     """
+    loss_parallel = kwargs.pop("loss_parallel", False)
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "config")):
         # Not a transformers model: the generic path (FSDP/AC over its repeated blocks, or kwargs["plan"]).
         return _parallelize(model, config, mesh, **kwargs)
     config = as_config(config)  # Accelerate's ParallelismConfig too
     check_model(model, config)
-    kwargs.setdefault("plan", hf_plan(model))
+    loss_parallel = loss_parallel and config.tp_size > 1
+    kwargs.setdefault("plan", hf_plan(model, loss_parallel=loss_parallel))
+    model.ndp_loss_parallel = loss_parallel
     if ac_mode(kwargs.get("activation_checkpointing")) != "none":
         # A recomputed layer would append its keys and values to the KV cache a second time (as transformers'
         # own gradient checkpointing, ndp's turns the cache off).
@@ -150,6 +176,10 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
         ValueError: the model was not parallelized by ndp, or logits and labels do not match.
     """
     state, _ = parallel_state(model, "ndp.hf.loss")
+    if getattr(model, "ndp_loss_parallel", False):
+        raise ValueError("ndp.hf.loss: the model's LM head is split by vocabulary over the tensor-parallel ranks "
+                         "(parallelize(..., loss_parallel=True)): its logits are one rank's columns, not the "
+                         "vocabulary. Use ndp.hf.lm_loss(model, labels, **inputs).")
     if logits.dim() < 2 or tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(f"ndp.hf.loss needs logits [batch, local_seq, vocab] and labels [batch, local_seq]; got "
                          f"logits {tuple(logits.shape)}, labels {tuple(labels.shape)}. Pass the labels that "

@@ -3,7 +3,9 @@
 ``head_loss(model, labels, **inputs)`` runs ``model(**inputs)`` with the output embedding (``lm_head``) replaced,
 for this call, by ``ndp.ops.linear_cross_entropy`` on the hidden states it receives. Running inside the model's own
 forward is what keeps it right under FSDP2 (the head's weight is gathered there and its gradient reduced like every
-other parameter's) and under activation checkpointing.
+other parameter's) and under activation checkpointing. A head split by vocabulary rows over a tensor-parallel group
+(``ndp.hf.parallelize(..., loss_parallel=True)``) runs loss parallel: each rank computes its rows' share and the
+ranks exchange per-token sums, never the logits.
 
 What a model does to its logits after the head must be reproduced by the fused op, so the head hands the rest of
 the forward a stand-in (``[..., 0]`` logits) that records every op applied to it, and the loss is computed at the
@@ -17,6 +19,8 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_leaves
 
 from ndp.ops.linear_ce import CHUNK_BYTES, linear_cross_entropy
@@ -29,7 +33,7 @@ __all__ = ["head_loss", "logit_transform"]
 _OPS = {"__truediv__": "div", "div": "div", "true_divide": "div", "__mul__": "mul", "__rmul__": "mul",
         "mul": "mul", "tanh": "tanh"}
 # Ops that do not change the values a loss sees (dtype / layout); the fused loss is fp32 (fp64) already.
-_NEUTRAL = {"float", "to", "contiguous", "__get__", "size", "dim"}
+_NEUTRAL = {"float", "to", "contiguous", "__get__", "size", "dim", "view_as"}
 
 
 class _Logits(torch.Tensor):
@@ -85,17 +89,22 @@ def _head(model: nn.Module) -> nn.Linear:
     return head
 
 
-def _whole(model, head, name):
-    """The head's parameter as the forward sees it (FSDP2 has gathered it), a plain tensor; a tensor-parallel
-    shard is refused."""
-    p = getattr(head, name)
-    if p is None or not hasattr(p, "placements"):
-        return p
-    if not all(pl.is_replicate() for pl in p.placements):
-        raise Unsupported(f"ndp's fused loss needs a whole LM head; {type(model).__name__}'s output embedding "
-                          f"{name} is sharded ({p.placements}) by the tensor-parallel plan. Leave it out of the TP "
-                          f"plan, or compute the logits and use ndp.hf.loss (ndp-train --loss full).")
-    return p.to_local()
+def _vocab_split(model, head) -> dict:
+    """How the head's weight is held as the forward sees it (FSDP2 has gathered it): whole (``{}``), or rows of the
+    vocabulary split over a tensor-parallel group (loss parallel: the keywords of ``linear_cross_entropy``)."""
+    w = head.weight
+    if not isinstance(w, DTensor) or all(pl.is_replicate() for pl in w.placements):
+        return {}
+    if w.device_mesh.ndim != 1 or w.placements[0] != Shard(0):
+        raise Unsupported(f"ndp's fused loss splits the vocabulary over one tensor-parallel mesh dimension (rows of "
+                          f"the weight, Shard(0)); {type(model).__name__}'s output embedding is {w.placements} on "
+                          f"a {w.device_mesh.ndim}-d mesh. Compute the logits and use ndp.hf.loss.")
+    _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return dict(vocab_group=w.device_mesh.get_group(), vocab_start=offset[0], vocab_size=w.shape[0])
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _stand_in_forward(state):
@@ -103,13 +112,19 @@ def _stand_in_forward(state):
         if "hidden" in state:
             raise Unsupported("ndp's fused loss: the model calls its LM head more than once in a forward; compute "
                               "the logits and use ndp.hf.loss (ndp-train --loss full).")
+        mesh = hidden.device_mesh if isinstance(hidden, DTensor) else None  # a tensor-parallel head's input
+        if mesh is not None and not all(pl.is_replicate() for pl in hidden.placements):
+            raise Unsupported(f"ndp's fused loss needs the LM head's input whole on every tensor-parallel rank; got "
+                              f"{hidden.placements}. Compute the logits and use ndp.hf.loss.")
+        hidden = _local(hidden)
         dev = hidden.device.type
         # as nn.Linear would compute under autocast
         state["dtype"] = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
         state["hidden"] = hidden.to(state["dtype"])
         stand_in = hidden.detach().new_empty(hidden.shape[:-1] + (0,)).as_subclass(_Logits)
         stand_in._ndp_log = state["ops"]
-        return stand_in
+        # a vocabulary-parallel head returns its shard of the logits, for the TP output hook to lay out
+        return stand_in if mesh is None else DTensor.from_local(stand_in, mesh, [Shard(-1)], run_check=False)
 
     return forward
 
@@ -123,11 +138,13 @@ def _loss_hook(model, head, labels, ignore_index, chunk_bytes, state):
                               f"--loss full).")
         scale, softcap = logit_transform(state["ops"])
         dt = state["dtype"]
-        weight, bias = _whole(model, head, "weight").to(dt), _whole(model, head, "bias")
+        split = _vocab_split(model, head)
+        weight, bias = _local(head.weight).to(dt), _local(head.bias)
         with torch.autocast(state["hidden"].device.type, enabled=False):
             output["loss"] = linear_cross_entropy(state.pop("hidden"), weight, labels,
                                                   bias=None if bias is None else bias.to(dt), scale=scale,
-                                                  softcap=softcap, ignore_index=ignore_index, chunk_bytes=chunk_bytes)
+                                                  softcap=softcap, ignore_index=ignore_index, chunk_bytes=chunk_bytes,
+                                                  **split)
         return output
 
     return hook
@@ -161,7 +178,8 @@ def head_loss(model: nn.Module, labels: torch.Tensor, *, ignore_index: int = -10
         fp32 (fp64) scalar: this rank's sum over labelled tokens, equal to ``cross_entropy(logits, labels,
         reduction="sum")`` on the model's own logits.
     Raises:
-        Unsupported: the head is not an nn.Linear, is sharded, is called more than once or not at all, or the
+        Unsupported: the head is not an nn.Linear, is split otherwise than by vocabulary rows over one tensor-parallel
+            mesh dimension (that split runs loss parallel), is called more than once or not at all, or the
             forward changes its output otherwise than by constant scales and a soft-capping (raised at the end
             of the forward, before the loss is computed).
     """

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
 
@@ -48,38 +49,60 @@ class _Options:
     chunk: int          # tokens per chunk
     smoothing: float    # label smoothing epsilon
     z_loss: float       # weight of lse^2
+    vocab: int          # the whole vocabulary (weight holds rows [start, start + weight rows) of it)
+    start: int
+    group: object       # the process group the vocabulary is split over (None: whole)
+
+
+def _all_reduce(x, op, group):
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _local_targets(y, keep, o: _Options, rows: int):
+    """Row of each label in this vocabulary shard, and whether it is here."""
+    here = keep & (y >= o.start) & (y < o.start + rows)
+    return torch.where(here, y - o.start, 0), here
 
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
-        n = hidden.shape[0]
+        n, rows = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
+        # per token, over this shard: max logit, sum of exp(z - max), target logit (0 elsewhere), sum of logits
+        stats = torch.zeros(4, n, dtype=acc, device=hidden.device)
         for a in range(0, n, o.chunk):
             z, t = _logits(hidden[a:a + o.chunk], weight, bias, o.scale, o.softcap)
             del t
             y = labels[a:a + o.chunk]
-            keep = y != o.ignore_index
-            target = z.gather(1, torch.where(keep, y, 0)[:, None])[:, 0]
-            mean = z.mean(dim=-1) if o.smoothing else 0.0
-            peak = z.amax(dim=-1, keepdim=True)
-            s = lse[a:a + o.chunk]
-            s.copy_(z.sub_(peak).exp_().sum(dim=-1).log_().add_(peak[:, 0]))  # log-sum-exp, in place
-            # (1 - eps) * (lse - z_y) + eps * (lse - mean z) + z_loss * lse^2: torch's label smoothing, PaLM's z-loss
-            row = s - (1 - o.smoothing) * target - o.smoothing * mean + o.z_loss * s * s
-            total = total + (row * keep).sum()
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+            idx, here = _local_targets(y, y != o.ignore_index, o, rows)
+            m, se, tg, zs = stats[:, a:a + o.chunk]
+            tg.copy_(z.gather(1, idx[:, None])[:, 0] * here)
+            if o.smoothing:
+                zs.copy_(z.sum(dim=-1))
+            m.copy_(z.amax(dim=-1))
+            se.copy_(z.sub_(m[:, None]).exp_().sum(dim=-1))
+        m, se, tg, zs = stats
+        # one exchange per call over the vocabulary shards: the global max, then the rescaled sums
+        peak = _all_reduce(m.clone(), dist.ReduceOp.MAX, o.group)
+        se.mul_(torch.exp(m - peak))
+        _all_reduce(stats[1:], dist.ReduceOp.SUM, o.group)
+        lse = se.log_().add_(peak)
+        keep = labels != o.ignore_index
+        # (1 - eps) (lse - z_y) + eps (lse - mean z) + z_loss lse^2: torch's label smoothing, PaLM's z-loss
+        row = lse - (1 - o.smoothing) * tg - (o.smoothing / o.vocab) * zs + o.z_loss * lse * lse
+        ctx.save_for_backward(hidden, weight, bias, labels, lse.clone())
         ctx.o = o
-        return total
+        return (row * keep).sum()
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         o = ctx.o
-        v = weight.shape[0]
-        gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        rows = weight.shape[0]
+        gh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
         gb = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None
         for a in range(0, hidden.shape[0], o.chunk):
@@ -91,9 +114,10 @@ class _LinearCE(torch.autograd.Function):
             d = z.sub_(s[:, None]).exp_()                                  # softmax, in place
             if o.z_loss:
                 d.mul_((1 + 2 * o.z_loss * s)[:, None])
-            d.scatter_add_(1, torch.where(keep, y, 0)[:, None], torch.full_like(d[:, :1], o.smoothing - 1))
+            idx, here = _local_targets(y, keep, o, rows)
+            d.scatter_add_(1, idx[:, None], here.to(d.dtype)[:, None] * (o.smoothing - 1))
             if o.smoothing:
-                d.sub_(o.smoothing / v)
+                d.sub_(o.smoothing / o.vocab)
             d.mul_((keep * grad).to(d.dtype)[:, None])
             if t is not None:
                 d.mul_(1 - t * t)                                          # d(c tanh(z/c))/dz
@@ -107,6 +131,8 @@ class _LinearCE(torch.autograd.Function):
             if gb is not None:
                 gb += d.sum(0)
             del z, d
+        if gh is not None:
+            _all_reduce(gh, dist.ReduceOp.SUM, o.group)  # every shard's share of the hidden states' gradient
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(bias.dtype) if gb is not None else None
         return gh, gw, gb, None, None
@@ -114,6 +140,7 @@ class _LinearCE(torch.autograd.Function):
 
 def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int = -100, scale: float = 1.0,
                          softcap: float | None = None, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         vocab_group=None, vocab_start: int = 0, vocab_size: int | None = None,
                          chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Summed cross-entropy of ``softcap(scale * (hidden @ weight.T + bias))`` against `labels`.
 
@@ -127,6 +154,11 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
         label_smoothing: as ``torch.nn.functional.cross_entropy``'s (the target mixed with the uniform
             distribution over the vocabulary).
         z_loss: weight of the squared log-sum-exp added per labelled token (PaLM's z-loss; 0: off).
+        vocab_group, vocab_start, vocab_size: loss parallel: `weight` (and `bias`) hold rows ``[vocab_start,
+            vocab_start + V)`` of a ``vocab_size``-row head split over the ranks of ``vocab_group`` (each with the
+            same `hidden` and `labels`, global token ids). The logits are never gathered: per call, the ranks
+            exchange three per-token vectors in the forward and the hidden states' gradient in the backward. The
+            loss and the hidden gradient are those of the whole head, on every rank; `weight`'s is its shard's.
         chunk_bytes: fp32 logits bytes per chunk (the working memory).
     Returns:
         fp32 scalar (fp64 for fp64 inputs): the sum over labelled tokens; divide by their count for the mean.
@@ -145,14 +177,20 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
                          f"{bias.dtype} for weight {tuple(weight.shape)} {weight.dtype}")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"linear_cross_entropy needs integer labels; got {labels.dtype}")
+    vocab = weight.shape[0] if vocab_size is None else vocab_size
+    if not 0 <= vocab_start <= vocab - weight.shape[0] or (vocab_group is None and vocab != weight.shape[0]):
+        raise ValueError(f"linear_cross_entropy: a weight of {weight.shape[0]} rows from row {vocab_start} does not fit "
+                         f"a vocabulary of {vocab} (a shard of the head needs vocab_group, vocab_start and "
+                         f"vocab_size)")
     flat = labels.reshape(-1).long()
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= weight.shape[0]))
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
     if bool(bad.any()):
-        raise ValueError(f"linear_cross_entropy: labels must be in [0, {weight.shape[0]}) or {ignore_index}; got "
+        raise ValueError(f"linear_cross_entropy: labels must be in [0, {vocab}) or {ignore_index}; got "
                          f"{flat[bad][:4].tolist()}")
     chunk = _chunk_rows(weight.shape[0], chunk_bytes)
     if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0:
         raise ValueError(f"linear_cross_entropy needs label_smoothing in [0, 1] and z_loss >= 0; got "
                          f"label_smoothing={label_smoothing}, z_loss={z_loss}")
-    o = _Options(ignore_index, float(scale), float(softcap or 0.0), chunk, float(label_smoothing), float(z_loss))
+    o = _Options(ignore_index, float(scale), float(softcap or 0.0), chunk, float(label_smoothing), float(z_loss),
+                 vocab, vocab_start, vocab_group)
     return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, o)

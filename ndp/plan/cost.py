@@ -42,8 +42,9 @@ LOSS_CHUNK_BYTES = 64 * 2**20             # ndp.ops.linear_ce.CHUNK_BYTES (tests
 
 # ---------------------------------------------------------------------------------------------- parameters
 
-def local_param_numel(spec: ModelSpec, tp: int, fsdp: int) -> dict:
-    """Parameter elements one rank holds, per FSDP unit, after TP (ndp's plan) and FSDP2 sharding.
+def local_param_numel(spec: ModelSpec, tp: int, fsdp: int, split_head: bool = False) -> dict:
+    """Parameter elements one rank holds, per FSDP unit, after TP (ndp's plan; ``split_head``: lm_head split by
+    vocabulary, see ``ModelSpec.tensors``) and FSDP2 sharding.
 
     FSDP2 shards dim 0 of every (TP-local) tensor into ``ceil(dim0 / fsdp)`` rows per rank.
 
@@ -53,7 +54,7 @@ def local_param_numel(spec: ModelSpec, tp: int, fsdp: int) -> dict:
         elements of the whole model) and "tensors" (count of parameter tensors).
     """
     out = {"block": 0, "root": 0, "block_tp": 0, "root_tp": 0, "tensors": 0}
-    for _, shape, tp_dim, unit in spec.tensors():
+    for _, shape, tp_dim, unit in spec.tensors(split_head):
         s = list(shape)
         if tp_dim is not None:
             s[tp_dim] //= tp
@@ -104,13 +105,15 @@ def selective_layer_bytes(spec: ModelSpec, tp: int, es: int) -> float:
     return es * (3 * h + (hq + 2 * hkv + 2 * i) / tp)
 
 
-def fused_loss_bytes(spec: ModelSpec, tokens: float, es: int, chunk_bytes: int = LOSS_CHUNK_BYTES) -> float:
+def fused_loss_bytes(spec: ModelSpec, tokens: float, es: int, chunk_bytes: int = LOSS_CHUNK_BYTES,
+                     vocab_shards: int = 1) -> float:
     """Peak bytes of ndp's fused linear cross-entropy (``ndp.ops.linear_cross_entropy``) beyond its inputs and
     the gradients it returns, in its backward (the larger pass): the fp32 logits chunk, turned into its softmax in
     place (x1.5 for 16-bit inputs: their matmul output, then the softmax's 16-bit copy for the hidden gradient),
     the fp32 weight-gradient accumulator beyond the es-byte gradient it becomes, and the per-token fp32
-    log-sum-exp. Exact against the tensors the op allocates (bench/plan_vs_measured.py)."""
-    v, h = spec.vocab_size, spec.hidden_size
+    log-sum-exp it saved. ``vocab_shards``: loss parallel over that many TP ranks (each holds
+    vocab / vocab_shards rows). Exact against the tensors the op allocates (bench/plan_vs_measured.py)."""
+    v, h = -(-spec.vocab_size // vocab_shards), spec.hidden_size  # the largest shard
     chunk = 4 * min(tokens, max(1, chunk_bytes // (4 * v))) * v
     if es == 4:
         return chunk + 4 * tokens
@@ -350,7 +353,9 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     shard = cfg.dp_shard_size * cfg.cp_size if fsdp_on else 1
     mb = batch_size // cfg.dp_size // grad_accum          # sequences per rank per micro-batch
     tokens = mb * seq_len / n_cp                          # local tokens per micro-batch
-    pn = local_param_numel(spec, tp, shard)
+    split_head = loss == "fused" and tp > 1 and not spec.tie_word_embeddings   # ndp-train's loss parallel
+    head_shards = tp if split_head else 1
+    pn = local_param_numel(spec, tp, shard, split_head)
     est = Estimate(cfg, mb, grad_accum, ac, loss, activation_offload, sharded_grad_accum,
                    usable_bytes=profile.usable_bytes)
 
@@ -363,13 +368,14 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         # Gathered (es-byte) parameters: current + prefetched + last block (kept for backward), the root
         # unit (kept from forward to backward); backward: one block's es-byte grads and fp32 reduce input,
         # lm_head's unsharded grad until the root's reduce-scatter.
-        lm = spec.vocab_size * spec.hidden_size if not spec.tie_word_embeddings else 0
+        lm = spec.vocab_size * spec.hidden_size / head_shards if not spec.tie_word_embeddings else 0
         m["fsdp_buffers"] = es * (3 * pn["block_tp"] + pn["root_tp"]) + (es + 4) * pn["block_tp"] + es * lm
         if grad_accum > 1 and not sharded_grad_accum:
             m["grad_accum"] = 4.0 * (pn["block_tp"] * L + pn["root_tp"])   # unsharded fp32 accumulators
     elif es == 2:
         # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
-        m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L + spec.vocab_size * spec.hidden_size)
+        m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L
+                                   + spec.vocab_size * spec.hidden_size / head_shards)
     layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
     root = root_activation_bytes(spec, es)
     # full: every layer's input, and one layer's activations while it is recomputed; offloaded: the inputs of
@@ -379,7 +385,8 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
             "selective": L * selective_layer_bytes(spec, tp, es) + layer}[ac]
     m["activations"] = tokens * (kept + root)
     m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
-    m["logits"] = tokens * logits_bytes(spec, es) if loss == "full" else fused_loss_bytes(spec, tokens, es)
+    m["logits"] = (tokens * logits_bytes(spec, es) if loss == "full"
+                   else fused_loss_bytes(spec, tokens, es, vocab_shards=head_shards))
     transient = m["activations"] + m["attention"] + m["logits"] + m["grad_accum"]
     est.mem = m
     est.host_bytes = L * tokens * ckpt if activation_offload else 0.0
@@ -389,7 +396,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     t = {}
     mm_rate = (profile.matmul_tflops if es == 2 else profile.matmul_fp32_tflops) * 1e12
     block_mm = spec.block_matmul_params / tp
-    head_mm = spec.vocab_size * spec.hidden_size                   # lm_head: replicated over TP
+    head_mm = spec.vocab_size * spec.hidden_size / head_shards      # lm_head: split by vocabulary, or replicated
     recompute = 2 if ac == "full" else 0                           # selective keeps the matmul outputs
     again = 2 if ac != "none" else 1                               # forward passes of the rest of a layer
     head = 8 if loss == "fused" else 6                             # the fused loss recomputes its logits
@@ -496,7 +503,7 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
 
     gpus = cfg.world_size
     global_tokens = batch_size * seq_len
-    mm_total = spec.block_matmul_params * L + head_mm
+    mm_total = spec.block_matmul_params * L + spec.vocab_size * spec.hidden_size
     attn_total = 3.5 * 4 * spec.head_dim * spec.num_heads * spec.attn_pairs(seq_len) * L * batch_size
     est.model_flops = 6 * mm_total * global_tokens + attn_total
     est.tokens_per_s = global_tokens / step / gpus

@@ -65,11 +65,12 @@ class ModelSpec:
             object.__setattr__(self, "sliding_window", None)
 
     # ------------------------------------------------------------------ parameter tensors
-    def tensors(self) -> list[tuple[str, tuple[int, ...], int | None, str]]:
+    def tensors(self, split_head: bool = False) -> list[tuple[str, tuple[int, ...], int | None, str]]:
         """Every parameter tensor as (name, shape, tensor-parallel dim or None, FSDP unit).
 
         The TP dims are those of ndp's plan (``ndp.hf``: Llama's ``base_model_tp_plan``: q/k/v, gate/up
-        colwise = dim 0, o/down rowwise = dim 1); embeddings, norms and lm_head stay replicated.
+        colwise = dim 0, o/down rowwise = dim 1); embeddings and norms stay replicated, lm_head too unless
+        ``split_head`` (ndp-train's fused loss under TP splits an untied lm_head by vocabulary: dim 0).
         FSDP units: "block" (one per decoder layer, listed once: multiply by ``num_layers``) and "root".
         """
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
@@ -81,7 +82,7 @@ class ModelSpec:
             block += [("q_bias", (hq,), 0), ("k_bias", (hkv,), 0), ("v_bias", (hkv,), 0)]
         root = [("embed_tokens", (self.vocab_size, h), None), ("norm", (h,), None)]
         if not self.tie_word_embeddings:
-            root.append(("lm_head", (self.vocab_size, h), None))
+            root.append(("lm_head", (self.vocab_size, h), 0 if split_head else None))
         return [(n, s, tp, "block") for n, s, tp in block] + [(n, s, tp, "root") for n, s, tp in root]
 
     @property

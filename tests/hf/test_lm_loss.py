@@ -69,6 +69,34 @@ def test_lm_loss_equals_loss_on_the_logits_under_fsdp_and_cp(tmp_path):
     spawn(_fsdp_cp_body, 2, tmp_path)
 
 
+def _loss_parallel_body(rank, world):
+    ids, labels, pos = _batch()
+    ref = build_model("tiny-llama", seed=0, dtype=torch.float64)
+    logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    want.backward()
+    cfg = ndp.ParallelismConfig(tp_size=2)
+    model = ndp.hf.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), cfg,
+                               cfg.build_device_mesh("cpu"), loss_parallel=True)
+    assert model.lm_head.weight.placements[0].is_shard(0)  # the vocabulary is split over the TP ranks
+    b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
+    loss, mean = ndp.hf.lm_loss(model, b["labels"], return_mean=True, chunk_bytes=4096, input_ids=b["input_ids"],
+                                position_ids=b["position_ids"])
+    loss.backward()
+    torch.testing.assert_close(mean.double(), want.detach(), rtol=1e-6, atol=0)  # mean: fp32
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    grads = _grads(model)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-14, msg=lambda m: f"{n}: {m}")
+    with pytest.raises(ValueError, match="split by vocabulary .* Use ndp.hf.lm_loss"):
+        ndp.hf.loss(model(input_ids=b["input_ids"]).logits, b["labels"], model)
+
+
+@pytest.mark.distributed
+def test_loss_parallel_under_tp_equals_one_process(tmp_path):
+    spawn(_loss_parallel_body, 2, tmp_path)
+
+
 def test_a_forward_that_changes_its_logits_otherwise_is_refused():
     model = ndp.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(), None)
     ids, labels, _ = _batch()

@@ -94,3 +94,29 @@ def test_bad_input_is_refused_by_name(args, match):
     kw.update(args)
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(**kw)
+
+
+def _vocab_parallel_body(rank, world):
+    import torch.distributed as dist
+
+    hidden, weight, labels = _case()
+    bias = torch.randn(53, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    kw = dict(softcap=3.0, label_smoothing=0.1, z_loss=1e-3)
+    want = linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_bytes=6 * 4 * 53, **kw)
+    rh, rw, rb = torch.autograd.grad(want, (hidden, weight, bias))
+    start, stop = (0, 27) if rank == 0 else (27, 53)  # uneven shards
+    w = weight.detach()[start:stop].clone().requires_grad_()
+    b = bias.detach()[start:stop].clone().requires_grad_()
+    h = hidden.detach().clone().requires_grad_()
+    got = linear_cross_entropy(h, w, labels, bias=b, vocab_group=dist.group.WORLD, vocab_start=start, vocab_size=53,
+                               chunk_bytes=5 * 4 * 27, **kw)
+    gh, gw, gb = torch.autograd.grad(got, (h, w, b))
+    for a, r in ((got, want), (gh, rh), (gw, rw[start:stop]), (gb, rb[start:stop])):
+        assert float((a - r).detach().abs().max() / r.detach().abs().max()) <= 1e-12
+
+
+@pytest.mark.distributed
+def test_vocabulary_parallel_loss_equals_the_whole_head(tmp_path):
+    from dist import spawn
+
+    spawn(_vocab_parallel_body, 2, tmp_path)

@@ -29,9 +29,10 @@ def test_llama3_8b_parameter_count_by_hand():
     (dict(dp_shard_size=16), 501_891_328),
     # HSDP 2 x 8: sharded over 8 only
     (dict(dp_replicate_size=2, dp_shard_size=8), 1_003_782_656),
-    # TP 2 x FSDP 8: layers' matmuls halved (32 * (218,103,808 / 2 + 8,192) = 3,489,923,072), embeddings,
-    # lm_head and final norm replicated (1,050,677,248): 4,540,600,320 / 8
-    (dict(tp_size=2, dp_shard_size=8), 567_575_040),
+    # TP 2 x FSDP 8: layers' matmuls halved (32 * (218,103,808 / 2 + 8,192) = 3,489,923,072), lm_head halved by
+    # the fused loss's vocabulary split (262,668,288), embeddings and final norm replicated (525,340,672):
+    # 4,277,932,032 / 8
+    (dict(tp_size=2, dp_shard_size=8), 534_741_504),
 ])
 def test_state_bytes_per_gpu_llama3_8b_16xh100_128k(degrees, params):
     cfg = ParallelismConfig(**degrees)

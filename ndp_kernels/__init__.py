@@ -4,6 +4,7 @@ Public API (docs/design.md)::
 
     flash_attn_fwd(q, k, v, ...) -> (out, lse)         flash_attn_bwd(dout, q, k, v, out, lse, ...)
     flash_attn_func(q, k, v, ...) -> out (autograd)     merge_attn_states_(out_acc, lse_acc, blk, blk_lse)
+    ce_stats(z, target) -> [4, rows]                    ce_grad_(z, target, lse, coef, row_scale, ...)
 
 Triton is imported on first use of a kernel, so `ndp_kernels.reference` and the segment tables work
 (and import fast) on machines without triton.
@@ -19,9 +20,11 @@ _LAZY = {
     "attn_fwd_segments": "flash", "attn_bwd_segments": "flash",
     "merge_attn_states_": "merge",
     "tuned_table": "configs", "adopt_rows": "configs", "measure_first_use": "configs",
+    "ce_stats": "cross_entropy", "ce_grad_": "cross_entropy",
 }
 
-__all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_func", "merge_attn_states_", "reference",
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_func", "merge_attn_states_", "ce_stats", "ce_grad_",
+           "reference",
            "Segments", "NO_LIMIT", "acc_dtype", "interpreter_active", "triton_available"]
 
 

@@ -33,7 +33,11 @@ DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 DEFAULT_HEAD_DIMS = (64, 80, 128, 256)
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd_preprocess", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads",
-                   "bwd_dq", "bwd_dq_tma", "merge", "fwd_softcap", "bwd_dkdv_softcap", "bwd_dq_softcap")
+                   "bwd_dq", "bwd_dq_tma", "merge", "fwd_softcap", "bwd_dkdv_softcap", "bwd_dq_softcap",
+                   "ce_stats", "ce_grad", "ce_grad_softcap")
+# The fused cross-entropy's row kernels (cross_entropy.py): fp32 logits whatever the model's dtype, no head_dim;
+# compiled once per arch (reported at the first head_dim).
+CE_KERNELS = ("ce_stats", "ce_grad", "ce_grad_softcap")
 # Kernels whose 16-bit sm_90 PTX must use wgmma (the attention kernels with tensor-core dots).
 WGMMA_KERNELS = ("fwd", "fwd_acc", "fwd_tma", "bwd", "bwd_heads", "bwd_dkdv", "bwd_dkdv_heads", "bwd_dq",
                  "bwd_dq_tma", "fwd_softcap", "bwd_dkdv_softcap", "bwd_dq_softcap")
@@ -94,6 +98,8 @@ def applies(kernel: str, arch: str, dtype: str, head_dim: int) -> bool:
     where ``configs.HEAD_SPLIT_DTYPES`` allows (fp16/bf16)."""
     from .configs import HEAD_SPLIT_DTYPES, tma_applies
 
+    if kernel in CE_KERNELS:
+        return dtype == "fp32" and head_dim == DEFAULT_HEAD_DIMS[0]
     if kernel in HEADS_KERNELS:
         return _torch_dtype(dtype) in HEAD_SPLIT_DTYPES
     if kernel not in TMA_KERNELS:
@@ -139,10 +145,12 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     Hints mirror what the JIT specializes at run time on contiguous tensors: pointers and the
     strides of [B, S, H, D] tensors are multiples of 16, the lse/delta sequence stride is 1.
     """
-    from . import flash, merge
-    from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config, merge_config,
-                          with_softcap)
+    from . import cross_entropy, flash, merge
+    from .configs import (KernelConfig, block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config,
+                          merge_config, with_softcap)
 
+    if kernel in CE_KERNELS:
+        return _ce_spec(kernel, cross_entropy, KernelConfig(1, cross_entropy.BLOCK_V, cross_entropy.NUM_WARPS, 1))
     if kernel.endswith(SOFTCAP_SUFFIX):
         base = kernel.removesuffix(SOFTCAP_SUFFIX)
         fn, sig, consts, attrs, cfg = _spec(base, dtype, head_dim, arch)
@@ -259,6 +267,22 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         consts = dict(stride_la_s=1, stride_lb_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m)
         return build(merge._merge_attn_states_kernel, args, consts, cfg)
     raise ValueError(f"unknown kernel {kernel!r}; choose from {DEFAULT_KERNELS}")
+
+
+def _ce_spec(kernel, cross_entropy, cfg):
+    """(jit fn, signature, constexprs, attrs, cfg) of a cross-entropy row kernel: fp32 logits, int64 targets."""
+    if kernel == "ce_stats":
+        fn, consts = cross_entropy._ce_stats_kernel, {"BLOCK_V": cfg.block_n}
+        args = {"z_ptr": "*fp32", "target_ptr": "*i64", "stats_ptr": "*fp32", "n_rows": "i32", "vocab": "i32",
+                "stride_z": "i32"}
+    else:
+        fn, consts = cross_entropy._ce_grad_kernel, {"BLOCK_V": cfg.block_n, "SOFTCAP": kernel.endswith("softcap")}
+        args = {"z_ptr": "*fp32", "target_ptr": "*i64", "lse_ptr": "*fp32", "coef_ptr": "*fp32",
+                "scale_row_ptr": "*fp32", "vocab": "i32", "stride_z": "i32", "target_coef": "fp32",
+                "smooth_per_col": "fp32", "softcap": "fp32", "scale": "fp32"}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in args if n.endswith("_ptr")}
+    sig = {n: ("constexpr" if n in consts else args[n]) for n in fn.arg_names}
+    return fn, sig, consts, attrs, cfg
 
 
 def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:

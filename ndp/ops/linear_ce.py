@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import ndp_kernels
+
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
 
 # Logits bytes of one chunk (fp32): the op's working memory, beside the saved per-token log-sum-exp.
@@ -66,6 +68,45 @@ def _local_targets(y, keep, o: _Options, rows: int):
     return torch.where(here, y - o.start, 0), here
 
 
+def _use_kernels(z) -> bool:
+    """The Triton row kernels (``ndp_kernels.cross_entropy``) for fp32 chunks on CUDA; the torch ops elsewhere."""
+    return z.is_cuda and z.dtype == torch.float32
+
+
+def _chunk_stats(z, idx, here, o: _Options, out) -> None:
+    """Per row of the chunk ``z`` (consumed): max, sum of exp(z - max), the target's logit, sum of the logits."""
+    if _use_kernels(z):
+        out.copy_(ndp_kernels.ce_stats(z, torch.where(here, idx, -1)))
+        return
+    m, se, tg, zs = out
+    tg.copy_(z.gather(1, idx[:, None])[:, 0] * here)
+    if o.smoothing:
+        zs.copy_(z.sum(dim=-1))
+    m.copy_(z.amax(dim=-1))
+    se.copy_(z.sub_(m[:, None]).exp_().sum(dim=-1))
+
+
+def _chunk_grad(z, t, s, idx, here, row_scale, o: _Options):
+    """The loss gradient with respect to the chunk's logits, over ``z``: softmax (times the z-loss factor) minus
+    the smoothed target, by row, through the soft-cap and the scale."""
+    coef = 1 + 2 * o.z_loss * s
+    if _use_kernels(z):
+        return ndp_kernels.ce_grad_(z, torch.where(here, idx, -1), s, coef, row_scale, smoothing=o.smoothing,
+                                    vocab=o.vocab, softcap=o.softcap, scale=o.scale)
+    d = z.sub_(s[:, None]).exp_()                                          # softmax, in place
+    if o.z_loss:
+        d.mul_(coef[:, None])
+    d.scatter_add_(1, idx[:, None], here.to(d.dtype)[:, None] * (o.smoothing - 1))
+    if o.smoothing:
+        d.sub_(o.smoothing / o.vocab)
+    d.mul_(row_scale.to(d.dtype)[:, None])
+    if t is not None:
+        d.mul_(1 - t * t)                                                  # d(c tanh(z/c))/dz
+    if o.scale != 1.0:
+        d.mul_(o.scale)
+    return d
+
+
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
@@ -78,12 +119,8 @@ class _LinearCE(torch.autograd.Function):
             del t
             y = labels[a:a + o.chunk]
             idx, here = _local_targets(y, y != o.ignore_index, o, rows)
-            m, se, tg, zs = stats[:, a:a + o.chunk]
-            tg.copy_(z.gather(1, idx[:, None])[:, 0] * here)
-            if o.smoothing:
-                zs.copy_(z.sum(dim=-1))
-            m.copy_(z.amax(dim=-1))
-            se.copy_(z.sub_(m[:, None]).exp_().sum(dim=-1))
+            _chunk_stats(z, idx, here, o, stats[:, a:a + o.chunk])
+            del z
         m, se, tg, zs = stats
         # one exchange per call over the vocabulary shards: the global max, then the rescaled sums
         peak = _all_reduce(m.clone(), dist.ReduceOp.MAX, o.group)
@@ -107,23 +144,12 @@ class _LinearCE(torch.autograd.Function):
         gb = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None
         for a in range(0, hidden.shape[0], o.chunk):
             h = hidden[a:a + o.chunk]
-            s = lse[a:a + o.chunk]
             z, t = _logits(h, weight, bias, o.scale, o.softcap)
             y = labels[a:a + o.chunk]
             keep = y != o.ignore_index
-            d = z.sub_(s[:, None]).exp_()                                  # softmax, in place
-            if o.z_loss:
-                d.mul_((1 + 2 * o.z_loss * s)[:, None])
             idx, here = _local_targets(y, keep, o, rows)
-            d.scatter_add_(1, idx[:, None], here.to(d.dtype)[:, None] * (o.smoothing - 1))
-            if o.smoothing:
-                d.sub_(o.smoothing / o.vocab)
-            d.mul_((keep * grad).to(d.dtype)[:, None])
-            if t is not None:
-                d.mul_(1 - t * t)                                          # d(c tanh(z/c))/dz
-                del t
-            if o.scale != 1.0:
-                d.mul_(o.scale)
+            d = _chunk_grad(z, t, lse[a:a + o.chunk], idx, here, keep * grad, o)
+            del t
             if gh is not None:
                 gh[a:a + o.chunk] = d.to(weight.dtype) @ weight
             if gw is not None:

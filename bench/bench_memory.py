@@ -3,6 +3,7 @@
     python bench/bench_memory.py                          # seq 8192, vocab 512 .. 65536, hidden 128, fp32, CPU
     python bench/bench_memory.py --seqlens 4096,8192 --vocabs 32768 --out bench/results/
     python bench/bench_memory.py --train                  # whole ndp-train steps, --loss full vs fused
+    python bench/bench_memory.py --device cuda --hidden 4096 --vocabs 128256 --dtype bfloat16   # a GPU
 
 --train: ``ndp-train`` (1 process, fp32, batch 1, 3 steps) on a 2-layer Llama of hidden 128 built from a
 config.json, per --seqlens and --vocabs, for each of VARIANTS (the loss, checkpointing and offload flags): peak RSS
@@ -46,21 +47,31 @@ def _step(fused, hidden, weight, labels, chunk_bytes):
     return loss.item()
 
 
-def measure(fused: bool, seq: int, vocab: int, hidden_size: int, dtype, chunk_bytes: int = CHUNK_BYTES) -> dict:
-    """One case in this process: peak-RSS growth (bytes) and median seconds of the loss forward+backward."""
+def _peak(device) -> int:
+    """Peak bytes so far: CUDA's allocator peak on a GPU, the process's peak RSS on CPU."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss()
+
+
+def measure(fused: bool, seq: int, vocab: int, hidden_size: int, dtype, chunk_bytes: int = CHUNK_BYTES,
+            device: str = "cpu") -> dict:
+    """One case in this process: peak-memory growth (bytes) and median seconds of the loss forward+backward."""
+    device = torch.device(device)
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(seq, hidden_size, generator=g, dtype=dtype).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=g, dtype=dtype) * 0.02).requires_grad_()
-    labels = torch.randint(0, vocab, (seq,), generator=g)
+    hidden = torch.randn(seq, hidden_size, generator=g, dtype=dtype).to(device).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g, dtype=dtype) * 0.02).to(device).requires_grad_()
+    labels = torch.randint(0, vocab, (seq,), generator=g).to(device)
     weight.grad = torch.zeros_like(weight)  # the gradient buffer counts as the parameters' own, not the loss's
     hidden.grad = torch.zeros_like(hidden)
-    base = _peak_rss()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    base = _peak(device)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         _step(fused, hidden, weight, labels, chunk_bytes)
+        sync()
         times.append(time.perf_counter() - t0)
-    return {"peak_growth_bytes": _peak_rss() - base, "seconds": statistics.median(times)}
+    return {"peak_growth_bytes": _peak(device) - base, "seconds": statistics.median(times)}
 
 
 def _child(args) -> dict:
@@ -149,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chunk-mib", type=int, default=CHUNK_BYTES // 2 ** 20, help="the fused op's logits chunk")
     ap.add_argument("--out", default=None, help="directory for memory.json")
+    ap.add_argument("--device", default="cpu", help="cpu (peak RSS) or cuda (the allocator's peak)")
     ap.add_argument("--train", action="store_true", help="whole ndp-train steps, --loss full vs fused")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -168,7 +180,7 @@ def main(argv=None) -> int:
     if a.child:
         c = json.loads(a.child)
         print(json.dumps(measure(c["fused"], c["seq"], c["vocab"], c["hidden"], getattr(torch, c["dtype"]),
-                                 c["chunk_mib"] * 2 ** 20)))
+                                 c["chunk_mib"] * 2 ** 20, c["device"])))
         return 0
     rows = []
     print(f"{'seq':>6} {'vocab':>6} {'loss':<8} {'peak growth':>12} {'x logits':>9} {'ms':>9}")
@@ -177,7 +189,7 @@ def main(argv=None) -> int:
             logits = seq * vocab * 4
             for fused in (False, True):
                 r = _child(dict(fused=fused, seq=seq, vocab=vocab, hidden=a.hidden, dtype=a.dtype,
-                                chunk_mib=a.chunk_mib))
+                                chunk_mib=a.chunk_mib, device=a.device))
                 row = dict(seq=seq, vocab=vocab, loss="fused" if fused else "full", **r,
                            x_logits=round(r["peak_growth_bytes"] / logits, 3))
                 rows.append(row)
@@ -186,7 +198,7 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "memory.json"), "w") as f:
-            json.dump({"hidden": a.hidden, "dtype": a.dtype, "device": "cpu", "chunk_mib": a.chunk_mib, "rows": rows},
+            json.dump({"hidden": a.hidden, "dtype": a.dtype, "device": a.device, "chunk_mib": a.chunk_mib, "rows": rows},
                       f, indent=1)
     return 0
 

@@ -9,6 +9,8 @@ Parts, each a fresh process with its own time limit, run in this order (``--part
 - ``engines``: ``bench_engines.py --only single``: ``ndp.ops.attention`` per engine against SDPA.
 - ``hf``: ``bench_engines.py --only hf``: a Hugging Face Llama trained with ndp's attention against
   ``attn_implementation="sdpa"``, tokens/s, losses compared.
+- ``memory``: ``bench_memory.py`` on the device: peak memory and time of the token loss, full logits against the
+  fused linear cross-entropy (its Triton row kernels), Llama-3's vocabulary and hidden size, bf16.
 - ``first_call``: ``first_call.py`` in a fresh process with empty Triton and tuning caches (cold), then again
   with the caches it filled (warm): the first forward+backward and the steady state.
 
@@ -40,7 +42,7 @@ if HERE not in sys.path:
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records)
 
-PARTS = ("tests", "kernels", "engines", "hf", "first_call")
+PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
 # (arguments on a GPU, arguments in the smoke mode, time limit on a GPU in seconds)
 COMMANDS = {
     "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], None, 150),
@@ -50,6 +52,9 @@ COMMANDS = {
                 ["bench/bench_engines.py", "--only", "single", "--seqlens", "128", "--iters", "2"], 60),
     "hf": (["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "4096", "--hf-steps", "5"],
            ["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "128", "--hf-steps", "2"], 90),
+    "memory": (["bench/bench_memory.py", "--device", "cuda", "--seqlens", "8192", "--vocabs", "128256", "--hidden",
+                "4096", "--dtype", "bfloat16"],
+               ["bench/bench_memory.py", "--seqlens", "256", "--vocabs", "1024", "--hidden", "32"], 60),
     "first_call": (["bench/first_call.py", "--shape", "2,4096,32,8,128", "--dtype", "bfloat16"],
                    ["bench/first_call.py", "--shape", "1,128,4,2,64", "--dtype", "float32"], 120),
 }
@@ -157,8 +162,19 @@ def first_call_section(d: str) -> list[str]:
     return lines
 
 
+def memory_section(d: str) -> list[str]:
+    data = _load(os.path.join(d, "memory.json"))
+    if not data:
+        return ["no memory rows were written"]
+    lines = [f"device {data['device']}, hidden {data['hidden']}, {data['dtype']}, chunk {data['chunk_mib']} MiB:", "",
+             "| loss | seq | vocab | peak growth MiB | x one fp32 logits tensor | ms |", "|---" * 6 + "|"]
+    lines += [f"| {r['loss']} | {r['seq']} | {r['vocab']} | {r['peak_growth_bytes'] / 2 ** 20:.0f} | "
+              f"{r['x_logits']:.3f} | {r['seconds'] * 1e3:.1f} |" for r in data["rows"]]
+    return lines
+
+
 SECTIONS = {"kernels": kernels_section, "engines": engines_section, "hf": engines_section,
-            "first_call": first_call_section}
+            "memory": memory_section, "first_call": first_call_section}
 
 
 def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:

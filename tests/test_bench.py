@@ -138,9 +138,10 @@ def test_gpu_report_smoke_mode_runs_every_part(tmp_path):
     rep = json.load(open(base / "report.json"))
     assert not rep["gpu"]
     assert {r["part"]: r["status"] for r in rep["parts"]} == {"tests": "skipped", "kernels": "ok", "engines": "ok",
-                                                                "hf": "ok", "first_call": "ok"}
+                                                                "hf": "ok", "memory": "ok", "first_call": "ok"}
     md = (base / "report.md").read_text()
     assert "no GPU figure was measured" in md and "| ndp_split | 128 | True |" in md and "| HF ndp_ring (auto) |" in md
+    assert "| fused | 256 | 1024 |" in md
     calls = [json.loads(x) for x in open(base / "first_call" / "first_call.jsonl")]
     assert [(c["label"], c["call"]) for c in calls] == [(lab, i) for lab in ("cold", "warm") for i in (1, 2, 3)]
 

@@ -198,7 +198,8 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "memory.json"), "w") as f:
-            json.dump({"hidden": a.hidden, "dtype": a.dtype, "device": a.device, "chunk_mib": a.chunk_mib, "rows": rows},
+            json.dump({"hidden": a.hidden, "dtype": a.dtype, "device": a.device, "chunk_mib": a.chunk_mib,
+                       "rows": rows},
                       f, indent=1)
     return 0
 

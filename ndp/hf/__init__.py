@@ -239,6 +239,6 @@ def _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, retu
     return out
 
 
-__all__ = ["shard_batch", "loss", "lm_loss", "head_loss", "init_weights", "register_attention", "ndp_attention_forward", "hf_plan", "parallelize",
-           "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers",
-           "layer_stacks", "check_cp_model", "text_config"]
+__all__ = ["shard_batch", "loss", "lm_loss", "head_loss", "init_weights", "register_attention",
+           "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN",
+           "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

@@ -1,8 +1,8 @@
 """Fused linear cross-entropy: the LM head and the token cross-entropy in one op, a chunk of logits at a time.
 
 ``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N])`` returns the summed cross-entropy of
-``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the tokens
-in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
+``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the
+tokens in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
 per-token log-sum-exp; the backward recomputes each chunk's logits and adds its share of the gradients of
 `hidden` and `weight`. Working memory beyond the inputs and the gradients (``ndp.plan.cost.fused_loss_bytes``):
 one ``[chunk, V]`` fp32 logits block, turned into its softmax in place (plus its 16-bit matmul output for 16-bit
@@ -205,8 +205,8 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
         raise ValueError(f"linear_cross_entropy needs integer labels; got {labels.dtype}")
     vocab = weight.shape[0] if vocab_size is None else vocab_size
     if not 0 <= vocab_start <= vocab - weight.shape[0] or (vocab_group is None and vocab != weight.shape[0]):
-        raise ValueError(f"linear_cross_entropy: a weight of {weight.shape[0]} rows from row {vocab_start} does not fit "
-                         f"a vocabulary of {vocab} (a shard of the head needs vocab_group, vocab_start and "
+        raise ValueError(f"linear_cross_entropy: a weight of {weight.shape[0]} rows from row {vocab_start} does not "
+                         f"fit a vocabulary of {vocab} (a shard of the head needs vocab_group, vocab_start and "
                          f"vocab_size)")
     flat = labels.reshape(-1).long()
     bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))

@@ -1,6 +1,7 @@
 """Activation checkpointing modes on a transformers model (float64, one process): none, full and selective give
 the same loss and gradients; full recomputes every matmul of a layer in the backward, selective none of them
-(it keeps their outputs and recomputes the rest: element-wise ops, attention). Under FSDP2 and CP: tests/train/test_parity.py."""
+(it keeps their outputs and recomputes the rest: element-wise ops, attention). Under FSDP2 and CP:
+tests/train/test_parity.py."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -315,6 +315,199 @@ def attention_block(spec: ModelSpec, cfg: ParallelismConfig, seq_len: int) -> fl
     return seq_len / n
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What one estimate derives from its arguments (per rank, per micro-batch)."""
+    es: int                  # bytes per element of the compute dtype
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    ac: str                  # one of AC_MODES
+    loss: str
+    offload: bool
+    sharded_accum: bool
+    shard: int               # FSDP2 shards (1: no FSDP)
+    mb: int                  # sequences per rank per micro-batch
+    tokens: float            # local tokens per micro-batch
+    head_shards: int         # the LM head's vocabulary split (tp under the fused loss, else 1)
+    pn: dict                 # local_param_numel
+
+    @property
+    def again(self) -> int:
+        """Forward passes of a layer's non-matmul work (2 under any checkpointing)."""
+        return 2 if self.ac != "none" else 1
+
+
+def _job(spec, cfg, *, seq_len, batch_size, grad_accum, dtype, activation_checkpointing, loss, activation_offload,
+         sharded_grad_accum) -> _Job:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}; got {dtype!r}")
+    ac = {True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
+    if ac not in AC_MODES or loss not in LOSSES:
+        raise ValueError(f"activation_checkpointing must be one of {AC_MODES} and loss one of {LOSSES}; got "
+                         f"{activation_checkpointing!r}, {loss!r}")
+    if activation_offload and ac != "full":
+        raise ValueError(f"the planner models activation offloading of the checkpointed layers' inputs: it needs "
+                         f"activation_checkpointing='full'; got {ac!r}")
+    if batch_size % (cfg.dp_size * grad_accum):
+        raise ValueError(f"batch_size must be divisible by dp_replicate*dp_shard*grad_accum; got batch_size="
+                         f"{batch_size}, dp_size={cfg.dp_size}, grad_accum={grad_accum}")
+    tp = cfg.tp_size
+    shard = cfg.dp_shard_size * cfg.cp_size if cfg.fsdp_size > 1 else 1
+    mb = batch_size // cfg.dp_size // grad_accum
+    split_head = loss == "fused" and tp > 1 and not spec.tie_word_embeddings   # ndp-train's loss parallel
+    return _Job(DTYPE_BYTES[dtype], seq_len, batch_size, grad_accum, ac, loss, activation_offload,
+                sharded_grad_accum, shard, mb, mb * seq_len / cfg.cp_size, tp if split_head else 1,
+                local_param_numel(spec, tp, shard, split_head))
+
+
+def memory_terms(spec: ModelSpec, cfg: ParallelismConfig, job: _Job) -> dict:
+    """Bytes per GPU by MEM_TERMS."""
+    es, L, tp, pn, tokens = job.es, spec.num_layers, cfg.tp_size, job.pn, job.tokens
+    m = dict.fromkeys(MEM_TERMS, 0.0)
+    m["params"] = 4.0 * pn["total"]
+    m["grads"] = 4.0 * pn["total"]
+    m["optimizer"] = 8.0 * pn["total"]
+    if cfg.fsdp_size > 1:
+        # Gathered (es-byte) parameters: current + prefetched + last block (kept for backward), the root
+        # unit (kept from forward to backward); backward: one block's es-byte grads and fp32 reduce input,
+        # lm_head's unsharded grad until the root's reduce-scatter.
+        lm = spec.vocab_size * spec.hidden_size / job.head_shards if not spec.tie_word_embeddings else 0
+        m["fsdp_buffers"] = es * (3 * pn["block_tp"] + pn["root_tp"]) + (es + 4) * pn["block_tp"] + es * lm
+        if job.grad_accum > 1 and not job.sharded_accum:
+            m["grad_accum"] = 4.0 * (pn["block_tp"] * L + pn["root_tp"])   # unsharded fp32 accumulators
+    elif es == 2:
+        # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
+        m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L
+                                   + spec.vocab_size * spec.hidden_size / job.head_shards)
+    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
+    # full: every layer's input, and one layer's activations while it is recomputed; offloaded: the inputs of
+    # the layer computed and of the one being copied stay on the device; selective: the matmul outputs
+    ckpt = es * spec.hidden_size
+    kept = {"none": L * layer, "full": (2 if job.offload else L) * ckpt + layer,
+            "selective": L * selective_layer_bytes(spec, tp, es) + layer}[job.ac]
+    m["activations"] = tokens * (kept + root_activation_bytes(spec, es))
+    m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
+    m["logits"] = (tokens * logits_bytes(spec, es) if job.loss == "full"
+                   else fused_loss_bytes(spec, tokens, es, vocab_shards=job.head_shards))
+    return m
+
+
+def compute_terms(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, job: _Job, mem: dict) -> dict:
+    """Seconds per micro-batch of the matmuls, the attention (and its forward / backward parts, ``attn_fwd`` /
+    ``attn_bwd``, one pass each) and the element-wise work."""
+    es, L, tp, tokens = job.es, spec.num_layers, cfg.tp_size, job.tokens
+    t = {}
+    mm_rate = (profile.matmul_tflops if es == 2 else profile.matmul_fp32_tflops) * 1e12
+    block_mm = spec.block_matmul_params / tp
+    head_mm = spec.vocab_size * spec.hidden_size / job.head_shards  # lm_head: split by vocabulary, or replicated
+    recompute = 2 if job.ac == "full" else 0                       # selective keeps the matmul outputs
+    head = 8 if job.loss == "fused" else 6                         # the fused loss recomputes its logits
+    t["matmul"] = ((6 + recompute) * tokens * block_mm * L + head * tokens * head_mm) / mm_rate
+
+    pairs = job.mb * spec.attn_pairs(job.seq_len) / cfg.cp_size     # balanced (zigzag) share of visible pairs
+    fwd_flops = 4 * spec.head_dim * (spec.num_heads / tp) * pairs * L
+    blk = attention_block(spec, cfg, job.seq_len)
+    scale = 1.0 if es == 2 else profile.matmul_fp32_tflops / profile.matmul_tflops
+    r_f = _rate(profile.attn_fwd_tflops, profile.attn_fwd_half_block, blk) * 1e12 * scale
+    r_b = _rate(profile.attn_bwd_tflops, profile.attn_bwd_half_block, blk) * 1e12 * scale
+    over = profile.cp_overhead.get(cfg.cp_impl, 1.0) if cfg.cp_size > 1 else 1.0
+    t["attn_fwd"] = fwd_flops / r_f / over
+    t["attn_bwd"] = 2.5 * fwd_flops / r_b / over
+    t["attention"] = t["attn_fwd"] * job.again + t["attn_bwd"]
+    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
+    act_moved = tokens * (L * layer + root_activation_bytes(spec, es)) + (mem["logits"] if job.loss == "full" else 0)
+    passes = profile.elementwise_passes + (2 if job.ac != "none" else 0)
+    t["elementwise"] = act_moved * passes / profile.elementwise_rate
+    return t
+
+
+def cp_comm_s(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, job: _Job,
+              a_f: float, a_b: float) -> float:
+    """Exposed seconds per micro-batch of CP communication (ring steps overlap their compute; the all-gather
+    overlaps one slice; Ulysses all-to-alls are exposed). ``a_f`` / ``a_b``: one attention pass, all layers."""
+    n_cp, tp, L = cfg.cp_size, cfg.tp_size, spec.num_layers
+    if n_cp == 1:
+        return 0.0
+    cpb = cp_bytes_per_layer(spec, cfg, job.tokens, job.es)
+    ov = profile.comm_overlap
+    af, ab = a_f / L, a_b / L
+    exposed = 0.0
+    if cfg.cp_impl in ("ring", "usp"):
+        u = cfg.head_parallel_size
+        r = n_cp // u
+        if r > 1:
+            bw, lat = _link(profile, topo, r, tp * u)
+            steps = r - 1
+            cf = cpb["fwd_p2p"] / steps / bw + lat
+            cb = cpb["bwd_p2p"] / steps / bw + 2 * lat
+            fwd_ring = steps * _overlap(af / r, cf, ov) + af / r
+            bwd_ring = steps * _overlap(ab / r, cb, ov) + ab / r
+            exposed += (fwd_ring - af) * job.again + (bwd_ring - ab)
+    if cfg.cp_impl == "allgather":
+        bw, lat = _link(profile, topo, n_cp, tp)
+        ns = 2 if spec.num_kv_heads // tp >= 2 else 1
+        g_f = cpb["fwd_ag"] / bw + ns * lat
+        g_b = (cpb["bwd_ag"] + cpb["bwd_rs"] / profile.reduce_scatter_efficiency) / bw + 2 * ns * lat
+        fwd_x = g_f / ns + _overlap(af * (ns - 1) / ns, g_f * (ns - 1) / ns, ov) - af * (ns - 1) / ns
+        bwd_x = g_b / ns + _overlap(ab * (ns - 1) / ns, g_b * (ns - 1) / ns, ov) - ab * (ns - 1) / ns
+        exposed += fwd_x * job.again + bwd_x
+    if cfg.cp_impl in ("ulysses", "usp"):
+        bw, lat = _link(profile, topo, cfg.head_parallel_size, tp)
+        exposed += (cpb["fwd_a2a"] / bw + 2 * lat) * job.again + cpb["bwd_a2a"] / bw + 2 * lat
+    return exposed * L
+
+
+def tp_comm_s(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, job: _Job) -> float:
+    """Seconds per micro-batch of TP all-reduces (torch's Colwise/RowwiseParallel, as ndp.hf applies them):
+    [tokens, hidden] per layer, two forward (the rowwise o_proj and down_proj outputs) and five backward (the
+    gradient of the replicated input of each colwise q, k, v, gate and up projection); counted in a tp2 profile
+    of ndp-train: 28 per step for 4 layers, plus the grad norm's."""
+    tp = cfg.tp_size
+    if tp == 1:
+        return 0.0
+    bw, lat = _link(profile, topo, tp, 1)
+    ar = _all_reduce_s(tp, job.tokens * spec.hidden_size * job.es, bw) + 2 * lat
+    return ar * spec.num_layers * (TP_FWD_ALL_REDUCES * job.again + TP_BWD_ALL_REDUCES)
+
+
+def fsdp_comm_s(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, job: _Job,
+                compute: float) -> float:
+    """Exposed seconds per step of FSDP2: all-gathers each micro-batch (forward and again in backward),
+    reduce-scatter (fp32) on the last micro-batch (every one with sharded accumulators), HSDP all-reduce over
+    dp_replicate; prefetch hides them behind ``compute`` (one micro-batch's) but the first block."""
+    if cfg.fsdp_size == 1:
+        return 0.0
+    L, pn, shard = spec.num_layers, job.pn, job.shard
+    ag = rs = hs = 0.0
+    if shard > 1:
+        bw, lat = _link(profile, topo, shard, cfg.tp_size)
+        full = pn["block_tp"] * L + pn["root_tp"]
+        ag = 2 * (shard - 1) / shard * job.es * full / bw + 2 * (L + 1) * lat
+        rs = (shard - 1) / shard * 4 * full / (bw * profile.reduce_scatter_efficiency) + (L + 1) * lat
+    if cfg.dp_replicate_size > 1:
+        R = cfg.dp_replicate_size
+        bw, lat = _link(profile, topo, R, cfg.tp_size * shard)
+        hs = _all_reduce_s(R, 4 * pn["total"], bw) + (L + 1) * lat
+    ov = profile.comm_overlap
+    first = (ag + rs + hs) / (L + 1)
+    each = ag + (rs if job.sharded_accum else 0.0)
+    per_micro = _overlap(compute, each, ov) - compute + each / (L + 1)
+    last = _overlap(compute, ag + rs + hs, ov) - compute + first
+    return (job.grad_accum - 1) * per_micro + last
+
+
+def optimizer_s(cfg: ParallelismConfig, profile: GpuProfile, job: _Job) -> float:
+    """Grad clip + AdamW (foreach=False, as ndp-train runs it): memory-bound over the fp32 shards. Bytes per
+    parameter, reads + writes of 4 bytes: clip pow 2, sum 1, scale 2; decay mul_ 2, exp_avg lerp_ 3, exp_avg_sq
+    mul_ 2 + addcmul_ 4, denom sqrt 2 + div 2 + add_ 2, param addcdiv_ 4 = 26 accesses = 104 bytes; 14 ops per
+    tensor (clip 4, AdamW 10). Both counted in torch by tests/plan/test_plan.py."""
+    dtensors = cfg.fsdp_size > 1 or cfg.tp_size > 1
+    op_us = (profile.dtensor_launch_us or profile.launch_us) if dtensors else profile.launch_us
+    return (OPTIMIZER_BYTES_PER_PARAM * job.pn["total"] / (profile.hbm_gbps * 1e9)
+            + job.pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * op_us * 1e-6)
+
+
 def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo: Topology, *, seq_len: int,
              batch_size: int, grad_accum: int = 1, dtype: str = "bf16", activation_checkpointing: bool | str = False,
              loss: str = "fused", activation_offload: bool = False, sharded_grad_accum: bool = False) -> Estimate:
@@ -334,168 +527,31 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
         ValueError: batch not divisible by dp_size * grad_accum, unknown dtype, checkpointing mode or loss,
             offload without full checkpointing.
     """
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}; got {dtype!r}")
-    ac = {True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
-    if ac not in AC_MODES or loss not in LOSSES:
-        raise ValueError(f"activation_checkpointing must be one of {AC_MODES} and loss one of {LOSSES}; got "
-                         f"{activation_checkpointing!r}, {loss!r}")
-    if activation_offload and ac != "full":
-        raise ValueError(f"the planner models activation offloading of the checkpointed layers' inputs: it needs "
-                         f"activation_checkpointing='full'; got {ac!r}")
-    if batch_size % (cfg.dp_size * grad_accum):
-        raise ValueError(f"batch_size must be divisible by dp_replicate*dp_shard*grad_accum; got batch_size="
-                         f"{batch_size}, dp_size={cfg.dp_size}, grad_accum={grad_accum}")
-    es = DTYPE_BYTES[dtype]
+    job = _job(spec, cfg, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum, dtype=dtype,
+               activation_checkpointing=activation_checkpointing, loss=loss, activation_offload=activation_offload,
+               sharded_grad_accum=sharded_grad_accum)
     L = spec.num_layers
-    tp, n_cp = cfg.tp_size, cfg.cp_size
-    fsdp_on = cfg.fsdp_size > 1
-    shard = cfg.dp_shard_size * cfg.cp_size if fsdp_on else 1
-    mb = batch_size // cfg.dp_size // grad_accum          # sequences per rank per micro-batch
-    tokens = mb * seq_len / n_cp                          # local tokens per micro-batch
-    split_head = loss == "fused" and tp > 1 and not spec.tie_word_embeddings   # ndp-train's loss parallel
-    head_shards = tp if split_head else 1
-    pn = local_param_numel(spec, tp, shard, split_head)
-    est = Estimate(cfg, mb, grad_accum, ac, loss, activation_offload, sharded_grad_accum,
+    est = Estimate(cfg, job.mb, grad_accum, job.ac, loss, activation_offload, sharded_grad_accum,
                    usable_bytes=profile.usable_bytes)
-
-    # ---------------- memory (bytes per GPU)
-    m = dict.fromkeys(MEM_TERMS, 0.0)
-    m["params"] = 4.0 * pn["total"]
-    m["grads"] = 4.0 * pn["total"]
-    m["optimizer"] = 8.0 * pn["total"]
-    if fsdp_on:
-        # Gathered (es-byte) parameters: current + prefetched + last block (kept for backward), the root
-        # unit (kept from forward to backward); backward: one block's es-byte grads and fp32 reduce input,
-        # lm_head's unsharded grad until the root's reduce-scatter.
-        lm = spec.vocab_size * spec.hidden_size / head_shards if not spec.tie_word_embeddings else 0
-        m["fsdp_buffers"] = es * (3 * pn["block_tp"] + pn["root_tp"]) + (es + 4) * pn["block_tp"] + es * lm
-        if grad_accum > 1 and not sharded_grad_accum:
-            m["grad_accum"] = 4.0 * (pn["block_tp"] * L + pn["root_tp"])   # unsharded fp32 accumulators
-    elif es == 2:
-        # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
-        m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L
-                                   + spec.vocab_size * spec.hidden_size / head_shards)
-    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
-    root = root_activation_bytes(spec, es)
-    # full: every layer's input, and one layer's activations while it is recomputed; offloaded: the inputs of
-    # the layer computed and of the one being copied stay on the device; selective: the matmul outputs
-    ckpt = es * spec.hidden_size
-    kept = {"none": L * layer, "full": (2 if activation_offload else L) * ckpt + layer,
-            "selective": L * selective_layer_bytes(spec, tp, es) + layer}[ac]
-    m["activations"] = tokens * (kept + root)
-    m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
-    m["logits"] = (tokens * logits_bytes(spec, es) if loss == "full"
-                   else fused_loss_bytes(spec, tokens, es, vocab_shards=head_shards))
+    m = est.mem = memory_terms(spec, cfg, job)
+    ckpt_bytes = L * job.tokens * job.es * spec.hidden_size    # every layer's input
+    est.host_bytes = ckpt_bytes if activation_offload else 0.0
     transient = m["activations"] + m["attention"] + m["logits"] + m["grad_accum"]
-    est.mem = m
-    est.host_bytes = L * tokens * ckpt if activation_offload else 0.0
     est.peak_bytes = m["params"] + m["optimizer"] + m["fsdp_buffers"] + max(m["grads"], transient)
 
-    # ---------------- time (seconds per micro-batch, then per step)
-    t = {}
-    mm_rate = (profile.matmul_tflops if es == 2 else profile.matmul_fp32_tflops) * 1e12
-    block_mm = spec.block_matmul_params / tp
-    head_mm = spec.vocab_size * spec.hidden_size / head_shards      # lm_head: split by vocabulary, or replicated
-    recompute = 2 if ac == "full" else 0                           # selective keeps the matmul outputs
-    again = 2 if ac != "none" else 1                               # forward passes of the rest of a layer
-    head = 8 if loss == "fused" else 6                             # the fused loss recomputes its logits
-    t["matmul"] = ((6 + recompute) * tokens * block_mm * L + head * tokens * head_mm) / mm_rate
-
-    pairs = mb * spec.attn_pairs(seq_len) / n_cp                   # balanced (zigzag) share of visible pairs
-    fwd_flops = 4 * spec.head_dim * (spec.num_heads / tp) * pairs * L
-    blk = attention_block(spec, cfg, seq_len)
-    scale = 1.0 if es == 2 else profile.matmul_fp32_tflops / profile.matmul_tflops
-    r_f = _rate(profile.attn_fwd_tflops, profile.attn_fwd_half_block, blk) * 1e12 * scale
-    r_b = _rate(profile.attn_bwd_tflops, profile.attn_bwd_half_block, blk) * 1e12 * scale
-    over = profile.cp_overhead.get(cfg.cp_impl, 1.0) if n_cp > 1 else 1.0
-    a_f = fwd_flops / r_f / over
-    a_b = 2.5 * fwd_flops / r_b / over
-    t["attention"] = a_f * again + a_b
-    act_moved = tokens * (L * layer + root) + (m["logits"] if loss == "full" else 0)
-    passes = profile.elementwise_passes + (2 if ac != "none" else 0)
-    t["elementwise"] = act_moved * passes / profile.elementwise_rate
-
-    # CP communication per layer (ring steps overlap their compute; the all-gather overlaps one slice)
-    cpb = cp_bytes_per_layer(spec, cfg, tokens, es)
-    ov = profile.comm_overlap
-    cp_exposed = 0.0
-    if n_cp > 1:
-        af, ab = a_f / L, a_b / L
-        if cfg.cp_impl in ("ring", "usp"):
-            u = cfg.head_parallel_size
-            r = n_cp // u
-            if r > 1:
-                bw, lat = _link(profile, topo, r, tp * u)
-                steps = r - 1
-                cf = cpb["fwd_p2p"] / steps / bw + lat
-                cb = cpb["bwd_p2p"] / steps / bw + 2 * lat
-                fwd_ring = steps * _overlap(af / r, cf, ov) + af / r
-                bwd_ring = steps * _overlap(ab / r, cb, ov) + ab / r
-                cp_exposed += (fwd_ring - af) * again + (bwd_ring - ab)
-        if cfg.cp_impl == "allgather":
-            bw, lat = _link(profile, topo, n_cp, tp)
-            ns = 2 if spec.num_kv_heads // tp >= 2 else 1
-            g_f = cpb["fwd_ag"] / bw + ns * lat
-            g_b = (cpb["bwd_ag"] + cpb["bwd_rs"] / profile.reduce_scatter_efficiency) / bw + 2 * ns * lat
-            fwd_x = g_f / ns + _overlap(af * (ns - 1) / ns, g_f * (ns - 1) / ns, ov) - af * (ns - 1) / ns
-            bwd_x = g_b / ns + _overlap(ab * (ns - 1) / ns, g_b * (ns - 1) / ns, ov) - ab * (ns - 1) / ns
-            cp_exposed += fwd_x * again + bwd_x
-        if cfg.cp_impl in ("ulysses", "usp"):
-            u = cfg.head_parallel_size
-            bw, lat = _link(profile, topo, u, tp)
-            cp_exposed += (cpb["fwd_a2a"] / bw + 2 * lat) * again + cpb["bwd_a2a"] / bw + 2 * lat
-        cp_exposed *= L
-    t["cp_comm"] = cp_exposed
-
-    # TP (torch's Colwise/RowwiseParallel, as ndp.hf applies them): all-reduces of [tokens, hidden] per layer,
-    # two forward (the rowwise o_proj and down_proj outputs) and five backward (the gradient of the replicated
-    # input of each colwise q, k, v, gate and up projection); counted in a tp2 profile of ndp-train: 28
-    # per step for 4 layers, plus the grad norm's.
-    if tp > 1:
-        bw, lat = _link(profile, topo, tp, 1)
-        ar = _all_reduce_s(tp, tokens * spec.hidden_size * es, bw) + 2 * lat
-        t["tp_comm"] = ar * L * (TP_FWD_ALL_REDUCES * again + TP_BWD_ALL_REDUCES)
-    else:
-        t["tp_comm"] = 0.0
-
+    # time: seconds per micro-batch, then per step
+    c = compute_terms(spec, cfg, profile, job, m)
+    t = {k: c[k] for k in ("matmul", "attention", "elementwise")}
+    t["cp_comm"] = cp_comm_s(spec, cfg, profile, topo, job, c["attn_fwd"], c["attn_bwd"])
+    t["tp_comm"] = tp_comm_s(spec, cfg, profile, topo, job)
     compute = t["matmul"] + t["attention"] + t["elementwise"]
     # Offload: each layer's input to the host in the forward and back in the backward, over PCIe on a side
     # stream, hidden behind the micro-batch's compute as far as it lasts.
-    t["offload"] = max(0.0, 2 * L * tokens * ckpt / (profile.pcie_gbps * 1e9) - compute) if activation_offload else 0.0
+    t["offload"] = max(0.0, 2 * ckpt_bytes / (profile.pcie_gbps * 1e9) - compute) if activation_offload else 0.0
     micro = compute + t["cp_comm"] + t["tp_comm"] + t["offload"]
-
-    # FSDP2: all-gathers each micro-batch (forward and again in backward), reduce-scatter (fp32) on the last
-    # micro-batch, HSDP all-reduce over dp_replicate; prefetch hides them behind compute but the first block.
-    fsdp_exposed = 0.0
-    if fsdp_on:
-        pes = es
-        ag = rs = hs = 0.0
-        if shard > 1:
-            bw, lat = _link(profile, topo, shard, tp)
-            full = pn["block_tp"] * L + pn["root_tp"]
-            ag = 2 * (shard - 1) / shard * pes * full / bw + 2 * (L + 1) * lat
-            rs = (shard - 1) / shard * 4 * full / (bw * profile.reduce_scatter_efficiency) + (L + 1) * lat
-        if cfg.dp_replicate_size > 1:
-            R = cfg.dp_replicate_size
-            bw, lat = _link(profile, topo, R, tp * shard)
-            hs = _all_reduce_s(R, 4 * pn["total"], bw) + (L + 1) * lat
-        first = (ag + rs + hs) / (L + 1)
-        each = ag + (rs if sharded_grad_accum else 0.0)   # sharded accumulators: a reduce-scatter per micro-batch
-        per_micro = _overlap(compute, each, ov) - compute + each / (L + 1)
-        last = _overlap(compute, ag + rs + hs, ov) - compute + first
-        fsdp_exposed = (grad_accum - 1) * per_micro + last
-        t["fsdp_comm"] = fsdp_exposed
-    else:
-        t["fsdp_comm"] = 0.0
-    # Grad clip + AdamW (foreach=False, as ndp-train runs it): memory-bound over the fp32 shards. Bytes per
-    # parameter, reads + writes of 4 bytes: clip pow 2, sum 1, scale 2; decay mul_ 2, exp_avg lerp_ 3,
-    # exp_avg_sq mul_ 2 + addcmul_ 4, denom sqrt 2 + div 2 + add_ 2, param addcdiv_ 4 = 26 accesses = 104
-    # bytes; 14 ops per tensor (clip 4, AdamW 10). Both counted in torch by tests/plan/test_plan.py.
-    op_us = (profile.dtensor_launch_us or profile.launch_us) if (fsdp_on or tp > 1) else profile.launch_us
-    t["optimizer"] = (OPTIMIZER_BYTES_PER_PARAM * pn["total"] / (profile.hbm_gbps * 1e9)
-                      + pn["tensors"] * OPTIMIZER_OPS_PER_TENSOR * op_us * 1e-6)
-    step = grad_accum * micro + fsdp_exposed + t["optimizer"]
+    t["fsdp_comm"] = fsdp_comm_s(spec, cfg, profile, topo, job, compute)
+    t["optimizer"] = optimizer_s(cfg, profile, job)
+    step = grad_accum * micro + t["fsdp_comm"] + t["optimizer"]
     for k in ("matmul", "attention", "elementwise", "cp_comm", "tp_comm", "offload"):
         t[k] *= grad_accum
     est.time = t
@@ -507,6 +563,6 @@ def estimate(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, topo:
     attn_total = 3.5 * 4 * spec.head_dim * spec.num_heads * spec.attn_pairs(seq_len) * L * batch_size
     est.model_flops = 6 * mm_total * global_tokens + attn_total
     est.tokens_per_s = global_tokens / step / gpus
-    peak = profile.peak_tflops if es == 2 else profile.peak_fp32_tflops
+    peak = profile.peak_tflops if job.es == 2 else profile.peak_fp32_tflops
     est.mfu = est.model_flops / step / gpus / (peak * 1e12)
     return est

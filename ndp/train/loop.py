@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from tqdm import tqdm
 
 import ndp
 import ndp.hf
-from ndp.parallel import ActivationOffload, clip_grad_norm_, mesh_axis
+from ndp.parallel import ActivationOffload, clip_grad_norm_, mesh_axis, param_bytes
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -77,15 +79,11 @@ def _peak_mem_mb(device) -> float:
 
 
 def _fsdp_modules(model):
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _param_bytes_max(model) -> int:
     """Parameter bytes of the rank that holds the most (shards differ by padding when a dim does not divide)."""
-    from ndp.parallel import param_bytes
-
     n = torch.tensor([param_bytes(model)], dtype=torch.int64)
     if dist.get_world_size() > 1:
         # CPU int64 over the default group: gloo carries it (also in a cpu:gloo,cuda:nccl job).
@@ -173,15 +171,28 @@ def train(cfg: TrainConfig, *, return_state: bool = False, before_commit=None, s
         return _train(cfg, return_state=return_state, before_commit=before_commit, step_hook=step_hook)
 
 
-def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=None) -> TrainResult:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+@dataclass
+class _Run:
+    """What the steps of one run share (built by :func:`_build`)."""
 
-    t_start = time.perf_counter()
-    rank = dist.get_rank()
-    device = resolve_device(cfg.device)
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    dataset: TokenDataset
+    device: torch.device
+    autocast: object
+    fsdp_mods: list
+    dp_rank: int
+    dp_size: int
+    loss_group: object           # the dp_cp group the loss is summed over (None: one rank)
+    grad_scale_world: int        # FSDP's averaging degree, undone in the backward's scale
+
+
+def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int, int]:
+    """The model (parallelized), optimizer, schedule and data of a run; also (param bytes of the largest rank,
+    the whole model's parameter bytes)."""
     p = cfg.parallel
     mesh = p.build_device_mesh(device.type)
-
     model = build_model(cfg.model, seed=cfg.seed, init=cfg.init)
     if cfg.init == "full":
         model = model.to(device)
@@ -196,155 +207,185 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
     # Under TP the fused loss splits the LM head by vocabulary (a tied head stays whole, as the embedding)
     loss_parallel = cfg.loss == "fused" and p.tp_size > 1 and not model.config.tie_word_embeddings
     ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing,
-                       loss_parallel=loss_parallel,
-                       init_seed=cfg.seed, init_device=device)
-    param_bytes = _param_bytes_max(model)
+                       loss_parallel=loss_parallel, init_seed=cfg.seed, init_device=device)
+    rank_bytes = _param_bytes_max(model)
     if rank == 0:
         logger.info("parameters: %d bytes per rank (largest rank; --init %s), %d bytes in the whole model",
-                    param_bytes, cfg.init, param_total)
-    ctx = model.ndp_cp
+                    rank_bytes, cfg.init, param_total)
     fsdp_mods = _fsdp_modules(model)
-
     # foreach=False: one update order for every parallel layout (and DTensors of different meshes).
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=cfg.weight_decay, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-
-    docs = load_documents(cfg.data)
-    tokens, starts = tokenize_documents(docs)
+    tokens, starts = tokenize_documents(load_documents(cfg.data))
     dataset = TokenDataset(tokens, starts, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                            pack_docs=cfg.pack_docs)
+    dp_mesh, loss_mesh = mesh_axis(mesh, "dp"), mesh_axis(mesh, "dp_cp")
+    run = _Run(model, opt, sched, dataset, device, autocast, fsdp_mods, dp_mesh.get_local_rank(), dp_mesh.size(),
+               loss_mesh.get_group() if loss_mesh.size() > 1 else None, p.fsdp_size if fsdp_mods else 1)
+    return run, rank_bytes, param_total
 
-    identity = run_identity(model, cfg)
-    start_step = 0
-    schedule_note = None
+
+def _resume(cfg: TrainConfig, run: _Run, identity: dict, rank: int) -> tuple[int, str | None]:
+    """(the step to start from, a note when the saved run had another --steps) after --resume."""
+    start_step, note = 0, None
     if cfg.resume:
         path = ckpt.latest_checkpoint(cfg.save_dir)
         if path is not None:
             meta = ckpt.read_meta(path)
             ckpt.check_identity(path, meta, identity)
-            start_step = ckpt.load_checkpoint(path, model, opt, sched)["step"]
+            start_step = ckpt.load_checkpoint(path, run.model, run.opt, run.sched)["step"]
             logger.info("resumed from %s at step %d", path, start_step)
             saved_steps = meta.get("steps")
             if saved_steps is not None and saved_steps != cfg.steps:
-                schedule_note = (f"resumed a run saved with --steps {saved_steps} under --steps {cfg.steps}: the "
-                                 f"learning-rate schedule follows --steps {cfg.steps} from step {start_step + 1} on "
-                                 f"(use --stop-after to run in time slices without changing it)")
+                note = (f"resumed a run saved with --steps {saved_steps} under --steps {cfg.steps}: the "
+                        f"learning-rate schedule follows --steps {cfg.steps} from step {start_step + 1} on "
+                        f"(use --stop-after to run in time slices without changing it)")
                 if rank == 0:
-                    logger.warning(schedule_note)
+                    logger.warning(note)
         elif rank == 0:
             logger.warning("--resume: no checkpoint in %s, starting from scratch", cfg.save_dir)
     if start_step >= cfg.steps and rank == 0:
         logger.warning("--resume: the checkpoint is at step %d, --steps is %d: nothing to train", start_step,
                        cfg.steps)
+    return start_step, note
+
+
+def _open_metrics(cfg: TrainConfig, start_step: int, stack: contextlib.ExitStack):
+    """Rank 0's metrics file (closed with ``stack``), keeping the records up to the resumed step."""
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
+    kept = []
+    if start_step and os.path.exists(cfg.metrics):
+        # A crash may have logged steps after the checkpoint we resume from: drop them.
+        with open(cfg.metrics, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+    f = stack.enter_context(open(cfg.metrics, "w", encoding="utf-8"))
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
+def _forward_backward(cfg: TrainConfig, run: _Run, batch) -> torch.Tensor:
+    """Every micro-batch of this rank's share of ``batch``, forward and backward; returns the summed token loss."""
+    n_global = batch.num_tokens
+    mbs = microbatches(batch, dp_rank=run.dp_rank, dp_size=run.dp_size, grad_accum=cfg.grad_accum)
+    loss_sum = torch.zeros((), device=run.device, dtype=torch.float32)
+    for i, mb in enumerate(mbs):
+        for m in run.fsdp_mods:
+            m.set_requires_gradient_sync(i == len(mbs) - 1 or cfg.sharded_grad_accum)
+        kwargs, labels = model_inputs(mb, run.model.ndp_cp, run.device)
+        offload = ActivationOffload(run.device) if cfg.activation_offload else contextlib.nullcontext()
+        with run.autocast, offload:
+            ls = token_loss_sum(run.model, cfg.loss, kwargs, labels)
+        (ls * (run.grad_scale_world / max(1, n_global))).backward()
+        loss_sum += ls.detach()
+    return loss_sum
+
+
+def _update(cfg: TrainConfig, run: _Run, step: int, loss: float, gnorm, skipped: int) -> tuple[bool, int]:
+    """The optimizer step when the loss and norm are finite (they are global: every rank takes the same branch),
+    else a skipped step or the error; returns (finite, steps skipped so far)."""
+    finite = math.isfinite(loss) and math.isfinite(float(gnorm))
+    if finite:
+        run.opt.step()
+    else:
+        what = _first_nonfinite(run.model, math.isfinite(loss))
+        msg = (f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+               f"(loss={loss}, grad_norm={float(gnorm)}); first non-finite tensor on rank {dist.get_rank()}: {what}")
+        if skipped >= cfg.skip_nonfinite:
+            raise RuntimeError(f"{msg}. Stopping: the weights are unchanged by this step and the last checkpoint "
+                               f"is intact. Lower --lr, check the data, or allow skipping with --skip-nonfinite N "
+                               f"(used {skipped} of {cfg.skip_nonfinite}).")
+        skipped += 1
+        logger.warning("%s: step skipped (%d of --skip-nonfinite %d)", msg, skipped, cfg.skip_nonfinite)
+    run.sched.step()  # the schedule follows the step index, skipped or not (so resume math is unchanged)
+    run.opt.zero_grad(set_to_none=True)
+    return finite, skipped
+
+
+def _warmup(cfg: TrainConfig, run: _Run, rank: int) -> None:
+    # Measured and compiled before the first step, on rank 0 for every rank: the first step measures nothing
+    # and every rank on every node runs the same kernels and engines.
+    config = run.model.config
+    warm = ndp.warmup(attention_head_dim(config), torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
+                      head_kinds=attention_head_kind(config), device=run.device)
+    if rank == 0:
+        logger.info("attention warm-up: %s", warm)
+
+
+def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=None) -> TrainResult:
+    t_start = time.perf_counter()
+    rank = dist.get_rank()
+    device = resolve_device(cfg.device)
+    run, rank_bytes, param_total = _build(cfg, device, rank)
+    identity = run_identity(run.model, cfg)
+    start_step, schedule_note = _resume(cfg, run, identity, rank)
     end_step = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     ckpt_meta = {"identity": identity, "steps": cfg.steps}
-
-    dp_mesh = mesh_axis(mesh, "dp")
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    loss_mesh = mesh_axis(mesh, "dp_cp")
-    loss_group = loss_mesh.get_group() if loss_mesh.size() > 1 else None
-    grad_scale_world = p.fsdp_size if fsdp_mods else 1
-
-    metrics_f = None
-    if cfg.metrics and rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
-        kept = []
-        if start_step and os.path.exists(cfg.metrics):
-            # A crash may have logged steps after the checkpoint we resume from: drop them.
-            with open(cfg.metrics, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
-        metrics_f = open(cfg.metrics, "w", encoding="utf-8")
-        metrics_f.writelines(kept)
-        metrics_f.flush()
-    bar = None
-    if cfg.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}", dynamic_ncols=True)
-
     if device.type == "cuda":
-        # Measured and compiled before the first step, on rank 0 for every rank: the first step measures nothing
-        # and every rank on every node runs the same kernels and engines.
-        warm = ndp.warmup(attention_head_dim(model.config), torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
-                          head_kinds=attention_head_kind(model.config), device=device)
-        if rank == 0:
-            logger.info("attention warm-up: %s", warm)
-    result = TrainResult(start_step=start_step, param_bytes_per_rank=param_bytes, param_bytes_total=param_total)
-    skipped = 0
-    model.train()
-    for step in range(start_step, end_step):
-        t0 = time.perf_counter()
-        batch = dataset.global_batch(step)
-        n_global = batch.num_tokens
-        mbs = microbatches(batch, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg.grad_accum)
-        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            for m in fsdp_mods:
-                m.set_requires_gradient_sync(last or cfg.sharded_grad_accum)
-            kwargs, labels = model_inputs(mb, ctx, device)
-            offload = ActivationOffload(device) if cfg.activation_offload else contextlib.nullcontext()
-            with autocast, offload:
-                ls = token_loss_sum(model, cfg.loss, kwargs, labels)
-            (ls * (grad_scale_world / max(1, n_global))).backward()
-            loss_sum += ls.detach()
-        if step_hook is not None:
-            step_hook(step, model)
-        gnorm = clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if loss_group is not None:
-            dist.all_reduce(loss_sum, group=loss_group)
-        loss = loss_sum.item() / max(1, n_global)
-        # The loss and the norm are global (reduced over every rank): every rank takes the same branch.
-        finite = math.isfinite(loss) and math.isfinite(float(gnorm))
-        if finite:
-            opt.step()
-        else:
-            what = _first_nonfinite(model, math.isfinite(loss))
-            msg = (f"step {step + 1}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
-                   f"(loss={loss}, grad_norm={float(gnorm)}); first non-finite tensor on rank {rank}: {what}")
-            if skipped >= cfg.skip_nonfinite:
-                raise RuntimeError(f"{msg}. Stopping: the weights are unchanged by this step and the last checkpoint "
-                                   f"is intact. Lower --lr, check the data, or allow skipping with --skip-nonfinite N "
-                                   f"(used {skipped} of {cfg.skip_nonfinite}).")
-            skipped += 1
-            logger.warning("%s: step skipped (%d of --skip-nonfinite %d)", msg, skipped, cfg.skip_nonfinite)
-        sched.step()  # the schedule follows the step index, skipped or not (so resume math is unchanged)
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        tps = batch.input_ids.numel() / dt
-        result.losses.append(loss)
-        result.grad_norms.append(float(gnorm))
-        result.tokens_per_s.append(tps)
-        result.step_times.append(dt)
-        rec = {"step": step + 1, "loss": loss, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
-               "tokens_per_s": tps, "step_time_s": dt, "tokens": n_global, "peak_mem_mb": _peak_mem_mb(device),
-               "schedule_steps": cfg.steps}
-        if not finite:
-            rec["skipped"] = True
-        if schedule_note is not None:
-            rec["note"] = schedule_note
-            schedule_note = None
-        if metrics_f is not None:
-            metrics_f.write(json.dumps(rec) + "\n")
-            metrics_f.flush()
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tps:,.0f}", step_s=f"{dt:.2f}",
-                            mem=f"{rec['peak_mem_mb']:.0f}MB")
-            bar.update(1)
-        done = step + 1
-        if cfg.save_dir and ((cfg.save_every and done % cfg.save_every == 0) or done == end_step):
-            ckpt.save_checkpoint(cfg.save_dir, done, model, opt, sched, before_commit=before_commit, meta=ckpt_meta)
-    if bar is not None:
-        bar.close()
-    if metrics_f is not None:
-        metrics_f.close()
+        _warmup(cfg, run, rank)
+    result = TrainResult(start_step=start_step, param_bytes_per_rank=rank_bytes, param_bytes_total=param_total)
+    with contextlib.ExitStack() as stack:  # the metrics file and the progress bar close on an error too
+        metrics_f = _open_metrics(cfg, start_step, stack) if cfg.metrics and rank == 0 else None
+        bar = None
+        if cfg.progress and rank == 0:
+            bar = stack.enter_context(tqdm(total=cfg.steps, initial=start_step, desc=f"ndp-train {cfg.model}",
+                                           dynamic_ncols=True))
+        skipped = 0
+        run.model.train()
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            batch = run.dataset.global_batch(step)
+            loss_sum = _forward_backward(cfg, run, batch)
+            if step_hook is not None:
+                step_hook(step, run.model)
+            gnorm = clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+            if run.loss_group is not None:
+                dist.all_reduce(loss_sum, group=run.loss_group)
+            loss = loss_sum.item() / max(1, batch.num_tokens)
+            finite, skipped = _update(cfg, run, step, loss, gnorm, skipped)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            rec = _record(cfg, run, result, step, batch, loss, gnorm, time.perf_counter() - t0)
+            if not finite:
+                rec["skipped"] = True
+            if schedule_note is not None:
+                rec["note"], schedule_note = schedule_note, None
+            if metrics_f is not None:
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
+                                step_s=f"{rec['step_time_s']:.2f}", mem=f"{rec['peak_mem_mb']:.0f}MB")
+                bar.update(1)
+            done = step + 1
+            if cfg.save_dir and ((cfg.save_every and done % cfg.save_every == 0) or done == end_step):
+                ckpt.save_checkpoint(cfg.save_dir, done, run.model, run.opt, run.sched, before_commit=before_commit,
+                                     meta=ckpt_meta)
+    _finish(cfg, run, result, return_state, end_step, t_start, rank)
+    return result
+
+
+def _record(cfg: TrainConfig, run: _Run, result: TrainResult, step: int, batch, loss: float, gnorm,
+            dt: float) -> dict:
+    """The step's metrics record, its figures appended to ``result``."""
+    tps = batch.input_ids.numel() / dt
+    result.losses.append(loss)
+    result.grad_norms.append(float(gnorm))
+    result.tokens_per_s.append(tps)
+    result.step_times.append(dt)
+    return {"step": step + 1, "loss": loss, "lr": run.sched.get_last_lr()[0], "grad_norm": float(gnorm),
+            "tokens_per_s": tps, "step_time_s": dt, "tokens": batch.num_tokens,
+            "peak_mem_mb": _peak_mem_mb(run.device), "schedule_steps": cfg.steps}
+
+
+def _finish(cfg: TrainConfig, run: _Run, result: TrainResult, return_state: bool, end_step: int, t_start: float,
+            rank: int) -> None:
+    """Exports and the closing log lines."""
     if cfg.export_hf:
-        ckpt.export_hf(model, cfg.export_hf)
+        ckpt.export_hf(run.model, cfg.export_hf)
     if return_state:
-        result.state_dict = ckpt.full_state_dict(model)
+        result.state_dict = ckpt.full_state_dict(run.model)
     result.wall_time = time.perf_counter() - t_start
     if cfg.stop_after and end_step < cfg.steps and rank == 0:
         logger.info("stopped after step %d (--stop-after); continue with --resume (same --steps %d)", end_step,
@@ -353,4 +394,3 @@ def _train(cfg: TrainConfig, *, return_state: bool, before_commit, step_hook=Non
         n = len(result.losses)
         logger.info("done: %d steps, final loss %.4f, mean %.0f tokens/s, %.1f s", n, result.losses[-1],
                     sum(result.tokens_per_s) / n, result.wall_time)
-    return result

@@ -1,4 +1,5 @@
-"""The layer table of docs/design.md, enforced: imports only point down, and lower layers read no env vars."""
+"""The layer table of docs/design.md, enforced: imports only point down, no module import circle, and lower
+layers read no env vars."""
 import ast
 import pathlib
 
@@ -27,10 +28,20 @@ def _modules(rel):
     return sorted((ROOT / rel).rglob("*.py"))
 
 
+def _type_checking_only(tree):
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imports for annotations, never run)."""
+    return {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for sub in ast.walk(node)}
+
+
 def _imports(path):
+    """Every module an import in ``path`` names (function-level ones included, TYPE_CHECKING ones not)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     pkg = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    annotations_only = _type_checking_only(tree)
     for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name
@@ -57,6 +68,47 @@ def test_imports_point_down(layer):
             if _hits(mod, FORBIDDEN[layer]):
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
     assert not bad, "layering violations (docs/design.md):\n" + "\n".join(bad)
+
+
+def _module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _circles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    # An import inside a function still closes a circle (it only hides it from the import system): counted.
+    mods = {_module_name(p): p for d in ("ndp", "ndp_kernels") for p in _modules(d)}
+    graph = {m: {name for name in _imports(p) if name in mods and name != m and not m.startswith(name + ".")}
+             for m, p in mods.items()}
+    assert not _circles(graph), _circles(graph)
 
 
 @pytest.mark.parametrize("layer", NO_ENV)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .mesh import MESH_AXES, build_device_mesh
+
 CP_IMPLS = ("ring", "allgather", "ulysses", "usp")
 CP_LAYOUTS = ("zigzag", "contiguous", "striped")
-MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,6 @@ class ParallelismConfig:
         Raises:
             RuntimeError: no default process group.  ValueError: world size mismatch.
         """
-        from .mesh import build_device_mesh
-
         return build_device_mesh(self, device_type)
 
 

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import MESH_AXES, ParallelismConfig
+if TYPE_CHECKING:  # annotations only: the config imports this module (it builds its mesh here)
+    from .config import ParallelismConfig
+
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")  # the mesh's named axes, outermost first
 
 
 def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh:

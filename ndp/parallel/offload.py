@@ -31,11 +31,15 @@ class OffloadStats:
     """Byte counts of one ``ActivationOffload`` context (forward and backward)."""
 
     saved_bytes: int = 0            # every saved tensor's bytes, as autograd asked
-    offloaded_bytes: int = 0        # of those, the bytes copied to the host
     kept_bytes: int = 0             # of those, activation bytes left on the device (small tensors, other devices)
     param_bytes: int = 0            # of those, parameters (kept: they stay on the device anyway)
     prefetched_bytes: int = 0       # bytes brought back ahead of their unpack
     offloaded: list = field(default_factory=list)  # bytes of each offloaded tensor, in forward order
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Of the saved bytes, those copied to the host."""
+        return sum(self.offloaded)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -102,7 +106,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             host.copy_(t)
         h = _Handle(len(self._handles), host, event, n)
         self._handles.append(h)
-        self.stats.offloaded_bytes += n
         self.stats.offloaded.append(n)
         return h
 

@@ -331,6 +331,8 @@ class _Job:
     tokens: float            # local tokens per micro-batch
     head_shards: int         # the LM head's vocabulary split (tp under the fused loss, else 1)
     pn: dict                 # local_param_numel
+    layer: float             # layer_activation_bytes per token
+    root: float              # root_activation_bytes per token
 
     @property
     def again(self) -> int:
@@ -356,9 +358,10 @@ def _job(spec, cfg, *, seq_len, batch_size, grad_accum, dtype, activation_checkp
     shard = cfg.dp_shard_size * cfg.cp_size if cfg.fsdp_size > 1 else 1
     mb = batch_size // cfg.dp_size // grad_accum
     split_head = loss == "fused" and tp > 1 and not spec.tie_word_embeddings   # ndp-train's loss parallel
-    return _Job(DTYPE_BYTES[dtype], seq_len, batch_size, grad_accum, ac, loss, activation_offload,
-                sharded_grad_accum, shard, mb, mb * seq_len / cfg.cp_size, tp if split_head else 1,
-                local_param_numel(spec, tp, shard, split_head))
+    es = DTYPE_BYTES[dtype]
+    return _Job(es, seq_len, batch_size, grad_accum, ac, loss, activation_offload, sharded_grad_accum, shard, mb,
+                mb * seq_len / cfg.cp_size, tp if split_head else 1, local_param_numel(spec, tp, shard, split_head),
+                layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1), root_activation_bytes(spec, es))
 
 
 def memory_terms(spec: ModelSpec, cfg: ParallelismConfig, job: _Job) -> dict:
@@ -380,13 +383,13 @@ def memory_terms(spec: ModelSpec, cfg: ParallelismConfig, job: _Job) -> dict:
         # no FSDP: autocast keeps bf16 copies of every matmul weight for backward
         m["fsdp_buffers"] = 2.0 * (spec.block_matmul_params // tp * L
                                    + spec.vocab_size * spec.hidden_size / job.head_shards)
-    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
+    layer = job.layer
     # full: every layer's input, and one layer's activations while it is recomputed; offloaded: the inputs of
     # the layer computed and of the one being copied stay on the device; selective: the matmul outputs
     ckpt = es * spec.hidden_size
     kept = {"none": L * layer, "full": (2 if job.offload else L) * ckpt + layer,
             "selective": L * selective_layer_bytes(spec, tp, es) + layer}[job.ac]
-    m["activations"] = tokens * (kept + root_activation_bytes(spec, es))
+    m["activations"] = tokens * (kept + job.root)
     m["attention"] = attention_buffer_bytes(spec, cfg, tokens, es)
     m["logits"] = (tokens * logits_bytes(spec, es) if job.loss == "full"
                    else fused_loss_bytes(spec, tokens, es, vocab_shards=job.head_shards))
@@ -415,8 +418,7 @@ def compute_terms(spec: ModelSpec, cfg: ParallelismConfig, profile: GpuProfile, 
     t["attn_fwd"] = fwd_flops / r_f / over
     t["attn_bwd"] = 2.5 * fwd_flops / r_b / over
     t["attention"] = t["attn_fwd"] * job.again + t["attn_bwd"]
-    layer = layer_activation_bytes(spec, tp, es, cfg.head_parallel_size > 1)
-    act_moved = tokens * (L * layer + root_activation_bytes(spec, es)) + (mem["logits"] if job.loss == "full" else 0)
+    act_moved = tokens * (L * job.layer + job.root) + (mem["logits"] if job.loss == "full" else 0)
     passes = profile.elementwise_passes + (2 if job.ac != "none" else 0)
     t["elementwise"] = act_moved * passes / profile.elementwise_rate
     return t

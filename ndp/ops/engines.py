@@ -37,8 +37,8 @@ from . import _flash_attn, _sdpa
 log = logging.getLogger(__name__)
 
 __all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
-           "HEAD_KINDS", "head_kind", "row_key", "EngineTable", "engine_table", "table_rows", "adopt_rows", "measure_first_use",
-           "choose", "SHIPPED_DIR"]
+           "HEAD_KINDS", "head_kind", "row_key", "EngineTable", "engine_table", "table_rows", "adopt_rows",
+           "measure_first_use", "choose", "SHIPPED_DIR"]
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
 ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")

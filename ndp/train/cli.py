@@ -62,6 +62,11 @@ def main(argv=None) -> int:
             # per job from rank 0 and exit 2 everywhere, not a traceback per rank.
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"ndp-train: error: {e}", file=sys.stderr)
+            if owned:
+                # Leave without the process group's teardown: gloo's C++ destructors abort a rank (SIGABRT)
+                # whose peer already left, which turned this exit 2 into a signal on half the runs.
+                sys.stderr.flush()
+                os._exit(2)
             return 2
         if (not dist.is_initialized() or dist.get_rank() == 0) and res.losses:
             n = len(res.losses)

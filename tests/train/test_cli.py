@@ -105,6 +105,19 @@ def test_cli_reports_an_error_found_after_start_up_in_one_line(tmp_path):
     assert "Traceback" not in r.stderr and "ndp-train: error:" in r.stderr and "missing.txt" in r.stderr
 
 
+@pytest.mark.distributed
+def test_torchrun_error_found_after_start_up_is_one_line_and_exit_2_on_every_rank(tmp_path):
+    # Twice: gloo's teardown aborted one rank (SIGABRT) on about half of the runs before ranks left without it.
+    for _ in range(2):
+        r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                            "ndp.train", "--data", str(tmp_path / "missing.txt"), "--steps", "1", "--cp", "2",
+                            "--no-progress", "--device", "cpu"], env=_env(), capture_output=True, text=True,
+                           timeout=300)
+        assert r.stderr.count("ndp-train: error:") == 1 and "missing.txt" in r.stderr, r.stderr[-2000:]
+        assert "terminate called" not in r.stderr and "SIGABRT" not in r.stderr, r.stderr[-2000:]
+        assert r.stderr.count("exitcode  : 2") == 2, r.stderr[-2000:]  # torchrun's per-rank failure table
+
+
 @pytest.mark.parametrize("kw, world, match", [
     (dict(parallel=ParallelismConfig(dp_shard_size=2, cp_size=2)), 2, "= 4, world_size=2"),
     (dict(parallel=ParallelismConfig(tp_size=4)), 4, "divisible by tp_size"),

@@ -491,7 +491,7 @@ def measure_time(model="small-llama", names=("dp_shard2", "tp2", "cp2_ring", "cp
 # ---------------------------------------------------------------------------------------------- time per term
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv"})
-ATTENTION_SCOPES = ("AttentionFunction", "AttnFunction")  # ndp.ops and every CP autograd Function (fwd, bwd)
+ATTENTION_SCOPES = ("ndp::attention", "AttnFunction", "ndp::cp_")  # ndp.ops' op, the CP Functions and ops (fwd, bwd)
 OPTIMIZER_SCOPES = ("Optimizer.step", "Optimizer.zero_grad", "ndp.clip_grad_norm_")
 # collectives (c10d, functional ones as DTensor/TP issue them, and their waits), FSDP2 gather/scatter
 COMM_SCOPES = ("c10d::", "_c10d_functional::", "gloo:", "record_param_comms", "FSDP::")

@@ -221,7 +221,8 @@ def check_qkv(q, k, v, *, packed: bool):
                              f"{x.stride(-1)}; call .contiguous() on it.")
 
 
-def _check_cu(name, cu, total, device):
+def _check_cu_meta(name, cu, device):
+    """The checks of a cu_seqlens tensor that need no value (what a compiled caller checks while tracing)."""
     _check_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32; got {cu.dtype}. Use {name}.to(torch.int32).")
@@ -230,6 +231,10 @@ def _check_cu(name, cu, total, device):
                          f"Use [0, len_1, len_1 + len_2, ...] (a leading 0, then the cumulative document lengths).")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}); got {cu.device}")
+
+
+def _cu_values(name, cu, total):
+    """The values of a checked cu_seqlens tensor, checked: a leading 0, non-decreasing, ending at `total`."""
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0; got {name}[0]={vals[0]}. Prepend the 0: "
@@ -329,13 +334,13 @@ def any_value_head(fn):
     return call
 
 
-def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
-            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
-    """Validate public attention arguments and turn them into 4-D views plus a segment table.
+def check_call(q, k, v, *, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None):
+    """The checks of public attention arguments that read no tensor's values: shapes, dtypes, devices, strides,
+    the scale and the window. A compiled caller runs them while tracing (no graph break); ``segments_of`` checks
+    the values.
 
     Returns:
-        (q4, k4, v4, segments, softmax_scale, packed)
-
+        (softmax_scale, window_size, packed)
     Raises:
         TypeError / ValueError naming the broken constraint, the values and the fix.
     """
@@ -347,21 +352,58 @@ def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), 
     window_size = check_window(window_size)
     softmax_scale = check_scale(softmax_scale, q.shape[-1])
     if packed:
-        cq = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        ck = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if len(cq) != len(ck):
+        _check_cu_meta("cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_cu_meta("cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents; got "
-                             f"{len(cq) - 1} and {len(ck) - 1}. Pass one entry per document in both (the same "
-                             f"tensor for self-attention).")
-        segs = Segments.from_cu_seqlens(cq, ck, causal=causal, window_size=window_size)
-        for name, given, actual in (("max_seqlen_q", max_seqlen_q, segs.max_q_len),
-                                    ("max_seqlen_k", max_seqlen_k, segs.max_k_len)):
-            if given is not None and int(given) < actual:
-                raise ValueError(f"{name}={given} is smaller than the longest document ({actual}); "
-                                 f"pass max of the document lengths or None")
-        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segs, softmax_scale, True
-    segs = Segments.dense(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
-    return q, k, v, segs, softmax_scale, False
+                             f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}. Pass one entry per "
+                             f"document in both (the same tensor for self-attention).")
+    return softmax_scale, window_size, packed
+
+
+def segments_of(q, k, *, causal=False, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
+                max_seqlen_q=None, max_seqlen_k=None) -> Segments:
+    """The segment table of a call that passed ``check_call``, after the checks of the cu_seqlens' values.
+
+    Raises:
+        ValueError naming the broken constraint, the values and the fix.
+    """
+    if cu_seqlens_q is None:
+        return Segments.dense(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
+    cq = _cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ck = _cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    segs = _packed(tuple(cq), tuple(ck), bool(causal), tuple(window_size))
+    for name, given, actual in (("max_seqlen_q", max_seqlen_q, segs.max_q_len),
+                                ("max_seqlen_k", max_seqlen_k, segs.max_k_len)):
+        if given is not None and int(given) < actual:
+            raise ValueError(f"{name}={given} is smaller than the longest document ({actual}); "
+                             f"pass max of the document lengths or None")
+    return segs
+
+
+@functools.lru_cache(maxsize=64)
+def _packed(cu_q: tuple, cu_k: tuple, causal: bool, window_size: tuple) -> Segments:
+    # Cached like _dense: every layer of a step has the same documents, so they share one table and its memo.
+    return Segments.from_cu_seqlens(cu_q, cu_k, causal=causal, window_size=window_size)
+
+
+def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
+            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Validate public attention arguments and turn them into 4-D views plus a segment table.
+
+    Returns:
+        (q4, k4, v4, segments, softmax_scale, packed)
+
+    Raises:
+        TypeError / ValueError naming the broken constraint, the values and the fix.
+    """
+    scale, window, packed = check_call(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    segs = segments_of(q, k, causal=causal, window_size=window, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    if packed:
+        return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), segs, scale, True
+    return q, k, v, segs, scale, False
 
 
 def check_like(name, x, shape, dtype, device):

@@ -118,7 +118,7 @@ def test_term_of_assigns_scopes():
         def __init__(self, name, parent=None):
             self.name, self.cpu_parent = name, parent
 
-    attn = Ev("_AttentionFunction")
+    attn = Ev("ndp::attention_backward")
     opt = Ev("Optimizer.step#AdamW.step")
     cases = {("aten::mm", None): "matmul", ("aten::mm", attn): "attention", ("aten::mul", None): "elementwise",
              ("aten::mul_", opt): "optimizer", ("aten::pow", Ev("ndp.clip_grad_norm_")): "optimizer",

@@ -13,7 +13,7 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import reference
-from ndp_kernels._segments import any_value_head, check_softcap, prepare, run_bwd
+from ndp_kernels._segments import acc_dtype, any_value_head, check_call, check_softcap, run_bwd, segments_of
 
 from . import _flash_attn, _sdpa
 from .engines import ENGINES, block_class, capable, choose, engine_available
@@ -122,29 +122,78 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
                            version=3 if be == "flash_attn3" else 2, **kw)
 
 
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, segs, scale, softcap, packed, backend, deterministic):
-        q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
-        out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend, softcap=softcap)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks, q.dtype)
-        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.segs, ctx.scale, ctx.softcap, ctx.packed, ctx.backend = segs, scale, softcap, packed, backend
-        ctx.deterministic = deterministic
-        ctx.mark_non_differentiable(lse)
-        return (out[0], lse[0]) if packed else (out, lse)
+# ndp.ops.attention is the custom op ``ndp::attention`` (and ``ndp::attention_backward``): torch.compile traces
+# it as one node with exact fake outputs, while the segment table is built from host data inside the op, where
+# a cu_seqlens' values may be read (a graph break in traced Python).
+Tensor = torch.Tensor
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
-        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out, lse, ctx.segs, softmax_scale=ctx.scale,
-                                   backend=ctx.backend, deterministic=ctx.deterministic, softcap=ctx.softcap)
-        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
-        if ctx.packed:
-            dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+def _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k):
+    """(q4, k4, segments, packed) of the op's arguments (max_q / max_k < 0: not given)."""
+    segs = segments_of(q, k, causal=causal, window_size=(left, right), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                       max_seqlen_q=None if max_q < 0 else max_q, max_seqlen_k=None if max_k < 0 else max_k)
+    packed = cu_q is not None
+    return (q.unsqueeze(0), k.unsqueeze(0)) if packed else (q, k), segs, packed
+
+
+@torch.library.custom_op("ndp::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, sinks: Tensor | None,
+                  causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
+                  backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    (q4, k4), segs, packed = _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k)
+    v4 = v.unsqueeze(0) if packed else v
+    # Refuse an engine that cannot run this block before any work (forward and backward alike).
+    engine_for(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
+    out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend, softcap=softcap)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks, q.dtype)
+    out, lse = (out[0], lse[0]) if packed else (out, lse)
+    return out.contiguous(), lse.contiguous()
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, cu_q, cu_k, sinks, causal, left, right, max_q, max_k, scale, softcap, backend,
+                    deterministic):
+    lse = (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return q.new_empty(q.shape), q.new_empty(lse, dtype=acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("ndp::attention_backward", mutates_args=())
+def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor | None,
+                      cu_k: Tensor | None, sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int,
+                      max_k: int, scale: float, softcap: float, backend: str,
+                      deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    (q4, k4), segs, packed = _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k)
+    view = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
+    dout4, v4, out4, lse4 = view(dout.contiguous()), view(v), view(out), view(lse)
+    dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out4, lse4, segs, softmax_scale=scale, backend=backend,
+                               deterministic=deterministic, softcap=softcap)
+    dsinks = q.new_empty(0) if sinks is None else sinks_grad(dout4, out4, lse4, sinks)
+    if packed:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks
+
+
+@_attention_bwd_op.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, cu_q, cu_k, sinks, *args):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, sinks, *rest = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
+    ctx.rest = rest
+    ctx.mark_non_differentiable(output[1])
+
+
+def _attention_grad(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ndp.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, *ctx.rest)
+    return dq, dk, dv, None, None, None if sinks is None else dsinks, *([None] * len(ctx.rest))
+
+
+torch.library.register_autograd("ndp::attention", _attention_grad, setup_context=_setup_context)
 
 
 @any_value_head
@@ -173,17 +222,24 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     Raises:
         ValueError / TypeError for malformed input or a forced engine that cannot run the block,
         RuntimeError for an unavailable backend.
+
+    Under ``torch.compile`` the call is one graph node (the op ``ndp::attention``): no graph break.
     """
-    q4, k4, v4, segs, scale, packed = prepare(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    scale, (left, right), _ = check_call(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     softcap = check_softcap(softcap)
-    # Refuse an engine that cannot run this block before any work (forward and backward alike).
-    engine_for(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     check_sinks(sinks, q.shape[-2], q.device)
-    out, lse = _AttentionFunction.apply(q, k, v, sinks, segs, scale, softcap, packed, backend,
-                                        bool(deterministic))
+    out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, bool(causal), left, right,
+                                       _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend,
+                                       bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def _given(max_seqlen) -> int:
+    """A max_seqlen argument as the op takes it (-1: not given)."""
+    return -1 if max_seqlen is None else int(max_seqlen)
 
 
 def attention_backward(dout, q, k, v, out, lse, **kwargs):

@@ -387,6 +387,25 @@ def _packed(cu_q: tuple, cu_k: tuple, causal: bool, window_size: tuple) -> Segme
     return Segments.from_cu_seqlens(cu_q, cu_k, causal=causal, window_size=window_size)
 
 
+def position_restarts(pos: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] bool: the tokens whose position does not continue the previous one's, where packed documents
+    start (transformers' rule, masking_utils.find_packed_sequence_indices); all False for dense rows."""
+    return torch.nn.functional.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0))
+
+
+def cu_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """int32 cu_seqlens of [batch, seq] rows flattened, from a bool mask of the tokens that start a document (a
+    document also starts at every row)."""
+    starts = starts.clone()
+    starts[:, 0] = True
+    idx = torch.nonzero(starts.reshape(-1)).flatten()
+    return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
+
+
+def cu_from_position_ids(pos: torch.Tensor) -> torch.Tensor:
+    return cu_from_starts(position_restarts(pos))
+
+
 def prepare(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Validate public attention arguments and turn them into 4-D views plus a segment table.

@@ -18,7 +18,6 @@ import functools
 import weakref
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -37,25 +36,6 @@ def _window(sliding_window, causal):
     if sliding_window is None or sliding_window <= 0:
         return (-1, -1)
     return (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
-
-
-def cu_from_starts(starts):
-    """int32 cu_seqlens of [batch, seq] rows flattened, from a bool mask of the tokens that start a document (a
-    document also starts at every row)."""
-    starts = starts.clone()
-    starts[:, 0] = True
-    idx = torch.nonzero(starts.reshape(-1)).flatten()
-    return torch.cat([idx, idx.new_tensor([starts.numel()])]).to(torch.int32)
-
-
-def position_restarts(pos):
-    """[batch, seq] bool: the tokens whose position does not continue the previous one's, where packed documents
-    start (transformers' rule, masking_utils.find_packed_sequence_indices); all False for dense rows."""
-    return F.pad(pos[:, 1:] - pos[:, :-1] != 1, (1, 0))
-
-
-def cu_from_position_ids(pos):
-    return cu_from_starts(position_restarts(pos))
 
 
 def _cu_of_chunks(batch, seq, chunk, device):
@@ -182,10 +162,6 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
                           f"{chunk} positions of a row).")
     if chunk is not None and not cp_on and seq > chunk:
         cu, flat = _cu_of_chunks(batch, seq, chunk, q.device), True
-    elif cu is None and not cp_on and position_ids is not None and seq > 1:
-        starts = position_restarts(position_ids.expand(batch, seq))
-        if bool(starts.any()):
-            cu, flat = cu_from_starts(starts), True
     if cu is not None:
         if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")
@@ -193,11 +169,12 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
         if cu is None:
+            # packed rows (positions restarting) are found inside the op, so a compiled model does not break here
+            pos = position_ids.expand(batch, seq) if _row_positions(position_ids, seq) else None
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks,
-                                    softcap=softcap)
+                                    softcap=softcap, position_ids=pos)
         else:
-            mx = int(kwargs.get("max_length_q") or 0) if not flat else 0
-            mx = mx or int((cu[1:] - cu[:-1]).max())
+            mx = None if flat else kwargs.get("max_length_q")
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, sinks=sinks,
                                     softcap=softcap)
@@ -219,6 +196,11 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out, None
+
+
+def _row_positions(position_ids, seq) -> bool:
+    """position_ids of the rows' tokens ([batch or 1, seq]), not multimodal RoPE positions ([3, batch, seq])."""
+    return torch.is_tensor(position_ids) and position_ids.dim() == 2 and position_ids.shape[1] == seq and seq > 1
 
 
 def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):

@@ -13,7 +13,8 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import reference
-from ndp_kernels._segments import acc_dtype, any_value_head, check_call, check_softcap, run_bwd, segments_of
+from ndp_kernels._segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
+                                   position_restarts, run_bwd, segments_of)
 
 from . import _flash_attn, _sdpa
 from .engines import ENGINES, block_class, capable, choose, engine_available
@@ -128,31 +129,62 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
 Tensor = torch.Tensor
 
 
-def _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k):
-    """(q4, k4, segments, packed) of the op's arguments (max_q / max_k < 0: not given)."""
-    segs = segments_of(q, k, causal=causal, window_size=(left, right), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                       max_seqlen_q=None if max_q < 0 else max_q, max_seqlen_k=None if max_k < 0 else max_k)
-    packed = cu_q is not None
-    return (q.unsqueeze(0), k.unsqueeze(0)) if packed else (q, k), segs, packed
+class _Layout:
+    """How the op's tensors are viewed as the 4-D blocks of ``attention_fwd``: dense ``[B, S, H, D]`` as they
+    are; packed ``[T, H, D]`` as one row; dense rows whose ``position_ids`` restart (transformers' packed rows)
+    as one row of ``B * S`` tokens. lse: ``[B, H, S]`` / ``[H, T]`` outside, ``[B', H, S']`` inside."""
+
+    def __init__(self, q, k, cu_q, cu_k, pos, causal, window, max_q, max_k):
+        self.rows = None
+        if cu_q is None and pos is not None:
+            starts = position_restarts(pos.expand(q.shape[0], q.shape[1]))
+            if bool(starts.any()):
+                self.rows, cu_q = q.shape[:2], cu_from_starts(starts)
+                cu_k = cu_q
+        self.packed = cu_q is not None and self.rows is None
+        flat = (lambda x: x.reshape(-1, *x.shape[2:])) if self.rows is not None else (lambda x: x)
+        self.segs = segments_of(flat(q), flat(k), causal=causal, window_size=window, cu_seqlens_q=cu_q,
+                                cu_seqlens_k=cu_k, max_seqlen_q=None if max_q < 0 else max_q,
+                                max_seqlen_k=None if max_k < 0 else max_k)
+
+    def block(self, x):
+        """A q/k/v/out-like tensor as a 4-D block."""
+        if self.rows is not None:
+            return x.reshape(1, -1, *x.shape[2:])
+        return x.unsqueeze(0) if self.packed else x
+
+    def block_lse(self, lse):
+        if self.rows is not None:
+            return lse.transpose(0, 1).reshape(1, lse.shape[1], -1)
+        return lse.unsqueeze(0) if self.packed else lse
+
+    def outside(self, x):
+        if self.rows is not None:
+            return x.reshape(*self.rows, *x.shape[2:])
+        return x[0] if self.packed else x
+
+    def outside_lse(self, lse):
+        if self.rows is not None:
+            return lse[0].reshape(lse.shape[1], *self.rows).transpose(0, 1)
+        return lse[0] if self.packed else lse
 
 
 @torch.library.custom_op("ndp::attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, sinks: Tensor | None,
-                  causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
-                  backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
-    (q4, k4), segs, packed = _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k)
-    v4 = v.unsqueeze(0) if packed else v
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None,
+                  sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float,
+                  softcap: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+    q4, k4, v4 = lay.block(q), lay.block(k), lay.block(v)
     # Refuse an engine that cannot run this block before any work (forward and backward alike).
-    engine_for(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
-    out, lse = attention_fwd(q4, k4, v4, segs, softmax_scale=scale, backend=backend, softcap=softcap)
+    engine_for(backend, lay.segs, q4, k4, deterministic=deterministic, softcap=softcap)
+    out, lse = attention_fwd(q4, k4, v4, lay.segs, softmax_scale=scale, backend=backend, softcap=softcap)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks, q.dtype)
-    out, lse = (out[0], lse[0]) if packed else (out, lse)
-    return out.contiguous(), lse.contiguous()
+    return lay.outside(out).contiguous(), lay.outside_lse(lse).contiguous()
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, cu_q, cu_k, sinks, causal, left, right, max_q, max_k, scale, softcap, backend,
+def _attention_fake(q, k, v, cu_q, cu_k, pos, sinks, causal, left, right, max_q, max_k, scale, softcap, backend,
                     deterministic):
     lse = (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     return q.new_empty(q.shape), q.new_empty(lse, dtype=acc_dtype(q.dtype))
@@ -160,37 +192,36 @@ def _attention_fake(q, k, v, cu_q, cu_k, sinks, causal, left, right, max_q, max_
 
 @torch.library.custom_op("ndp::attention_backward", mutates_args=())
 def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor | None,
-                      cu_k: Tensor | None, sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int,
-                      max_k: int, scale: float, softcap: float, backend: str,
+                      cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None, causal: bool, left: int,
+                      right: int, max_q: int, max_k: int, scale: float, softcap: float, backend: str,
                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    (q4, k4), segs, packed = _call_segments(q, k, cu_q, cu_k, causal, left, right, max_q, max_k)
-    view = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
-    dout4, v4, out4, lse4 = view(dout.contiguous()), view(v), view(out), view(lse)
-    dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out4, lse4, segs, softmax_scale=scale, backend=backend,
+    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+    dout4, q4, k4, v4, out4 = (lay.block(x) for x in (dout.contiguous(), q, k, v, out))
+    lse4 = lay.block_lse(lse)
+    dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out4, lse4, lay.segs, softmax_scale=scale, backend=backend,
                                deterministic=deterministic, softcap=softcap)
     dsinks = q.new_empty(0) if sinks is None else sinks_grad(dout4, out4, lse4, sinks)
-    if packed:
-        dq, dk, dv = dq[0], dk[0], dv[0]
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks
+    return (*(lay.outside(x).contiguous() for x in (dq, dk, dv)), dsinks)
 
 
 @_attention_bwd_op.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, cu_q, cu_k, sinks, *args):
+def _attention_bwd_fake(dout, q, k, v, out, lse, cu_q, cu_k, pos, sinks, *args):
     dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, sinks, *rest = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
+    q, k, v, cu_q, cu_k, pos, sinks, *rest = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, pos, sinks)
     ctx.rest = rest
     ctx.mark_non_differentiable(output[1])
 
 
 def _attention_grad(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.ndp.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, sinks, *ctx.rest)
-    return dq, dk, dv, None, None, None if sinks is None else dsinks, *([None] * len(ctx.rest))
+    q, k, v, out, lse, cu_q, cu_k, pos, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ndp.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, pos, sinks,
+                                                          *ctx.rest)
+    return dq, dk, dv, None, None, None, None if sinks is None else dsinks, *([None] * len(ctx.rest))
 
 
 torch.library.register_autograd("ndp::attention", _attention_grad, setup_context=_setup_context)
@@ -199,7 +230,7 @@ torch.library.register_autograd("ndp::attention", _attention_grad, setup_context
 @any_value_head
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, backend="auto", return_lse=False,
-              deterministic=False, sinks=None, softcap=0.0):
+              deterministic=False, sinks=None, softcap=0.0, position_ids=None):
     """Attention on one device, differentiable with respect to q, k and v.
 
     Args:
@@ -217,6 +248,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         softcap: logit soft-capping (Gemma 2; flash-attn's keyword): scores ``softcap * tanh(scores /
             softcap)`` before the mask and the softmax; 0 or None = off. Engines: triton, torch (``auto`` takes
             only these for it).
+        position_ids: dense input only: ``[batch, seq]`` (or ``[1, seq]``) positions; where they do not continue
+            the previous token's, a packed document starts (transformers' packed rows): attention stays inside
+            each document. Read inside the op, so a compiled caller does not break its graph on them.
     Returns:
         out in q's dtype and shape (and lse when asked).
     Raises:
@@ -225,16 +259,30 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     Under ``torch.compile`` the call is one graph node (the op ``ndp::attention``): no graph break.
     """
-    scale, (left, right), _ = check_call(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-                                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    scale, (left, right), packed = check_call(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    _check_positions(position_ids, q, packed)
     softcap = check_softcap(softcap)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     check_sinks(sinks, q.shape[-2], q.device)
-    out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, bool(causal), left, right,
+    out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
                                        _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend,
                                        bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def _check_positions(position_ids, q, packed):
+    if position_ids is None:
+        return
+    if packed:
+        raise ValueError("position_ids find packed documents in dense rows; packed input already has cu_seqlens. "
+                         "Pass one of them.")
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[1] != q.shape[1] or \
+            position_ids.shape[0] not in (1, q.shape[0]) or position_ids.device != q.device:
+        got = tuple(position_ids.shape) if torch.is_tensor(position_ids) else type(position_ids).__name__
+        raise ValueError(f"position_ids must be a [batch, seq] = [{q.shape[0]}, {q.shape[1]}] (or [1, {q.shape[1]}]) "
+                         f"tensor on {q.device}; got {got}. Pass the model's position_ids of these rows.")
 
 
 def _given(max_seqlen) -> int:

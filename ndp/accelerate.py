@@ -32,7 +32,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, TorchDynamoPlugin
 
 import ndp.hf
-from ndp_kernels._segments import cu_from_starts, position_restarts
+from ndp_kernels.segments import cu_from_starts, position_restarts
 from ndp.hf.batch import PACKING_KEYS, shard_rows
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
 from ndp.parallel.mesh import mesh_axis

@@ -13,7 +13,7 @@ import importlib
 import os
 
 from . import reference
-from ._segments import NO_LIMIT, Segments, acc_dtype
+from .segments import NO_LIMIT, Segments, acc_dtype
 
 _LAZY = {
     "flash_attn_fwd": "flash", "flash_attn_bwd": "flash", "flash_attn_func": "flash",

@@ -1,6 +1,6 @@
 """Triton flash attention with LSE over a segment table (forward, backward, autograd wrapper).
 
-Masking model (SPEC, ``ndp_kernels._segments``): a segment row ``(q_start, q_len, k_start,
+Masking model (SPEC, ``ndp_kernels.segments``): a segment row ``(q_start, q_len, k_start,
 k_len, band_lo, band_hi)`` lets query row ``q_start + i`` see key row ``k_start + j`` iff
 ``band_lo <= j - i <= band_hi``. Dense, causal (bottom-right), sliding windows, packed
 documents and the context-parallel blocks are all tables of such rows; the kernels only
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _segments
+from . import segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
                       fwd_config, head_splits, interpreting, launch_device, measure_ahead, merge_config, tma_applies,
                       tma_here, with_softcap)
@@ -809,7 +809,7 @@ def _check_runnable(t: torch.Tensor) -> None:
 
 
 def _check_acc(name: str, acc: torch.Tensor, shape, device) -> None:
-    _segments.check_like(name, acc, shape, torch.float32, device)
+    segments.check_like(name, acc, shape, torch.float32, device)
 
 
 def _check_last_dim(name: str, t: torch.Tensor) -> None:
@@ -834,7 +834,7 @@ def attn_fwd_segments(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=
     Args:
         q4: [B, Sq, H, D] fp16/bf16/fp32, stride 1 in the last dim.
         k4, v4: [B, Sk, Hkv, D], same dtype and device, H % Hkv == 0.
-        segs: ``ndp_kernels._segments.Segments``.
+        segs: ``ndp_kernels.segments.Segments``.
         softmax_scale: float.
         out_acc, lse_acc: optional fp32 accumulators [B, Sq, H, D] and [B, H, Sq], merged in place by LSE.
         softcap: logit soft-cap c > 0 (scores c * tanh(scores / c)), 0 = off.
@@ -1103,13 +1103,13 @@ def flash_attn_fwd(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -
         (out, lse): out like q in q's dtype, lse fp32 [B, H, Sq] (or [H, Tq] when packed);
         or (out_acc, lse_acc) when given.
     Raises:
-        ValueError/TypeError for bad input (the checks of ``ndp_kernels._segments.prepare``, shared
+        ValueError/TypeError for bad input (the checks of ``ndp_kernels.segments.prepare``, shared
         with the reference); RuntimeError for CPU tensors without TRITON_INTERPRET=1.
     """
-    return _segments.run_fwd(
+    return segments.run_fwd(
         attn_fwd_segments, q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc, softcap=_segments.check_softcap(softcap))
+        max_seqlen_k=max_seqlen_k, out_acc=out_acc, lse_acc=lse_acc, softcap=segments.check_softcap(softcap))
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -1130,11 +1130,11 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal=False, softmax_scale=None, wi
     Raises:
         ValueError/TypeError for bad input; RuntimeError for CPU tensors without TRITON_INTERPRET=1.
     """
-    return _segments.run_bwd(
+    return segments.run_bwd(
         attn_bwd_segments, dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc,
-        deterministic=deterministic, softcap=_segments.check_softcap(softcap))
+        deterministic=deterministic, softcap=segments.check_softcap(softcap))
 
 
 class FlashAttnFunction(torch.autograd.Function):

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _segments
+from . import segments
 from .configs import block_d, current_arch, interpreting, launch_device, merge_config
 
 __all__ = ["merge_attn_states_"]
@@ -106,7 +106,7 @@ def merge_attn_states_(out_acc, lse_acc, block_out, block_lse):
     On a CPU tensor without TRITON_INTERPRET=1, and for fp64 accumulators, this runs
     ``ndp_kernels.reference.merge_attn_states_ref`` instead of the kernel.
     """
-    _segments.check_merge_args(out_acc, lse_acc, block_out, block_lse)
+    segments.check_merge_args(out_acc, lse_acc, block_out, block_lse)
     for name, t in (("block_out", block_out), ("block_lse", block_lse), ("lse_acc", lse_acc)):
         if t.device != out_acc.device:
             raise ValueError(f"{name} must be on out_acc's device {out_acc.device}; got {t.device}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._segments import acc_dtype, check_merge_args, check_softcap, run_bwd, run_fwd
+from .segments import acc_dtype, check_merge_args, check_softcap, run_bwd, run_fwd
 
 __all__ = ["attn_fwd_segments_ref", "attn_bwd_segments_ref", "flash_attn_fwd_ref", "flash_attn_bwd_ref",
            "merge_attn_states_ref"]
@@ -92,7 +92,7 @@ def merge_attn_states_ref(out_acc, lse_acc, block_out, block_lse):
 
 def attn_fwd_segments_ref(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, upcast=True,
                           softcap=0.0):
-    """Segment-level forward (see ``ndp_kernels._segments``).
+    """Segment-level forward (see ``ndp_kernels.segments``).
 
     Args:
         q4: ``[B, Sq, H, D]``; k4, v4: ``[B, Sk, Hkv, D]``; segs: ``Segments``.
@@ -166,7 +166,7 @@ def flash_attn_fwd_ref(q, k, v, causal=False, softmax_scale=None, window_size=(-
         (out, lse): out in q's dtype and shape, lse fp32 ``[B, H, Sq]`` (packed ``[H, T]``);
         with accumulators, (out_acc, lse_acc) after merging.
     Raises:
-        ValueError / TypeError for malformed input (see ``_segments.prepare``).
+        ValueError / TypeError for malformed input (see ``segments.prepare``).
     """
     return run_fwd(attn_fwd_segments_ref, q, k, v, causal=causal, softmax_scale=softmax_scale,
                    window_size=window_size, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

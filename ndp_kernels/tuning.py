@@ -203,7 +203,7 @@ def may_measure(device, device_types) -> bool:
 
 # Every source the launched kernels depend on: the kernels, their launchers, the segment tables they walk, the
 # static tiles and rules, the merge kernel.
-KERNEL_SOURCES = ("flash.py", "merge.py", "_segments.py", "configs.py")
+KERNEL_SOURCES = ("flash.py", "merge.py", "segments.py", "configs.py")
 
 
 @functools.cache

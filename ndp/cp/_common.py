@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.sinks import check_sinks
-from ndp_kernels._segments import Segments, acc_dtype, check_softcap
+from ndp_kernels.segments import Segments, acc_dtype, check_softcap
 
 from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
 from .schedule import Mask, Placement, Step

@@ -17,7 +17,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ndp_kernels._segments import check_qkv, check_scale, check_window
+from ndp_kernels.segments import check_qkv, check_scale, check_window
 
 from .schedule import LAYOUTS
 

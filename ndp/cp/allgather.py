@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ndp.ops.sinks import add_sinks, sinks_grad
-from ndp_kernels._segments import any_value_head
+from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
 from .schedule import build_step

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ndp.ops.sinks import add_sinks, sinks_grad
-from ndp_kernels._segments import any_value_head
+from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
 from .schedule import RingSchedule

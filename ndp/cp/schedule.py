@@ -5,7 +5,7 @@ every local row of every rank, plus document boundaries for packed input), cuts 
 into *runs* (arithmetic progressions of global positions inside one document), and turns a pair of
 run lists (the queries a rank holds, the keys it holds at one step) into a `Step`: the blocks with
 any unmasked entry, as segment rows `(q_start, q_len, k_start, k_len, band_lo, band_hi)` in local
-coordinates (see ndp_kernels._segments). Masks are expressed only through the band, computed from
+coordinates (see ndp_kernels.segments). Masks are expressed only through the band, computed from
 global positions, so one ring Function serves every layout:
 
 - zigzag, diagonal step: the causal diagonal block of chunk r, and one segment for the second query
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NO_LIMIT = 1 << 30  # same sentinel as ndp_kernels._segments.NO_LIMIT
+NO_LIMIT = 1 << 30  # same sentinel as ndp_kernels.segments.NO_LIMIT
 
 __all__ = ["Mask", "Placement", "Run", "Step", "RingSchedule", "build_step", "LAYOUTS"]
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.sinks import add_sinks, check_sinks
-from ndp_kernels._segments import any_value_head
+from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,

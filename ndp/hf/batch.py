@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ndp.cp
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
-from ndp_kernels._segments import cu_from_starts, position_restarts
+from ndp_kernels.segments import cu_from_starts, position_restarts
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

@@ -2,7 +2,7 @@
 
 torch's SDPA ops (and flash-attn's dense API) compute either a full block or a top-left causal block
 (row ``i`` sees keys ``0..i``); anything else needs an explicit mask. A segment row ``(q_start, q_len,
-k_start, k_len, band_lo, band_hi)`` (see ``ndp_kernels._segments``) is cut into *pieces*:
+k_start, k_len, band_lo, band_hi)`` (see ``ndp_kernels.segments``) is cut into *pieces*:
 
 - ``full``:   rows ``[q0, q1)`` see every key of ``[k0, k1)``;
 - ``causal``: a square (``q1 - q0 == k1 - k0``) where row ``q0 + t`` sees keys ``k0 .. k0 + t``;
@@ -26,7 +26,7 @@ import torch
 
 from ndp import _ops
 from ndp_kernels import reference
-from ndp_kernels._segments import NO_LIMIT, acc_dtype
+from ndp_kernels.segments import NO_LIMIT, acc_dtype
 
 __all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_fwd", "run_bwd", "MASK_TILE_ROWS"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ndp_kernels._segments import acc_dtype
+from ndp_kernels.segments import acc_dtype
 
 from . import _sdpa_cuda
 from ._pieces import Call, pieces_of, run_bwd, run_fwd

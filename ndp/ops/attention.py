@@ -13,7 +13,7 @@ import torch
 
 import ndp_kernels
 from ndp_kernels import reference
-from ndp_kernels._segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
+from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
                                    position_restarts, run_bwd, segments_of)
 
 from . import _flash_attn, _sdpa

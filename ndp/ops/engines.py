@@ -1,6 +1,6 @@
 """Which engine runs each attention block: block classes, capabilities, and the measured choice of ``auto``.
 
-Every block (a segment table over a query and a key range, see ``ndp_kernels._segments``) falls in one
+Every block (a segment table over a query and a key range, see ``ndp_kernels.segments``) falls in one
 class:
 
 - ``full``:   one segment, every query sees every key;

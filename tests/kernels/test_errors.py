@@ -1,6 +1,6 @@
 """Bad input to the Triton entry points: clear ValueError/TypeError naming constraint, values and fix.
 
-The checks live in ndp_kernels._segments and are shared with the reference, so both must raise the
+The checks live in ndp_kernels.segments and are shared with the reference, so both must raise the
 same messages; every case runs against both.
 """
 import pytest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ndp_kernels import flash, reference
-from ndp_kernels._segments import NO_LIMIT, Segments
+from ndp_kernels.segments import NO_LIMIT, Segments
 from _kernel_cases import CASES, DTYPES, qkv
 from tolerances import assert_close, assert_within_lowp_bound
 

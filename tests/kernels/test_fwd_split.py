@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ndp_kernels import configs, flash, reference
-from ndp_kernels._segments import NO_LIMIT, Segments, band
+from ndp_kernels.segments import NO_LIMIT, Segments, band
 from ndp_kernels.configs import KernelConfig
 from tolerances import assert_close, assert_within_lowp_bound
 

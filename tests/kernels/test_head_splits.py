@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ndp_kernels import configs, flash, reference
-from ndp_kernels._segments import NO_LIMIT, Segments
+from ndp_kernels.segments import NO_LIMIT, Segments
 from _kernel_cases import DTYPES, qkv
 from tolerances import assert_close
 

@@ -4,7 +4,7 @@ import torch
 
 import ndp.cp
 from dist import spawn
-from ndp_kernels._segments import cu_from_position_ids
+from ndp_kernels.segments import cu_from_position_ids
 from ndp.parallel import CPContext
 from ndp.train.data import (DEFAULT_CORPUS, IGNORE_INDEX, ByteTokenizer, TokenDataset, batch_from_documents,
                             load_documents, microbatches, model_inputs, tokenize_documents)

@@ -19,9 +19,10 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
+from .compiled import CpImpl, cp_call, register
 from .schedule import RingSchedule
 
-__all__ = ["ring_attention", "RingAttnFunction", "RingPlan", "_ring_fwd", "_ring_bwd"]
+__all__ = ["ring_attention", "RingAttnFunction", "RingPlan", "ring_fwd", "ring_bwd"]
 
 _KV_TAG, _DKV_TAG = 17, 18
 
@@ -66,7 +67,7 @@ def _kv_shape(kv: torch.Tensor, count: int):
     return shape
 
 
-def _ring_fwd(q4, kv, plan: RingPlan):
+def ring_fwd(q4, kv, plan: RingPlan):
     """Ring forward. q4 ``[B, Sq, H, D]``, kv ``[2, B, Sk, Hkv, D]`` (K and V stacked, contiguous).
 
     Returns (out_acc, lse_acc) in fp32 (fp64 for fp64 input): ``[B, Sq, H, D]``, ``[B, H, Sq]``.
@@ -91,7 +92,7 @@ def _ring_fwd(q4, kv, plan: RingPlan):
     return out_acc, lse_acc
 
 
-def _ring_bwd(dout4, q4, kv, out4, lse, plan: RingPlan):
+def ring_bwd(dout4, q4, kv, out4, lse, plan: RingPlan):
     """Ring backward. Returns (dq_acc ``[B, Sq, H, D]``, dkv_acc ``[2, B, Sk, Hkv, D]``), fp32."""
     acc = acc_dtype(q4.dtype)
     dq = torch.zeros(q4.shape, dtype=acc, device=q4.device)
@@ -136,7 +137,7 @@ class RingAttnFunction(torch.autograd.Function):
         q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
         q4 = q4.contiguous()
         kv = torch.stack([k4, v4])  # one buffer: K and V travel in one message
-        out_acc, lse = _ring_fwd(q4, kv, plan)
+        out_acc, lse = ring_fwd(q4, kv, plan)
         out, lse = (out_acc.to(q.dtype), lse) if sinks is None else add_sinks(out_acc, lse, sinks, q.dtype)
         ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
         ctx.plan, ctx.packed = plan, packed
@@ -147,7 +148,7 @@ class RingAttnFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q4, k4, v4, out, lse, sinks = ctx.saved_tensors
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq, dkv = _ring_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
+        dq, dkv = ring_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
         dq, dk, dv = dq.to(q4.dtype), dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
         dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
         if ctx.packed:
@@ -188,10 +189,28 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
         ValueError / TypeError for bad input (raised on every rank, before any transfer; ranks called
         with different arguments get a ValueError too); RuntimeError for a missing process group.
     """
-    call = prepare_call("ring_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+    if torch.compiler.is_compiling():
+        return cp_call("ring", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
+                       backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
+                       deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+    out, lse = RingAttnFunction.apply(q, k, v, *_prepare(q, k, v, (group,), causal=causal, softmax_scale=softmax_scale,
+                                                         window_size=window_size, layout=layout,
+                                                         cu_seqlens=cu_seqlens, backend=backend,
+                                                         deterministic=deterministic, sinks=sinks,
+                                                         chunk_size=chunk_size, softcap=softcap))
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k, v, groups, **kw):
+    """RingAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan."""
+    call = prepare_call("ring_attention", q, k, v, group=groups[0], **kw)
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)
-    out, lse = RingAttnFunction.apply(q, k, v, sinks, plan, call.packed)
-    return (out, lse) if return_lse else out
+    return kw["sinks"], plan, call.packed
+
+
+def _saved(q4, k4, v4, out4, lse4, sinks, rest):
+    return q4, k4, v4, out4, lse4, sinks
+
+
+register("ring", CpImpl(_prepare, RingAttnFunction, _saved))

@@ -18,11 +18,12 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
+from .compiled import CpImpl, cp_call, register
 from .schedule import Placement, build_step
 from .stats import record_comm
 
 __all__ = ["ulysses_attention", "UlyssesAttnFunction", "A2APlan", "A2AOrder", "check_heads", "seq_to_head",
-           "head_to_seq", "heads_of", "sinks_grad_of_heads"]
+           "head_to_seq", "heads_of", "sinks_grad_of_heads", "lse_to_seq", "lse_to_head"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -285,11 +286,36 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         ValueError: heads % N != 0, or kv_heads not a multiple/divisor of N (the message names the
             alternatives), plus every check of ring_attention.
     """
-    call = prepare_call("ulysses_attention", q, k, v, group=group, causal=causal, softmax_scale=softmax_scale,
-                        window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                        deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
+    if torch.compiler.is_compiling():
+        return cp_call("ulysses", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
+                       backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
+                       deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+    rest = _prepare(q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                    layout=layout, cu_seqlens=cu_seqlens, backend=backend, deterministic=deterministic, sinks=sinks,
+                    chunk_size=chunk_size, softcap=softcap, need_lse=bool(return_lse))
+    out, lse = UlyssesAttnFunction.apply(q, k, v, *rest)
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k, v, groups, need_lse=True, **kw):
+    """UlyssesAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan."""
+    call = prepare_call("ulysses_attention", q, k, v, group=groups[0], **kw,
                         pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n))
     rep = check_heads("ulysses_attention", q.shape[-2], k.shape[-2], call.world)
-    plan = _ulysses_plan(call, rep)
-    out, lse = UlyssesAttnFunction.apply(q, k, v, sinks, plan, call.packed, bool(return_lse))
-    return (out, lse) if return_lse else out
+    return kw["sinks"], _ulysses_plan(call, rep), call.packed, need_lse
+
+
+def lse_to_head(lse4, ap):
+    """Inverse of lse_to_seq: [B, H, T_local] -> [B, Hs, T_group] head-sharded, reordered."""
+    y = lse4.transpose(1, 2).unsqueeze(-1).contiguous()       # [B, T, H, 1]
+    return seq_to_head(y, ap).squeeze(-1).transpose(1, 2).contiguous()
+
+
+def _saved(q4, k4, v4, out4, lse4, sinks, rest):
+    plan = rest[1]
+    ap = plan.a2a
+    heads = (seq_to_head(x, ap) for x in (q4, _expand_kv(k4, plan.rep), _expand_kv(v4, plan.rep), out4))
+    return (*heads, lse_to_head(lse4, ap), sinks)
+
+
+register("ulysses", CpImpl(_prepare, UlyssesAttnFunction, _saved))

@@ -22,10 +22,11 @@ from ndp_kernels.segments import any_value_head
 from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
                         resolve_group_or_input_error)
-from .ring import RingPlan, _ring_bwd, _ring_fwd
+from .compiled import CpImpl, cp_call, register
+from .ring import RingPlan, ring_bwd, ring_fwd
 from .schedule import Mask, Placement, RingSchedule
 from .sharding import _require_ops
-from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, heads_of, lse_to_seq,
+from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, heads_of, lse_to_head, lse_to_seq,
                       make_a2a_order, seq_to_head, sinks_grad_of_heads)
 
 __all__ = ["usp_attention", "UspAttnFunction", "split_cp_group"]
@@ -133,7 +134,7 @@ class UspAttnFunction(torch.autograd.Function):
         ap = plan.a2a
         qh = seq_to_head(q4, ap)
         kv = torch.stack([seq_to_head(_expand_kv(k4, plan.rep), ap), seq_to_head(_expand_kv(v4, plan.rep), ap)])
-        out_acc, lse_h = _ring_fwd(qh, kv, plan.ring)
+        out_acc, lse_h = ring_fwd(qh, kv, plan.ring)
         if sinks is None:
             out_h = out_acc.to(q.dtype)
         else:
@@ -151,7 +152,7 @@ class UspAttnFunction(torch.autograd.Function):
         plan, ap = ctx.plan, ctx.plan.a2a
         dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
         dout_h = seq_to_head(dout4, ap)
-        dq_h, dkv_h = _ring_bwd(dout_h, qh, kv, out_h, lse_h, plan.ring)
+        dq_h, dkv_h = ring_bwd(dout_h, qh, kv, out_h, lse_h, plan.ring)
         dsinks = sinks_grad_of_heads(dout_h, out_h, lse_h, sinks, ap)
         dq = head_to_seq(dq_h.to(qh.dtype), ap)
         # Final gradients travel in the input dtype; kv replicas are summed after, in fp32.
@@ -185,6 +186,23 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         ValueError: heads % U != 0 or kv_heads neither a multiple nor a divisor of U, plus every check
             of ring_attention; raised on every rank before any transfer.
     """
+    if torch.compiler.is_compiling():
+        return cp_call("usp", q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
+                       layout=layout, backend=backend, window_size=window_size, cu_seqlens=cu_seqlens,
+                       return_lse=return_lse, deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
+                       softcap=softcap)
+    rest = _prepare(q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
+                    window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
+                    need_lse=bool(return_lse))
+    out, lse = UspAttnFunction.apply(q, k, v, *rest)
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_seqlens, backend, deterministic,
+             sinks, chunk_size, softcap, need_lse=True):
+    """UspAttnFunction's arguments after q, k, v: validation, the validity exchange over both groups, the plan."""
+    ulysses_group, ring_group = groups
     _require_ops()
     from ndp.ops import resolve_backend
 
@@ -211,5 +229,14 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
     # Ulysses group first, then the ring group: an error seen in one Ulysses group reaches every rank.
     agree([(ug, u_size), (rg, r_size)], fields, q if torch.is_tensor(q) else None, "usp_attention", error)
     plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
-    out, lse = UspAttnFunction.apply(q, k, v, sinks, plan, packed, bool(return_lse))
-    return (out, lse) if return_lse else out
+    return sinks, plan, packed, need_lse
+
+
+def _saved(q4, k4, v4, out4, lse4, sinks, rest):
+    plan = rest[1]
+    ap = plan.a2a
+    kv = torch.stack([seq_to_head(_expand_kv(k4, plan.rep), ap), seq_to_head(_expand_kv(v4, plan.rep), ap)])
+    return seq_to_head(q4, ap), kv, seq_to_head(out4, ap), lse_to_head(lse4, ap), sinks
+
+
+register("usp", CpImpl(_prepare, UspAttnFunction, _saved))

@@ -129,6 +129,21 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
 Tensor = torch.Tensor
 
 
+def distinct_outputs(outputs, inputs) -> tuple:
+    """`outputs` contiguous, each one copied where it shares memory with an input or an earlier output (views of
+    one buffer, e.g. dK and dV of a stacked accumulator): a custom op's outputs may not alias (torch.library)."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs if torch.is_tensor(x) and x.numel()}
+    out = []
+    for x in outputs:
+        x = x.contiguous()
+        ptr = x.untyped_storage().data_ptr()
+        if x.numel() and ptr in seen:
+            x = x.clone()
+        seen.add(x.untyped_storage().data_ptr())
+        out.append(x)
+    return tuple(out)
+
+
 class _Layout:
     """How the op's tensors are viewed as the 4-D blocks of ``attention_fwd``: dense ``[B, S, H, D]`` as they
     are; packed ``[T, H, D]`` as one row; dense rows whose ``position_ids`` restart (transformers' packed rows)
@@ -180,7 +195,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Te
     out, lse = attention_fwd(q4, k4, v4, lay.segs, softmax_scale=scale, backend=backend, softcap=softcap)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks, q.dtype)
-    return lay.outside(out).contiguous(), lay.outside_lse(lse).contiguous()
+    return distinct_outputs((lay.outside(out), lay.outside_lse(lse)), (q, k, v, sinks))
 
 
 @_attention_op.register_fake
@@ -201,7 +216,7 @@ def _attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out4, lse4, lay.segs, softmax_scale=scale, backend=backend,
                                deterministic=deterministic, softcap=softcap)
     dsinks = q.new_empty(0) if sinks is None else sinks_grad(dout4, out4, lse4, sinks)
-    return (*(lay.outside(x).contiguous() for x in (dq, dk, dv)), dsinks)
+    return distinct_outputs([lay.outside(x) for x in (dq, dk, dv)] + [dsinks], (dout, q, k, v, out, lse, sinks))
 
 
 @_attention_bwd_op.register_fake
@@ -266,8 +281,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     check_sinks(sinks, q.shape[-2], q.device)
-    out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
-                                       _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend,
+    out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left,
+                                       right, _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend,
                                        bool(deterministic))
     return (out, lse) if return_lse else out
 

@@ -101,7 +101,8 @@ class Accelerator(accelerate.Accelerator):
             ndp.hf.check_model(model, cfg)
             apply_cp(model, cfg, mesh, ndp.hf.hf_plan(model))
             setattr(model, PARALLEL_ATTR, Parallelized(cfg, mesh))
-            model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True)
+            # first: the document table it adds is what ndp.hf's position check reads
+            model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True, prepend=True)
         return args
 
     def _ndp_forward_kwargs(self, model, args, kwargs):

@@ -11,7 +11,7 @@ from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import ModelPlan, ParallelismConfig, ac_mode, as_config
 from ndp.parallel import parallelize as _parallelize
 
-from .attention import IMPL_NAMES, guard_outside_layers, ndp_attention_forward, register_attention
+from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
 from .batch import parallel_state, shard_batch
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
@@ -77,6 +77,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
         if ctx.enabled:
             guard_outside_layers(m, outside, ctx)
+            guard_positions(m, ctx)
 
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),

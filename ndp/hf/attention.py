@@ -215,9 +215,31 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
     if spec is None and attention_mask is not None and not bool(attention_mask.all()):
         return ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
                           "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
-    if ctx is not None and kwargs.get("cu_seq_lens_q") is None:
+    if ctx is not None and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling():
+        # compiled decoder layers skip it: guard_positions checks once per forward, before the layers
         return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)
     return None
+
+
+def guard_positions(model, ctx) -> None:
+    """Under CP, check once per forward, before the decoder layers run, that the batch is this rank's shard (what
+    the attention checks per call in eager mode, where compiled layers cannot: a read of the positions' values):
+    a forward pre-hook on `model` refuses on every rank of the CP group as the attention would."""
+    def check(module, args, kwargs):
+        if kwargs.get("cu_seq_lens_q") is not None:
+            return
+        ref = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if torch.is_tensor(t)),
+                   None)
+        if ref is None or ref.dim() < 2:
+            return
+        pos = kwargs.get("position_ids")
+        if pos is None:  # what the model builds without a cache: 0 .. local_seq - 1
+            pos = torch.arange(ref.shape[1], device=ref.device)[None]
+        error = _shard_positions_error(pos, ctx, ref.shape[1], ctx.impl)
+        if error is not None:
+            raise_on_cp_ranks(error, ctx, f"ndp_{ctx.impl} attention")
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def raise_on_cp_ranks(error: BaseException, ctx, what: str) -> None:
@@ -245,6 +267,9 @@ def guard_outside_layers(model, names, ctx) -> None:
         model.get_submodule(name).register_forward_pre_hook(refuse)
 
 
+# Run eagerly under torch.compile (one graph break per mask a model builds): reading a mask function's closure
+# values, which describe does, is what dynamo cannot trace for functions made inside the traced frame.
+@torch.compiler.disable
 def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
     # ndp attention applies the mask itself: no dense mask, a marker carrying what the mask function asks for

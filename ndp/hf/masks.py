@@ -119,7 +119,9 @@ class _Marker(torch.Tensor):
     # spec; anything that reads the mask's values is refused.
     _ALLOWED = {"__get__", "__bool__", "all", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "detach",
                 "is_floating_point", "is_complex", "dim", "size", "numel", "element_size", "to", "clone",
-                "contiguous", "requires_grad_", "__eq__"}
+                "contiguous", "requires_grad_", "__eq__",
+                # the metadata torch.compile reads from a graph input (a compiled decoder block's mask argument)
+                "_is_view", "is_neg", "is_conj", "untyped_storage", "storage_offset", "stride"}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -1,0 +1,106 @@
+"""transformers models on ndp attention under torch.compile: decoder layers compile fullgraph (0 graph breaks; aot_eager
+and inductor equal eager, fp32, loss/logits and every gradient) on 1 process and through
+``ndp.hf.parallelize(..., compile=True)`` at cp 2 (ring, Ulysses); the whole model compiles with the mask
+construction as its only graph breaks; a batch that is not this rank's shard still raises on every rank."""
+import os
+import sys
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dist import spawn  # noqa: E402
+import _zoo  # noqa: E402
+
+IDS = torch.randint(3, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+POS = torch.cat([torch.arange(12), torch.arange(20)])[None]  # two packed documents per row
+
+
+def _ndp_model(model_type):
+    import ndp.hf
+
+    ndp.hf.register_attention()
+    torch.manual_seed(0)
+    model = _zoo.tiny_model(model_type).float().train()
+    model.set_attn_implementation("ndp_ring")
+    return model
+
+
+def _run(model, call):
+    model.zero_grad()
+    out = call(input_ids=IDS, position_ids=POS).logits
+    out.square().mean().backward()
+    return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def _close(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_decoder_layers_compile_fullgraph(model_type, backend):
+    model = _ndp_model(model_type)
+    eager = _run(model, model)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
+    _close(_run(model, model), eager)
+
+
+def test_whole_model_compiles_with_breaks_only_at_the_mask():
+    model = _ndp_model("llama")
+    eager = _run(model, model)
+    _close(_run(model, torch.compile(model, backend="aot_eager")), eager)
+    explain = dynamo.explain(model)(input_ids=IDS, position_ids=POS)
+    assert explain.break_reasons and all("_ndp_mask" in str(b.reason) for b in explain.break_reasons), \
+        [str(b.reason)[:200] for b in explain.break_reasons]
+
+
+def _grads(model):
+    return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+
+
+def _cp_body(rank, world):
+    import ndp
+    import ndp.hf
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    labels = F.pad(IDS[:, 1:], (0, 1), value=-100)
+    for model_type, impl in (("llama", "ring"), ("mistral", "ulysses")):
+        res = []
+        for compile in (False, True):
+            dynamo.reset()
+            cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl)
+            model = ndp.hf.parallelize(_zoo.tiny_model(model_type).float().train(), cfg, cfg.build_device_mesh("cpu"),
+                                       compile=compile)
+            b = ndp.hf.shard_batch(model, input_ids=IDS, labels=labels)
+            lab = b.pop("labels")
+            loss = ndp.hf.loss(model(**b).logits, lab, model)
+            loss.backward()
+            res.append([loss.detach()] + _grads(model))
+            if compile:  # every decoder layer compiled whole
+                assert not dynamo.utils.counters["graph_break"], dict(dynamo.utils.counters["graph_break"])
+                assert dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the layers share one graph
+        _close(res[1], res[0])
+        if impl == "ring":  # the whole batch, not this rank's shard: refused before the compiled layers
+            with pytest.raises(ValueError, match=r"position_ids that are not rank \d's shard"):
+                model(input_ids=IDS)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_parallelize_compile_under_cp_equals_eager(tmp_path):
+    spawn(_cp_body, 2, tmp_path, timeout_s=300)

@@ -59,6 +59,7 @@ class TrainConfig:
     export_hf: str | None = None
     activation_checkpointing: str = "none"  # one of AC_MODES (a bool is read as True: full, False: none)
     activation_offload: bool = False
+    compile: bool = False  # torch.compile each decoder layer (ndp.parallelize(..., compile=True))
     device: str = "auto"
     progress: bool = True
     stop_after: int | None = None
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--activation-offload", action="store_true", default=None,
       help="copy the activations saved for the backward to pinned host memory in the forward (on a side stream) "
            "and bring them back ahead of the backward (with --activation-checkpointing: the layers' inputs)")
+    a("--compile", action="store_true", default=None,
+      help="torch.compile each decoder layer (whole, no graph break: ndp's attention and CP are custom ops)")
     a("--device", choices=("auto", "cpu", "cuda"))
     a("--no-progress", dest="progress", action="store_false", default=None)
     a("--stop-after", type=int, help="save and exit cleanly after this step (a time slice); the learning-rate "

@@ -207,7 +207,7 @@ def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int
     # Under TP the fused loss splits the LM head by vocabulary (a tied head stays whole, as the embedding)
     loss_parallel = cfg.loss == "fused" and p.tp_size > 1 and not model.config.tie_word_embeddings
     ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing,
-                       loss_parallel=loss_parallel, init_seed=cfg.seed, init_device=device)
+                       loss_parallel=loss_parallel, init_seed=cfg.seed, init_device=device, compile=cfg.compile)
     rank_bytes = _param_bytes_max(model)
     if rank == 0:
         logger.info("parameters: %d bytes per rank (largest rank; --init %s), %d bytes in the whole model",

@@ -54,6 +54,14 @@ def test_memory_flags(tmp_path):
         parse_config(["--loss", "chunked"], env={})
 
 
+def test_compile_trains_as_eager():
+    # --compile: every decoder layer compiled whole; the same losses as eager (fp32 on CPU)
+    assert parse_config(["--compile"], env={}).compile is True
+    runs = [train(TrainConfig(steps=3, seq_len=64, batch_size=2, progress=False, device="cpu", compile=c)).losses
+            for c in (False, True)]
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-5, atol=1e-6)
+
+
 def test_yaml_and_env_precedence(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model: tiny-mistral\nsteps: 9\nparallel:\n  cp: 2\n  cp-impl: ulysses\nseq_len: 32\n")

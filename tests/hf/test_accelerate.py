@@ -207,18 +207,20 @@ class _InOrder(ndp.trainer.Trainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def _trainer_rank(rank, world, tmp, model_dir, ga, steps):
+def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
     _rank_env(rank, world)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=steps,
                              gradient_accumulation_steps=ga, per_device_eval_batch_size=1,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                             torch_compile=compile, torch_compile_backend="aot_eager" if compile else None,
                              parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
+    assert not compile or torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the model ran compiled
     ev = trainer.evaluate()   # 5 rows over 2 data-parallel ranks: the last step pads one rank, cut off again
     if rank == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -232,12 +234,13 @@ def _samples():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("ga, steps", [(1, 5), (2, 2)])
-def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps):
-    # dp_shard 2 x cp 2; with gradient accumulation the Trainer's num_items_in_batch spans the micro-batches.
+@pytest.mark.parametrize("ga, steps, compile", [(1, 5, False), (2, 2, False), (1, 3, True)])
+def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compile):
+    # dp_shard 2 x cp 2; with gradient accumulation the Trainer's num_items_in_batch spans the micro-batches;
+    # torch_compile: the Trainer compiles the model (ndp's attention and CP ops inside the graphs).
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, timeout_s=300)
+    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, compile, timeout_s=300)
     got = torch.load(tmp_path / "trainer.pt")
     data = torch.stack([s["input_ids"] for s in _samples()])
     losses, model = _one_process(model_dir, data, steps=steps, dp=2 * ga, clip=1.0)

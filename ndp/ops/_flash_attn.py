@@ -26,7 +26,13 @@ from ._pieces import Call, Piece, run_bwd, run_fwd
 log = logging.getLogger(__name__)
 
 
-def available() -> tuple[bool, str]:
+SOFTCAP = False
+
+
+def available(device=None) -> tuple[bool, str]:
+    """(usable, reason when not) for FlashAttention-2 on `device` (None: this machine's GPU)."""
+    if device is not None and torch.device(device).type != "cuda":
+        return False, "flash-attn needs a CUDA device"
     try:
         import flash_attn  # noqa: F401
     except Exception as e:
@@ -51,6 +57,16 @@ def available3() -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability()
     if cap[0] != 9:
         return False, f"FlashAttention-3 runs on Hopper (compute capability 9.x); this GPU has {cap[0]}.{cap[1]}"
+    return True, ""
+
+
+def capable(segs, q4, k4, *, deterministic=False) -> tuple[bool, str]:
+    """Whether flash-attn (2 or 3) computes this block exactly (assumes it is available)."""
+    if q4.dtype == torch.float64:
+        return False, "flash-attn has no float64 kernels"
+    if _varlen_args(q4, k4, segs) is None:
+        return False, ("flash-attn's varlen API cannot express this block (it needs fp16/bf16, head_dim % 8 == 0 "
+                       "and back-to-back bottom-right aligned segments with one shared window)")
     return True, ""
 
 

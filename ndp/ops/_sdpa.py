@@ -24,7 +24,9 @@ from ndp_kernels.segments import acc_dtype
 from . import _sdpa_cuda
 from ._pieces import Call, pieces_of, run_bwd, run_fwd
 
-__all__ = ["available", "capable", "fwd", "bwd", "pieces_of"]
+__all__ = ["SOFTCAP", "available", "capable", "fwd", "bwd", "pieces_of"]
+
+SOFTCAP = False
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

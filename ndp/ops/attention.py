@@ -1,8 +1,9 @@
 """Local (one-device) attention engines behind one interface.
 
-Engines: ``sdpa`` (torch's fused SDPA kernels with log-sum-exp: CPU flash; CUDA cuDNN, flash, efficient),
-``triton`` (``ndp_kernels`` kernels; on CPU only under the Triton interpreter), ``flash_attn`` (flash-attn's
-CUDA kernels when importable), ``torch`` (plain PyTorch, ``ndp_kernels.reference``: the materialising
+Engines (one module each, named in ``engines.ENGINE_MODULES``): ``sdpa`` (``_sdpa``: torch's fused SDPA kernels
+with log-sum-exp: CPU flash; CUDA cuDNN, flash, efficient), ``triton`` (``_triton``: ``ndp_kernels`` kernels; on
+CPU only under the Triton interpreter), ``flash_attn`` / ``flash_attn3`` (``_flash_attn``, ``_flash_attn3``:
+flash-attn's CUDA kernels when importable), ``torch`` (``_reference``: plain PyTorch, the materialising
 reference, float64 capable). ``auto`` picks per block the fastest engine that is exact for it, from
 measurements (see ``engines.py``). Every engine keeps the same conventions, including the fp32 accumulators of
 ring steps.
@@ -11,13 +12,10 @@ from __future__ import annotations
 
 import torch
 
-import ndp_kernels
-from ndp_kernels import reference
 from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
                                    position_restarts, run_bwd, segments_of)
 
-from . import _flash_attn, _sdpa
-from .engines import ENGINES, block_class, capable, choose, engine_available
+from .engines import ENGINES, block_class, capable, choose, engine_available, engine_module
 from .sinks import add_sinks, check_sinks, sinks_grad
 
 BACKENDS = ("auto",) + ENGINES
@@ -88,13 +86,7 @@ def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None
     kw = dict(softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
     if softcap:  # only the engines of SOFTCAP_ENGINES get here with it
         kw["softcap"] = softcap
-    if be == "torch":
-        return reference.attn_fwd_segments_ref(q4, k4, v4, segs, **kw)
-    if be == "sdpa":
-        return _sdpa.fwd(q4, k4, v4, segs, **kw)
-    if be == "triton":
-        return ndp_kernels.attn_fwd_segments(q4, k4, v4, segs, **kw)
-    return _flash_attn.fwd(q4, k4, v4, segs, version=3 if be == "flash_attn3" else 2, **kw)
+    return engine_module(be).fwd(q4, k4, v4, segs, **kw)
 
 
 def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
@@ -111,16 +103,7 @@ def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=
     kw = dict(softmax_scale=softmax_scale, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc)
     if softcap:
         kw["softcap"] = softcap
-    if be == "torch":
-        return reference.attn_bwd_segments_ref(dout4, q4, k4, v4, out4, lse3, segs, **kw)
-    if be == "sdpa":
-        return _sdpa.bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic, **kw)
-    if be == "triton":
-        if deterministic:
-            kw["deterministic"] = True
-        return ndp_kernels.attn_bwd_segments(dout4, q4, k4, v4, out4, lse3, segs, **kw)
-    return _flash_attn.bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic,
-                           version=3 if be == "flash_attn3" else 2, **kw)
+    return engine_module(be).bwd(dout4, q4, k4, v4, out4, lse3, segs, deterministic=deterministic, **kw)
 
 
 # ndp.ops.attention is the custom op ``ndp::attention`` (and ``ndp::attention_backward``): torch.compile traces

@@ -21,30 +21,32 @@ for a block no other engine here can run exactly (a soft-capped block on CPU), w
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import ndp_kernels
 from ndp_kernels import tuning
 
-from . import _flash_attn, _sdpa
+from . import _flash_attn, _flash_attn3, _reference, _sdpa, _triton
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CLASSES", "ENGINES", "AUTO_ENGINES", "block_class", "head_dim_bucket", "engine_available", "capable",
+__all__ = ["CLASSES", "ENGINE_MODULES", "ENGINES", "AUTO_ENGINES", "SOFTCAP_ENGINES", "engine_module", "block_class", "head_dim_bucket", "engine_available", "capable",
            "HEAD_KINDS", "head_kind", "row_key", "EngineTable", "engine_table", "table_rows", "adopt_rows",
            "measure_first_use", "choose", "SHIPPED_DIR"]
 
 CLASSES = ("full", "causal", "window", "varlen", "other")
-ENGINES = ("triton", "sdpa", "flash_attn", "flash_attn3", "torch")
+# The engines: name -> module exposing available(device), capable(segs, q4, k4, *, deterministic), fwd and bwd
+# (the segment-level calls of ndp.ops.attention_fwd / attention_bwd) and SOFTCAP. A new engine is one module and
+# one entry here (and in AUTO_ENGINES where auto may pick it).
+ENGINE_MODULES = {"triton": _triton, "sdpa": _sdpa, "flash_attn": _flash_attn, "flash_attn3": _flash_attn3,
+                  "torch": _reference}
+ENGINES = tuple(ENGINE_MODULES)
 AUTO_ENGINES = ("flash_attn3", "flash_attn", "sdpa", "triton")  # the engines auto picks first (the reference last)
 # Engines that soft-cap the logits (Gemma 2's attn_logit_softcapping) in forward and backward.
-SOFTCAP_ENGINES = ("triton", "torch")
+SOFTCAP_ENGINES = tuple(name for name, m in ENGINE_MODULES.items() if m.SOFTCAP)
 HEAD_DIM_BUCKETS = (32, 64, 128, 256)
 # Rows may also be kept per head layout: "mha" (as many K/V heads as query heads) or "gqa" (fewer). On CUDA the
 # fastest engine differs between them (cuDNN and the memory-efficient kernel run MHA only, flash runs GQA whole).
@@ -103,49 +105,29 @@ def block_class(segs, sq: int, sk: int) -> str:
     return hit
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_has_deterministic() -> bool:
-    try:
-        return "deterministic" in inspect.signature(ndp_kernels.attn_bwd_segments).parameters
-    except Exception:  # triton missing: availability reports why
-        return False
+def engine_module(engine: str):
+    """The module of engine `engine` (see ENGINE_MODULES).
+
+    Raises:
+        ValueError: unknown engine name.
+    """
+    module = ENGINE_MODULES.get(engine)
+    if module is None:
+        raise ValueError(f"unknown attention engine {engine!r}; engines are {ENGINES}")
+    return module
 
 
 def engine_available(engine: str, device) -> tuple[bool, str]:
     """(usable on `device`, reason when not) for one engine name."""
-    device = torch.device(device)
-    if engine == "torch":
-        return True, ""
-    if engine == "sdpa":
-        return _sdpa.available(device)
-    if engine == "triton":
-        ok, why = ndp_kernels.triton_available()
-        if ok and device.type != "cuda" and not ndp_kernels.interpreter_active():
-            return False, "triton kernels need a CUDA device (or TRITON_INTERPRET=1 to interpret them on CPU)"
-        return ok, why
-    if engine == "flash_attn":
-        return _flash_attn.available() if device.type == "cuda" else (False, "flash-attn needs a CUDA device")
-    if engine == "flash_attn3":
-        return _flash_attn.available3() if device.type == "cuda" else (False, "FlashAttention-3 needs a CUDA device")
-    raise ValueError(f"unknown attention engine {engine!r}; engines are {ENGINES}")
+    return engine_module(engine).available(torch.device(device))
 
 
 def capable(engine: str, segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -> tuple[bool, str]:
     """Whether `engine` computes this block exactly here (assumes it is available), and why not."""
-    dtype = q4.dtype
-    if softcap and engine not in SOFTCAP_ENGINES:
+    module = engine_module(engine)
+    if softcap and not module.SOFTCAP:
         return False, f"{engine} has no logit soft-capping in ndp (engines with it: {SOFTCAP_ENGINES})"
-    if engine in ("triton", "flash_attn", "flash_attn3") and dtype == torch.float64:
-        return False, f"{engine} has no float64 kernels"
-    if engine == "triton" and deterministic and not _triton_has_deterministic():
-        return False, "this build's Triton backward has no deterministic mode"
-    if engine in ("flash_attn", "flash_attn3"):
-        if _flash_attn._varlen_args(q4, k4, segs) is None:
-            return False, ("flash-attn's varlen API cannot express this block (it needs fp16/bf16, head_dim % 8 == 0 "
-                           "and back-to-back bottom-right aligned segments with one shared window)")
-    if engine == "sdpa":
-        return _sdpa.capable(segs, q4, k4, deterministic=deterministic)
-    return True, ""
+    return module.capable(segs, q4, k4, deterministic=deterministic)
 
 
 @dataclass

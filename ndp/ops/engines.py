@@ -33,7 +33,8 @@ from . import _flash_attn, _flash_attn3, _reference, _sdpa, _triton
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CLASSES", "ENGINE_MODULES", "ENGINES", "AUTO_ENGINES", "SOFTCAP_ENGINES", "engine_module", "block_class", "head_dim_bucket", "engine_available", "capable",
+__all__ = ["CLASSES", "ENGINE_MODULES", "ENGINES", "AUTO_ENGINES", "SOFTCAP_ENGINES", "engine_module", "block_class",
+           "head_dim_bucket", "engine_available", "capable",
            "HEAD_KINDS", "head_kind", "row_key", "EngineTable", "engine_table", "table_rows", "adopt_rows",
            "measure_first_use", "choose", "SHIPPED_DIR"]
 

@@ -15,15 +15,20 @@ import torch
 from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
                                    position_restarts, run_bwd, segments_of)
 
-from .engines import ENGINES, block_class, capable, choose, engine_available, engine_module
+from .engines import ENGINE_MODULES, ENGINES, block_class, capable, choose, engine_available, engine_module
 from .sinks import add_sinks, check_sinks, sinks_grad
 
 BACKENDS = ("auto",) + ENGINES
 
 
+def _check_backend(backend) -> None:
+    if backend != "auto" and backend not in ENGINE_MODULES:
+        raise ValueError(f"backend must be one of {('auto',) + tuple(ENGINE_MODULES)}; got {backend!r}")
+
+
 def available_backends(device="cpu") -> dict[str, tuple[bool, str]]:
     """Map engine name -> (usable on `device`, reason when not)."""
-    return {e: engine_available(e, device) for e in ENGINES}
+    return {e: engine_available(e, device) for e in ENGINE_MODULES}
 
 
 def resolve_backend(backend: str, device) -> str:
@@ -34,8 +39,7 @@ def resolve_backend(backend: str, device) -> str:
     Raises:
         ValueError: unknown name.  RuntimeError: the engine cannot run here (the message says why).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    _check_backend(backend)
     if backend == "auto":
         return backend
     device = torch.device(device)
@@ -58,7 +62,7 @@ def engine_for(backend, segs, q4, k4, *, deterministic=False, softcap=0.0) -> st
     resolve_backend(backend, q4.device)
     ok, why = capable(backend, segs, q4, k4, deterministic=deterministic, softcap=softcap)
     if not ok:
-        able = [e for e in ENGINES if engine_available(e, q4.device)[0]
+        able = [e for e in ENGINE_MODULES if engine_available(e, q4.device)[0]
                 and capable(e, segs, q4, k4, deterministic=deterministic, softcap=softcap)[0]]
         cls = block_class(segs, q4.shape[1], k4.shape[1])
         err = TypeError if q4.dtype == torch.float64 and not softcap else ValueError
@@ -261,8 +265,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _check_positions(position_ids, q, packed)
     softcap = check_softcap(softcap)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    _check_backend(backend)
     check_sinks(sinks, q.shape[-2], q.device)
     out, lse = torch.ops.ndp.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left,
                                        right, _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend,

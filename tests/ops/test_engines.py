@@ -1,6 +1,7 @@
 """The sdpa engine and auto's per-block choice: pieces cover every mask exactly, every engine matches the float64
 reference (out, lse, dq, dk, dv), forced engines refuse blocks they cannot do, tables are read and validated."""
 import json
+import types
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 import ndp
 import ndp.ops
 import ndp_kernels
-from ndp.ops import _sdpa, engines, tune
+from ndp.ops import _reference, _sdpa, engines, tune
 from ndp.ops._pieces import plan_pieces
 from ndp_kernels import NO_LIMIT, Segments, tuning
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref, flash_attn_bwd_ref, \
@@ -339,3 +340,29 @@ def test_info_shows_the_engine_table_and_the_kernel_configs(tmp_path, monkeypatc
     assert "backend='auto' engine table" in text and "causal/float32/64      -> sdpa" in text
     assert "Triton launch configurations: static tables" in text
     engines.engine_table("cpu", reload=True)
+
+
+def test_a_new_engine_is_one_module_and_one_entry(monkeypatch):
+    # An engine module (here the reference, counting its calls) and its entry in ENGINE_MODULES: forced by name,
+    # it runs the forward and the backward of ndp.ops.attention (the custom op) and gives the reference's numbers.
+    calls = []
+    counting = types.ModuleType("counting")
+    counting.SOFTCAP = False
+    counting.available = lambda device: (True, "")
+    counting.capable = lambda segs, q4, k4, *, deterministic=False: (True, "")
+    counting.fwd = lambda *a, **k: calls.append("fwd") or _reference.fwd(*a, **k)
+    counting.bwd = lambda *a, **k: calls.append("bwd") or _reference.bwd(*a, **k)
+    monkeypatch.setitem(engines.ENGINE_MODULES, "counting", counting)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 16, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    got = ndp.ops.attention(q, k, v, causal=True, backend="counting")
+    got.sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = ndp.ops.attention(q, k, v, causal=True, backend="torch")
+    want.sum().backward()
+    assert calls == ["fwd", "bwd"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, x.grad, rtol=0, atol=0)

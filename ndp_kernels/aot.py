@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from . import interpreter_active
+
 logger = logging.getLogger(__name__)
 
 SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -291,7 +293,7 @@ def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
     from triton.compiler import ASTSource
     import triton
 
-    from .configs import head_dim_bucket
+    from .configs import kernel_bucket
 
     fn, sig, consts, attrs, cfg = _spec(kernel, dtype, head_dim, arch)
     row = Row(kernel, arch, dtype, head_dim, str(cfg))
@@ -305,7 +307,7 @@ def compile_one(kernel: str, arch: str, dtype: str, head_dim: int) -> Row:
         row.shared = res["SHARED"] + int(k.metadata.shared)
         if arch == "sm_90" and kernel in WGMMA_KERNELS and dtype != "fp32":
             row.wgmma = "yes" if "wgmma" in k.asm["ptx"] else "no"
-            if row.wgmma == "no" and (kernel, head_dim_bucket(head_dim)) in WGMMA_EXEMPT:
+            if row.wgmma == "no" and (kernel, kernel_bucket(head_dim)) in WGMMA_EXEMPT:
                 row.wgmma = WGMMA_EXEMPT_MARK
         if kernel in TMA_KERNELS:
             row.tma = "yes" if TMA_PTX in k.asm["ptx"] else "no"
@@ -325,8 +327,7 @@ def run(kernels=DEFAULT_KERNELS, archs=("sm_80", "sm_90"), dtypes=DEFAULT_DTYPES
 
     ``jobs > 1`` compiles in that many worker processes (compilation is CPU bound and single threaded).
     """
-    from .configs import interpreting
-    if interpreting():
+    if interpreter_active():
         raise RuntimeError("ahead-of-time compilation needs the real Triton compiler; unset "
                            "TRITON_INTERPRET (run `python -m ndp_kernels.aot` in a clean environment)")
     todo = [(kernel, arch, dtype, hd) for kernel in kernels for arch in archs for dtype in dtypes

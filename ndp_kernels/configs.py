@@ -27,18 +27,16 @@ import threading
 import torch
 import triton
 
-from . import tuning
+from . import interpreter_active, tuning
 
 log = logging.getLogger("ndp_kernels")
 
-__all__ = ["KernelConfig", "ARCHS", "head_dim_bucket", "block_d", "current_arch", "fwd_config",
+__all__ = ["KernelConfig", "ARCHS", "kernel_bucket", "block_d", "current_arch", "fwd_config",
            "adopt_rows", "measure_first_use", "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl",
-           "merge_config", "interpreting",
+           "merge_config",
            "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits", "sm_count"]
 
 ARCHS = ("sm_80", "sm_90")
-MIN_HEAD_DIM = 16
-MAX_HEAD_DIM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +63,9 @@ class KernelConfig:
         return [self.block_m, self.block_n, self.num_warps, self.num_stages] + ([True] if self.tma else [])
 
 
-def head_dim_bucket(head_dim: int) -> int:
-    """The power-of-two bucket (64, 128 or 256) whose configuration serves ``head_dim``."""
+def kernel_bucket(head_dim: int) -> int:
+    """The head_dim bucket of the kernel tables (64, 128 or 256) whose configuration serves ``head_dim`` (the engine
+    tables bucket more finely: ``ndp.ops.engines.head_dim_bucket``)."""
     if head_dim <= 64:
         return 64
     if head_dim <= 128:
@@ -77,11 +76,6 @@ def head_dim_bucket(head_dim: int) -> int:
 def block_d(head_dim: int) -> int:
     """Padded head dim of the tiles: next power of two (>= 16); columns past head_dim are masked."""
     return max(16, triton.next_power_of_2(int(head_dim)))
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels with its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def launch_device(device: torch.device):
@@ -95,7 +89,7 @@ def launch_device(device: torch.device):
 
 def current_arch(device: torch.device) -> str:
     """Configuration family for ``device``: "interpreter", "sm_80" or "sm_90"."""
-    if device.type != "cuda" or interpreting():
+    if device.type != "cuda" or interpreter_active():
         return "interpreter"
     major = tuning.device_properties(device).major
     # Hopper and datacenter Blackwell (227 KB shared memory) take the sm_90 tiles; Ampere, Ada and
@@ -242,7 +236,7 @@ _MERGE_WARPS = 4
 def _shrink_for_small_smem(cfg: KernelConfig, device: torch.device | None) -> KernelConfig:
     # sm_86/sm_89/sm_120 have ~100 KB of shared memory per block instead of 163 KB: one stage fewer
     # keeps every sm_80 tile of the static report under 100 KB.
-    if device is None or device.type != "cuda" or interpreting():
+    if device is None or device.type != "cuda" or interpreter_active():
         return cfg
     optin = getattr(tuning.device_properties(device), "shared_memory_per_block_optin", None)
     if optin is not None and optin < 160 * 1024:
@@ -284,7 +278,7 @@ _TUNED: dict = {}
 
 def tuned_key(kind: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
     """Row key of a tuned table: ``kind/arch/head_dim bucket/dtype`` (kind may also be ``bwd_impl``)."""
-    return f"{kind}/{arch}/{head_dim_bucket(head_dim)}/{str(dtype).replace('torch.', '')}"
+    return f"{kind}/{arch}/{kernel_bucket(head_dim)}/{str(dtype).replace('torch.', '')}"
 
 
 def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
@@ -444,7 +438,7 @@ def probe_variants(kind: str, arch: str, head_dim: int, dtype: torch.dtype, devi
 
 
 def _alternates(kind, arch, head_dim, dtype) -> tuple:
-    return PROBE_ALTERNATES.get((kind, arch, head_dim_bucket(head_dim)), ()) if dtype in HALF_DTYPES else ()
+    return PROBE_ALTERNATES.get((kind, arch, kernel_bucket(head_dim)), ()) if dtype in HALF_DTYPES else ()
 
 
 _PART_KINDS = {"fwd": ("fwd",), "bwd": ("bwd", "bwd_dkdv", "bwd_dq")}  # what each probe of tune.probe settles
@@ -484,7 +478,7 @@ def _pick(kind, static, arch, head_dim, device, dtype, measured=True) -> KernelC
     if forced is not None:
         return forced
     if not measured:
-        return _shrink_for_small_smem(static[(arch, head_dim_bucket(head_dim))], device)
+        return _shrink_for_small_smem(static[(arch, kernel_bucket(head_dim))], device)
     rows = tuned_table(device)
     part = "fwd" if kind == "fwd" else "bwd"  # the probe that settles `kind` (tune.probe)
     if _open(part, arch, head_dim, dtype, device, rows):
@@ -493,7 +487,7 @@ def _pick(kind, static, arch, head_dim, device, dtype, measured=True) -> KernelC
     if row is not None:
         # Measured on this GPU model: taken as is (no shared-memory shrink, it ran there).
         return KernelConfig(*row["config"])
-    return _shrink_for_small_smem(static[(arch, head_dim_bucket(head_dim))], device)
+    return _shrink_for_small_smem(static[(arch, kernel_bucket(head_dim))], device)
 
 
 def static_config(kind: str, arch: str, head_dim: int, dtype: torch.dtype = torch.float16,
@@ -505,7 +499,7 @@ def static_config(kind: str, arch: str, head_dim: int, dtype: torch.dtype = torc
     fp32 = dtype == torch.float32 and arch != "interpreter"
     table = {"fwd": _FWD32 if fp32 else _FWD, "bwd": _BWD32 if fp32 else _BWD,
              "bwd_dkdv": _BWD_DKDV32 if fp32 else _BWD_DKDV, "bwd_dq": _BWD_DQ32 if fp32 else _BWD_DQ}[kind]
-    return _shrink_for_small_smem(table[(arch, head_dim_bucket(head_dim))], device)
+    return _shrink_for_small_smem(table[(arch, kernel_bucket(head_dim))], device)
 
 
 def fwd_config(arch: str, head_dim: int, device: torch.device | None = None,
@@ -548,7 +542,7 @@ def with_softcap(kind: str, cfg: KernelConfig, head_dim: int) -> KernelConfig:
     """The tile a soft-capped launch of `kind` takes: the dK/dV kernel keeps one more score-sized tile live
     (the cap's derivative) and at head_dim bucket 256 spills with the plain tile, so it takes half the key rows
     (`python -m ndp_kernels.aot`, kernels *_softcap)."""
-    if kind == "bwd_dkdv" and head_dim_bucket(head_dim) == 256:
+    if kind == "bwd_dkdv" and kernel_bucket(head_dim) == 256:
         return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
 
@@ -576,7 +570,7 @@ def bwd_impl(arch: str, head_dim: int, dtype: torch.dtype = torch.float16, deter
     row = _rows("bwd", arch, head_dim, dtype, device).get(tuned_key("bwd_impl", arch, head_dim, dtype))
     if row is not None:
         return row["impl"]
-    return _BWD_IMPL[(arch, head_dim_bucket(head_dim))]
+    return _BWD_IMPL[(arch, kernel_bucket(head_dim))]
 
 
 # The backward kernels that own a key block (the atomic one and the split dK/dV kernel) sum dK/dV over the query
@@ -592,7 +586,7 @@ HEAD_SPLIT_DTYPES = HALF_DTYPES
 
 def sm_count(device: torch.device | None) -> int:
     """Streaming multiprocessors of `device` (0 off CUDA and under the interpreter)."""
-    if device is None or device.type != "cuda" or interpreting():
+    if device is None or device.type != "cuda" or interpreter_active():
         return 0
     return tuning.device_properties(device).multi_processor_count
 

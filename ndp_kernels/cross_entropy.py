@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import interpreting
+from . import interpreter_active
 
 __all__ = ["ce_stats", "ce_grad_", "block_v", "BLOCK_V", "NUM_WARPS"]
 
@@ -28,7 +28,7 @@ BLOCK_V, NUM_WARPS = 2048, 8  # on a GPU: a 2048-column tile per step, 8 warps (
 
 def block_v(vocab: int) -> int:
     """Vocabulary tile of one program step (smaller under the interpreter, where a tile is numpy work)."""
-    return min(128 if interpreting() else BLOCK_V, triton.next_power_of_2(vocab))
+    return min(128 if interpreter_active() else BLOCK_V, triton.next_power_of_2(vocab))
 
 
 @triton.jit

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import segments
+from . import interpreter_active, segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
-                      fwd_config, head_splits, interpreting, launch_device, measure_ahead, merge_config, tma_applies,
+                      fwd_config, head_splits, launch_device, measure_ahead, merge_config, tma_applies,
                       tma_here, with_softcap)
 from .merge import _merge_lse, _merge_weights
 
@@ -801,7 +801,7 @@ def _check_runnable(t: torch.Tensor) -> None:
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32 inputs; got {t.dtype}. "
                         f"Use ndp_kernels.reference (ndp.ops backend='torch') for {t.dtype}.")
-    if t.device.type != "cuda" and not interpreting():
+    if t.device.type != "cuda" and not interpreter_active():
         raise RuntimeError(
             f"Triton kernels need a CUDA tensor or TRITON_INTERPRET=1 set before triton is imported; "
             f"got a tensor on {t.device}. Use the reference (ndp_kernels.reference) or "
@@ -892,7 +892,7 @@ def _kv_args(kind, cfg, k4, v4, head_dim: int):
     """(k, v, use_tma): what kernel `kind` takes for K and V: their tensor descriptors where ``cfg.tma`` asks,
     TMA runs here (``configs.tma_here``; under the interpreter wherever ``tma_applies``) and ``_tma_aligned``
     holds, else the tensors themselves (pointer loads)."""
-    runs = tma_applies(kind, k4.dtype, head_dim) if interpreting() else tma_here(kind, k4.dtype, k4.device, head_dim)
+    runs = tma_applies(kind, k4.dtype, head_dim) if interpreter_active() else tma_here(kind, k4.dtype, k4.device, head_dim)
     if cfg.tma and runs and _tma_aligned(k4, v4):
         return (*_kv_descriptors(k4, v4, cfg.block_n, block_d(head_dim)), True)
     return k4, v4, False

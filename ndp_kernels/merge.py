@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import segments
-from .configs import block_d, current_arch, interpreting, launch_device, merge_config
+from . import interpreter_active, segments
+from .configs import block_d, current_arch, launch_device, merge_config
 
 __all__ = ["merge_attn_states_"]
 
@@ -110,7 +110,7 @@ def merge_attn_states_(out_acc, lse_acc, block_out, block_lse):
     for name, t in (("block_out", block_out), ("block_lse", block_lse), ("lse_acc", lse_acc)):
         if t.device != out_acc.device:
             raise ValueError(f"{name} must be on out_acc's device {out_acc.device}; got {t.device}")
-    if (out_acc.device.type != "cuda" and not interpreting()) or out_acc.dtype == torch.float64:
+    if (out_acc.device.type != "cuda" and not interpreter_active()) or out_acc.dtype == torch.float64:
         from .reference import merge_attn_states_ref
         return merge_attn_states_ref(out_acc, lse_acc, block_out, block_lse)
     for name, t in (("out_acc", out_acc), ("block_out", block_out)):

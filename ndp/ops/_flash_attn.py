@@ -21,7 +21,7 @@ import torch
 
 from ndp_kernels import NO_LIMIT
 
-from ._pieces import Call, Piece, run_bwd, run_fwd
+from ._pieces import Call, Piece, run_pieces_bwd, run_pieces_fwd
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _flat(x):
 
 
 def _calls(q4, k4, segs, version, deterministic=False):
-    """The block as one call of the pieces runner (``_pieces.run_fwd/run_bwd``: it merges into the fp32
+    """The block as one call of the pieces runner (``_pieces.run_pieces_fwd/run_pieces_bwd``: it merges into the fp32
     accumulators and hands the backward lse +inf for rows that see no key, which is flash-attn's convention)."""
     args = _varlen_args(q4, k4, segs)
     assert args is not None, "engines.capable admits only flash-attn expressible blocks"
@@ -150,7 +150,7 @@ def _fwd(args, version, piece, q4, k4, v4, softmax_scale):
 
 
 def _bwd(args, version, deterministic, piece, dout4, q4, k4, v4, out4, lse3, softmax_scale):
-    # lse3 has +inf for rows without keys (run_bwd): flash-attn's backward takes P = exp(s - lse), so those rows
+    # lse3 has +inf for rows without keys (run_pieces_bwd): flash-attn's backward takes P = exp(s - lse), so those rows
     # get P = 0 (zero gradients), where ndp's -inf would give exp(+inf - inf) = NaN.
     cu_q, cu_k, mq, mk, causal, window = args
     dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
@@ -169,13 +169,13 @@ def _bwd(args, version, deterministic, piece, dout4, q4, k4, v4, out4, lse3, sof
 
 def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=2):
     """One block's forward on FlashAttention-``version`` (2 or 3); out [1, T, H, D], lse [1, H, T]."""
-    return run_fwd(_calls(q4, k4, segs, version), q4, k4, v4, softmax_scale, out_acc, lse_acc)
+    return run_pieces_fwd(_calls(q4, k4, segs, version), q4, k4, v4, softmax_scale, out_acc, lse_acc)
 
 
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
         deterministic=False, version=2):
     """One block's backward on FlashAttention-``version`` (2 or 3), given the rows' final out and lse."""
-    return run_bwd(_calls(q4, k4, segs, version, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
+    return run_pieces_bwd(_calls(q4, k4, segs, version, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
                    dq_acc, dk_acc, dv_acc)
 
 

@@ -28,7 +28,7 @@ from ndp import _ops
 from ndp_kernels import reference
 from ndp_kernels.segments import NO_LIMIT, acc_dtype
 
-__all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_fwd", "run_bwd", "MASK_TILE_ROWS"]
+__all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_pieces_fwd", "run_pieces_bwd", "MASK_TILE_ROWS"]
 
 # Rows per masked piece: bounds a mask to MASK_TILE_ROWS x (MASK_TILE_ROWS + window) entries.
 MASK_TILE_ROWS = 1024
@@ -160,7 +160,12 @@ def _covers(piece, sq, sk=None) -> bool:
     return piece.q0 == 0 and piece.q1 == sq and (sk is None or (piece.k0 == 0 and piece.k1 == sk))
 
 
-def run_fwd(calls, q4, k4, v4, scale, out_acc=None, lse_acc=None):
+def heads_first(x):
+    """[B, S, H, D] -> [B, H, S, D] view (no copy): the layout torch's SDPA kernels take."""
+    return x.transpose(1, 2)
+
+
+def run_pieces_fwd(calls, q4, k4, v4, scale, out_acc=None, lse_acc=None):
     """Forward of a block as `calls`. Returns (out in q4's dtype, lse in its accumulator dtype), or
     (out_acc, lse_acc) with every piece merged in; rows no piece covers see no key (0, -inf)."""
     b, sq, h, _ = q4.shape
@@ -180,7 +185,7 @@ def run_fwd(calls, q4, k4, v4, scale, out_acc=None, lse_acc=None):
     return out_acc, lse_acc
 
 
-def run_bwd(calls, do4, q4, k4, v4, o4, lse3, scale, dq_acc=None, dk_acc=None, dv_acc=None):
+def run_pieces_bwd(calls, do4, q4, k4, v4, o4, lse3, scale, dq_acc=None, dk_acc=None, dv_acc=None):
     """Backward of a block as `calls` given the rows' final out and lse. Returns (dq, dk, dv) in the inputs'
     dtype, or the accumulators with every piece's gradients added."""
     # lse = -inf marks a row with no key at all: +inf turns its probabilities into exact zeros.

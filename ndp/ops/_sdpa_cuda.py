@@ -44,7 +44,7 @@ from ndp_kernels import Segments
 
 from . import _flash_attn
 from ._check import compare_to_reference
-from ._pieces import Call, Piece, pieces_of, run_bwd, run_fwd
+from ._pieces import Call, Piece, heads_first, pieces_of, run_pieces_bwd, run_pieces_fwd
 
 log = logging.getLogger(__name__)
 
@@ -167,23 +167,19 @@ def _flash_bwd(window, cu, piece, do4, q4, k4, v4, o4, lse3, scale):
     return tuple(g.unsqueeze(0) for g in grads)
 
 
-def _heads_first(x):
-    return x.transpose(1, 2)
-
-
 def _cudnn_fwd(causal, piece, q4, k4, v4, scale):
-    q = _heads_first(_rows(q4, piece.q0, piece.q1))
-    k, v = (_heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
+    q = heads_first(_rows(q4, piece.q0, piece.q1))
+    k, v = (heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
     res = ATEN._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     b, h, n = q.shape[:3]
     return res[0].transpose(1, 2), res[1].reshape(b, h, n)
 
 
 def _cudnn_bwd(causal, piece, do4, q4, k4, v4, o4, lse3, scale):
-    q = _heads_first(_rows(q4, piece.q0, piece.q1))
-    k, v = (_heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
+    q = heads_first(_rows(q4, piece.q0, piece.q1))
+    k, v = (heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
     # cuDNN's backward wants dO with exactly O's strides: where they differ, dO is copied into O's layout.
-    do, o = (_heads_first(_rows(x, piece.q0, piece.q1)) for x in (do4, o4))
+    do, o = (heads_first(_rows(x, piece.q0, piece.q1)) for x in (do4, o4))
     if do.stride() != o.stride():
         o = o.contiguous()
         do = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(do)
@@ -378,8 +374,8 @@ def _check(kernel, dtype, head_dim, device):
         if calls is None:
             return why
         try:
-            out, lse = run_fwd(calls, q, k, v, scale)
-            grads = run_bwd(calls, do, q, k, v, out, lse, scale)
+            out, lse = run_pieces_fwd(calls, q, k, v, scale)
+            grads = run_pieces_bwd(calls, do, q, k, v, out, lse, scale)
         except Exception as e:  # a calling convention this torch does not take
             return f"it raised on a check block ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ok, err = compare_to_reference((out, lse) + tuple(grads), q, k, v, do, segs, scale)

@@ -133,7 +133,7 @@ def test_bwd_errors():
 
 
 def test_cpu_without_interpreter_is_a_runtime_error(monkeypatch):
-    monkeypatch.setattr(flash, "interpreting", lambda: False)
+    monkeypatch.setattr(flash, "interpreter_active", lambda: False)
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="Triton kernels need a CUDA tensor or TRITON_INTERPRET=1"):
         flash.flash_attn_fwd(q, k, v)

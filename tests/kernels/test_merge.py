@@ -68,7 +68,7 @@ def test_merge_errors():
 
 def test_merge_falls_back_to_reference_without_interpreter(monkeypatch):
     # Plain CPU without TRITON_INTERPRET: the reference merge runs instead of the kernel.
-    monkeypatch.setattr(merge, "interpreting", lambda: False)
+    monkeypatch.setattr(merge, "interpreter_active", lambda: False)
     out_acc, lse_acc, blk, blk_lse = _states((1, 10, 2, 32), (1, 2, 10), torch.float16, seed=3)
     ref_out, ref_lse = out_acc.clone(), lse_acc.clone()
     reference.merge_attn_states_ref(ref_out, ref_lse, blk, blk_lse)

@@ -17,7 +17,7 @@ import torch
 
 import ndp
 from ndp.ops import _sdpa_cuda, engines
-from ndp.ops._pieces import run_bwd, run_fwd
+from ndp.ops._pieces import run_pieces_bwd, run_pieces_fwd
 from ndp_kernels import Segments
 from _engine_cases import TABLES, _assert_matches, _inputs, _ref, attend_bwd, attend_fwd, varlen_bwd, varlen_fwd, \
     window_mask
@@ -138,8 +138,8 @@ def test_every_table_matches_reference(fake, monkeypatch, name, order):
         return
     assert calls is not None, why
     scale = 0.37
-    out, lse = run_fwd(calls, q, k, v, scale)
-    grads = run_bwd(calls, dout, q, k, v, out, lse, scale)
+    out, lse = run_pieces_fwd(calls, q, k, v, scale)
+    grads = run_pieces_bwd(calls, dout, q, k, v, out, lse, scale)
     want = _ref(dout, q, k, v, segs, scale)
     lowp = _ref(dout, q, k, v, segs, scale, upcast=False) if dtype == torch.float16 else None
     _assert_matches((out, lse) + tuple(grads), dtype, want, lowp)
@@ -164,11 +164,11 @@ def test_accumulators_across_key_blocks(fake, monkeypatch, name, order):
                                    for i in range(sq) if m[i].any()])
         calls, why = _plan(part, q, k[:, a:b], order, monkeypatch)
         assert calls is not None, why
-        run_fwd(calls, q, k[:, a:b], v[:, a:b], 0.2, oa, la)
+        run_pieces_fwd(calls, q, k[:, a:b], v[:, a:b], 0.2, oa, la)
         parts.append((a, b, calls))
     out = oa.to(q.dtype)
     for a, b, calls in parts:
-        run_bwd(calls, dout, q, k[:, a:b], v[:, a:b], out, la, 0.2, dq, dk[:, a:b], dv[:, a:b])
+        run_pieces_bwd(calls, dout, q, k[:, a:b], v[:, a:b], out, la, 0.2, dq, dk[:, a:b], dv[:, a:b])
     _assert_matches((oa, la, dq, dk, dv), torch.bfloat16, want)
 
 
@@ -304,12 +304,12 @@ def test_calls_bind_to_the_installed_torch_ops(monkeypatch, order, dtype, hk, ta
                        for n, hh in ((sq, 4), (sk, hk), (sk, hk), (sq, 4)))
         calls, why = _plan(segs, q, k, order, monkeypatch)
         assert calls is not None, why
-        out, lse = run_fwd(calls, q, k, v, 0.125)
+        out, lse = run_pieces_fwd(calls, q, k, v, 0.125)
         assert out.shape == q.shape and lse.shape == (q.shape[0], 4, sq)
-        grads = run_bwd(calls, do, q, k, v, out, lse, 0.125)
+        grads = run_pieces_bwd(calls, do, q, k, v, out, lse, 0.125)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         oa, la = torch.empty(q.shape, device="meta"), torch.empty(q.shape[0], 4, sq, device="meta")
-        run_fwd(calls, q, k, v, 0.125, oa, la)
+        run_pieces_fwd(calls, q, k, v, 0.125, oa, la)
     finally:
         _sdpa_cuda._forward_layout.cache_clear()
     kernel = order[0]
@@ -337,8 +337,8 @@ def test_real_kernels_match_reference(monkeypatch, kernel, dtype, hk, name):
     if calls is None:
         assert "pieces only" in why or "K/V heads" in why, why
         pytest.skip(why)
-    out, lse = run_fwd(calls, q, k, v, 0.125)
-    grads = run_bwd(calls, dout, q, k, v, out, lse, 0.125)
+    out, lse = run_pieces_fwd(calls, q, k, v, 0.125)
+    grads = run_pieces_bwd(calls, dout, q, k, v, out, lse, 0.125)
     want = _ref(*(x.cpu() for x in (dout, q, k, v)), segs, 0.125)
     _assert_matches(tuple(x.cpu() for x in (out, lse) + tuple(grads)), dtype, want)
 

@@ -16,7 +16,7 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
-from .compiled import CpImpl, cp_call, register
+from .compiled import CpImpl, dispatch, register
 from .schedule import build_step
 from .stats import all_gather_flat, reduce_scatter_flat
 
@@ -236,19 +236,14 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
     Raises:
         ValueError / TypeError for bad input, on every rank before any transfer.
     """
-    if torch.compiler.is_compiling():
-        return cp_call("allgather", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
-                       backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                       deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
-    rest = _prepare(q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                    layout=layout, cu_seqlens=cu_seqlens, backend=backend, deterministic=deterministic, sinks=sinks,
-                    chunk_size=chunk_size, softcap=softcap)
-    out, lse = AllGatherAttnFunction.apply(q, k, v, *rest)
-    return (out, lse) if return_lse else out
+    return dispatch("allgather", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
+                    backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
 
 
-def _prepare(q, k, v, groups, **kw):
-    """AllGatherAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan."""
+def _prepare(q, k, v, groups, need_lse=True, **kw):
+    """AllGatherAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan (its forward
+    always returns the lse: need_lse is for the interface)."""
     call = prepare_call("allgather_attention", q, k, v, group=groups[0], **kw)
     return kw["sinks"], _allgather_plan(call), call.packed
 

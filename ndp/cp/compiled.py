@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndp.ops.attention import distinct_outputs
 from ndp_kernels.segments import acc_dtype
 
-__all__ = ["CpImpl", "register", "cp_call"]
+__all__ = ["CpImpl", "register", "dispatch"]
 
 Tensor = torch.Tensor
 
@@ -138,9 +138,25 @@ def _group_name(group) -> str:
     return group.group_name
 
 
-def cp_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backend, window_size, cu_seqlens,
-            return_lse, deterministic, sinks, chunk_size, softcap):
-    """A CP public function's call as the op (what ``ring_attention`` & co. run while torch.compile traces them).
+def dispatch(impl: str, q, k, v, groups, *, return_lse=False, **kw):
+    """Run a CP call of the registered implementation `impl`: eagerly its autograd Function on the prepared
+    arguments; while torch.compile traces, the op (the CP public functions' one body).
+
+    Args:
+        groups: the call's process groups (or 1-D meshes; None = the default group): one, USP's two.
+        kw: the public function's keywords (causal, softmax_scale, layout, backend, window_size, cu_seqlens,
+            deterministic, sinks, chunk_size, softcap).
+    """
+    if torch.compiler.is_compiling():
+        return _op_call(impl, q, k, v, groups, return_lse=return_lse, **kw)
+    cp = _IMPLS[impl]
+    out, lse = cp.function.apply(q, k, v, *cp.prepare(q, k, v, groups, need_lse=bool(return_lse), **kw))
+    return (out, lse) if return_lse else out
+
+
+def _op_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backend, window_size, cu_seqlens,
+             return_lse, deterministic, sinks, chunk_size, softcap):
+    """The call as the op ``ndp::cp_attention``.
 
     Raises:
         TypeError: cu_seqlens given as a ``shard_packed`` result (pass the global cu_seqlens tensor when

@@ -19,7 +19,7 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
-from .compiled import CpImpl, cp_call, register
+from .compiled import CpImpl, dispatch, register
 from .schedule import RingSchedule
 
 __all__ = ["ring_attention", "RingAttnFunction", "RingPlan", "ring_fwd", "ring_bwd"]
@@ -189,20 +189,14 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
         ValueError / TypeError for bad input (raised on every rank, before any transfer; ranks called
         with different arguments get a ValueError too); RuntimeError for a missing process group.
     """
-    if torch.compiler.is_compiling():
-        return cp_call("ring", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
-                       backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                       deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
-    out, lse = RingAttnFunction.apply(q, k, v, *_prepare(q, k, v, (group,), causal=causal, softmax_scale=softmax_scale,
-                                                         window_size=window_size, layout=layout,
-                                                         cu_seqlens=cu_seqlens, backend=backend,
-                                                         deterministic=deterministic, sinks=sinks,
-                                                         chunk_size=chunk_size, softcap=softcap))
-    return (out, lse) if return_lse else out
+    return dispatch("ring", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
+                    backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
 
 
-def _prepare(q, k, v, groups, **kw):
-    """RingAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan."""
+def _prepare(q, k, v, groups, need_lse=True, **kw):
+    """RingAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan (its forward
+    always returns the lse: need_lse is for the interface)."""
     call = prepare_call("ring_attention", q, k, v, group=groups[0], **kw)
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)

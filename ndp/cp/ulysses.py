@@ -18,7 +18,7 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
-from .compiled import CpImpl, cp_call, register
+from .compiled import CpImpl, dispatch, register
 from .schedule import Placement, build_step
 from .stats import record_comm
 
@@ -286,15 +286,9 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         ValueError: heads % N != 0, or kv_heads not a multiple/divisor of N (the message names the
             alternatives), plus every check of ring_attention.
     """
-    if torch.compiler.is_compiling():
-        return cp_call("ulysses", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
-                       backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                       deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
-    rest = _prepare(q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                    layout=layout, cu_seqlens=cu_seqlens, backend=backend, deterministic=deterministic, sinks=sinks,
-                    chunk_size=chunk_size, softcap=softcap, need_lse=bool(return_lse))
-    out, lse = UlyssesAttnFunction.apply(q, k, v, *rest)
-    return (out, lse) if return_lse else out
+    return dispatch("ulysses", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
+                    backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
 
 
 def _prepare(q, k, v, groups, need_lse=True, **kw):

@@ -22,7 +22,7 @@ from ndp_kernels.segments import any_value_head
 from ._common import acc_dtype, call_fields, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
                         resolve_group_or_input_error)
-from .compiled import CpImpl, cp_call, register
+from .compiled import CpImpl, dispatch, register
 from .ring import RingPlan, ring_bwd, ring_fwd
 from .schedule import Mask, Placement, RingSchedule
 from .sharding import _require_ops
@@ -186,17 +186,10 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         ValueError: heads % U != 0 or kv_heads neither a multiple nor a divisor of U, plus every check
             of ring_attention; raised on every rank before any transfer.
     """
-    if torch.compiler.is_compiling():
-        return cp_call("usp", q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
-                       layout=layout, backend=backend, window_size=window_size, cu_seqlens=cu_seqlens,
-                       return_lse=return_lse, deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
-                       softcap=softcap)
-    rest = _prepare(q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
-                    window_size=window_size, layout=layout, cu_seqlens=cu_seqlens, backend=backend,
-                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
-                    need_lse=bool(return_lse))
-    out, lse = UspAttnFunction.apply(q, k, v, *rest)
-    return (out, lse) if return_lse else out
+    return dispatch("usp", q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
+                    layout=layout, backend=backend, window_size=window_size, cu_seqlens=cu_seqlens,
+                    return_lse=return_lse, deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
+                    softcap=softcap)
 
 
 def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_seqlens, backend, deterministic,

@@ -16,7 +16,7 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
-from .compiled import CpImpl, dispatch, register
+from .compiled import CpImpl, dispatch, register, saved_as_given
 from .schedule import build_step
 from .stats import all_gather_flat, reduce_scatter_flat
 
@@ -248,8 +248,4 @@ def _prepare(q, k, v, groups, need_lse=True, **kw):
     return kw["sinks"], _allgather_plan(call), call.packed
 
 
-def _saved(q4, k4, v4, out4, lse4, sinks, rest):
-    return q4, k4, v4, out4, lse4, sinks
-
-
-register("allgather", CpImpl(_prepare, AllGatherAttnFunction, _saved))
+register("allgather", CpImpl(_prepare, AllGatherAttnFunction, saved_as_given))

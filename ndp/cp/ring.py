@@ -19,7 +19,7 @@ from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
 from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
-from .compiled import CpImpl, dispatch, register
+from .compiled import CpImpl, dispatch, register, saved_as_given
 from .schedule import RingSchedule
 
 __all__ = ["ring_attention", "RingAttnFunction", "RingPlan", "ring_fwd", "ring_bwd"]
@@ -203,8 +203,4 @@ def _prepare(q, k, v, groups, need_lse=True, **kw):
     return kw["sinks"], plan, call.packed
 
 
-def _saved(q4, k4, v4, out4, lse4, sinks, rest):
-    return q4, k4, v4, out4, lse4, sinks
-
-
-register("ring", CpImpl(_prepare, RingAttnFunction, _saved))
+register("ring", CpImpl(_prepare, RingAttnFunction, saved_as_given))

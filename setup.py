@@ -86,7 +86,7 @@ setup(
     description="Context-parallel attention (ring, Ulysses, USP) with Triton and C++/CUDA kernels for PyTorch",
     python_requires=">=3.10",
     packages=find_packages(include=["ndp", "ndp.*", "ndp_kernels", "ndp_kernels.*"]),
-    package_data={"ndp.train": ["data/*.txt", "data/*.py", "data/*.json"], "ndp.ops": ["tables/*.json"],
+    package_data={"ndp.train": ["assets/*.txt", "assets/*.py", "assets/*.json"], "ndp.ops": ["tables/*.json"],
                   "ndp.plan": ["data/*.json"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

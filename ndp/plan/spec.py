@@ -1,7 +1,7 @@
 """What the planner plans for: the model's shape (``ModelSpec``) and the GPU's measured rates (``GpuProfile``).
 
 Both are frozen, validated data. GPU profiles ship as JSON next to this file (``data/gpus.json``); the models are
-those ``ndp-train --model`` builds (the real-size architectures of ``ndp/train/data/models.json``, the tiny/small
+those ``ndp-train --model`` builds (the real-size architectures of ``ndp/train/assets/models.json``, the tiny/small
 presets, any local Hugging Face config directory), so every command the planner prints runs as printed; a YAML/JSON
 file overrides fields of a GPU profile.
 """

@@ -16,7 +16,7 @@ import torch
 from ndp.hf.batch import document_table, packed_cu, shard_rows
 
 IGNORE_INDEX = -100
-DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "corpus.txt")
 
 
 class ByteTokenizer:

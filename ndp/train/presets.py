@@ -24,7 +24,7 @@ _WEIGHTS = ("*.safetensors", "*.bin", "*.pt")
 
 
 def _real_models() -> dict:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "models.json"), encoding="utf-8") as f:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "models.json"), encoding="utf-8") as f:
         return {k: v for k, v in json.load(f).items() if not k.startswith("_")}
 
 

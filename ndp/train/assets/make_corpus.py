@@ -1,6 +1,6 @@
 """Regenerate corpus.txt: original English prose from a small seeded grammar (no downloads).
 
-    python ndp/train/data/make_corpus.py  # writes corpus.txt next to this file (~300 KB)
+    python ndp/train/assets/make_corpus.py  # writes corpus.txt next to this file (~300 KB)
 """
 import os
 import random

@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import ndp.cp
 import ndp.ops
+from ndp_kernels.segments import cu_from_starts, position_restarts
 from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, spec_of
@@ -160,8 +161,16 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         raise Unsupported("chunked attention (Llama4's attention_chunk_size) with packed documents: ndp does not "
                           "cut documents into chunks. Pass unpacked rows (a chunk restarts every "
                           f"{chunk} positions of a row).")
+    rows_pos = position_ids if cu is None and not cp_on and _row_positions(position_ids, seq) else None
     if chunk is not None and not cp_on and seq > chunk:
-        cu, flat = _cu_of_chunks(batch, seq, chunk, q.device), True
+        cu, flat, rows_pos = _cu_of_chunks(batch, seq, chunk, q.device), True, None
+    elif rows_pos is not None and not torch.compiler.is_compiling():
+        # Eagerly, packed rows become cu_seqlens here (one host read, and nothing more for the backward to keep);
+        # compiled, the op finds them from the positions (no graph break).
+        starts = position_restarts(rows_pos.expand(batch, seq))
+        if bool(starts.any()):
+            cu, flat = cu_from_starts(starts), True
+        rows_pos = None
     if cu is not None:
         if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")
@@ -169,10 +178,8 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
         if cu is None:
-            # packed rows (positions restarting) are found inside the op, so a compiled model does not break here
-            pos = position_ids.expand(batch, seq) if _row_positions(position_ids, seq) else None
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks,
-                                    softcap=softcap, position_ids=pos)
+                                    softcap=softcap, position_ids=rows_pos)
         else:
             mx = None if flat else kwargs.get("max_length_q")
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,

@@ -892,7 +892,10 @@ def _kv_args(kind, cfg, k4, v4, head_dim: int):
     """(k, v, use_tma): what kernel `kind` takes for K and V: their tensor descriptors where ``cfg.tma`` asks,
     TMA runs here (``configs.tma_here``; under the interpreter wherever ``tma_applies``) and ``_tma_aligned``
     holds, else the tensors themselves (pointer loads)."""
-    runs = tma_applies(kind, k4.dtype, head_dim) if interpreter_active() else tma_here(kind, k4.dtype, k4.device, head_dim)
+    if interpreter_active():
+        runs = tma_applies(kind, k4.dtype, head_dim)
+    else:
+        runs = tma_here(kind, k4.dtype, k4.device, head_dim)
     if cfg.tma and runs and _tma_aligned(k4, v4):
         return (*_kv_descriptors(k4, v4, cfg.block_n, block_d(head_dim)), True)
     return k4, v4, False

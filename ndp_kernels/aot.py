@@ -141,15 +141,66 @@ def resource_usage(cubin: bytes) -> dict:
     return res
 
 
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """One (dtype, head_dim, arch) the kernels are compiled for, and what their signatures derive from it."""
+    dtype: str
+    head_dim: int
+    arch: str
+
+    @property
+    def ptr(self) -> str:
+        return f"*{self.dtype}"
+
+    @property
+    def bd(self) -> int:
+        from .configs import block_d
+
+        return block_d(self.head_dim)
+
+    @property
+    def prec(self) -> str:
+        # As the launchers: fp32 dots in IEEE precision (FMA, no tensor cores), 16-bit ones on tensor cores.
+        return "ieee" if self.dtype == "fp32" else "tf32"
+
+    @property
+    def torch_dtype(self):
+        return _torch_dtype(self.dtype)
+
+
+def _build(fn, args, constexprs, cfg):
+    """(fn, signature in argument order, constexprs, divisibility attrs, cfg) from `args` [(name, type[:16])]."""
+    sig, attrs = {}, {}
+    names = fn.arg_names
+    if "SOFTCAP" in names:  # the plain variant; the _softcap kernels set it
+        constexprs = {"SOFTCAP": False, **constexprs}
+    for name in names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+    for name, ty in args:
+        hint = None
+        if ty.endswith(":16"):
+            ty, hint = ty[:-3], 16
+        sig[name] = ty
+        if hint:
+            attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+    missing = [n for n in names if n not in sig]
+    assert not missing, f"signature of {fn.__name__} misses {missing}"
+    return fn, {n: sig[n] for n in names}, constexprs, attrs, cfg
+
+
+def _strides(prefix, dims):
+    return [(f"stride_{prefix}_{d}", "i32:16") for d in dims]
+
+
 def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
     """(jit fn, signature, constexprs, attrs, KernelConfig) of one kernel variant.
 
     Hints mirror what the JIT specializes at run time on contiguous tensors: pointers and the
     strides of [B, S, H, D] tensors are multiples of 16, the lse/delta sequence stride is 1.
     """
-    from . import cross_entropy, flash, merge
-    from .configs import (KernelConfig, block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, fwd_config,
-                          merge_config, with_softcap)
+    from . import cross_entropy
+    from .configs import KernelConfig, with_softcap
 
     if kernel in CE_KERNELS:
         return _ce_spec(kernel, cross_entropy, KernelConfig(1, cross_entropy.BLOCK_V, cross_entropy.NUM_WARPS, 1))
@@ -158,117 +209,118 @@ def _spec(kernel: str, dtype: str, head_dim: int, arch: str):
         fn, sig, consts, attrs, cfg = _spec(base, dtype, head_dim, arch)
         cfg = with_softcap(base, cfg, head_dim)
         return fn, sig, {**consts, "SOFTCAP": True, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}, attrs, cfg
-
-    torch_dtype = _torch_dtype(dtype)
-
-    bd = block_d(head_dim)
-    ptr = f"*{dtype}"
-    # As the launchers: fp32 dots in IEEE precision (FMA, no tensor cores), 16-bit ones on tensor cores.
-    prec = "ieee" if dtype == "fp32" else "tf32"
-
-    def build(fn, args, constexprs, cfg):
-        sig, attrs = {}, {}
-        names = fn.arg_names
-        if "SOFTCAP" in names:  # the plain variant; the _softcap kernels set it
-            constexprs = {"SOFTCAP": False, **constexprs}
-        for name in names:
-            if name in constexprs:
-                sig[name] = "constexpr"
-        for name, ty in args:
-            hint = None
-            if ty.endswith(":16"):
-                ty, hint = ty[:-3], 16
-            sig[name] = ty
-            if hint:
-                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
-        missing = [n for n in names if n not in sig]
-        assert not missing, f"signature of {fn.__name__} misses {missing}"
-        return fn, {n: sig[n] for n in names}, constexprs, attrs, cfg
-
-    def strides(prefix, dims):
-        return [(f"stride_{prefix}_{d}", "i32:16") for d in dims]
-
-    if kernel in ("fwd", "fwd_acc", "fwd_tma"):
-        cfg = fwd_config(arch, head_dim, dtype=torch_dtype)
-        acc = kernel == "fwd_acc"
-        tma = kernel == "fwd_tma"
-        if tma:  # the static forward tiles with K/V by TMA: what the tuner's first TMA candidate runs
-            cfg = dataclasses.replace(cfg, tma=True)
-        kv = f"tensordesc<{dtype}[1,{cfg.block_n},1,{bd}]>" if tma else ptr + ":16"
-        args = [("q_ptr", ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
-                ("out_ptr", ("*fp32" if acc else ptr) + ":16"), ("lse_ptr", "*fp32:16"),
-                ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
-                ("group_size", "i32")]
-        for p in ("q", "k", "v", "o"):
-            args += strides(p, ("b", "s", "h"))
-        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16")]
-        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=prec, USE_TMA=tma)
-        return build(flash._flash_fwd_kernel, args, consts, cfg)
-    if kernel in ("bwd", "bwd_heads"):
-        cfg = bwd_config(arch, head_dim, dtype=torch_dtype)
-        args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
-                ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
-                ("seg_ptr", "*i32:16"), ("dq_ptr", "*fp32:16"), ("dk_ptr", "*fp32:16"),
-                ("dv_ptr", "*fp32:16"), ("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"),
-                ("num_segments", "i32"), ("group_size", "i32")]
-        for p in ("q", "k", "v", "do"):
-            args += strides(p, ("b", "s", "h"))
-        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
-                 ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
-        for p in ("dq", "dk", "dv"):
-            args += strides(p, ("b", "s", "h"))
-        # ATOMIC_KV=True is the context-parallel case (segments share keys) and the heavier variant.
-        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=prec,
-                      HEAD_SPLITS=HEADS_SPLITS if kernel in HEADS_KERNELS else 1)
-        return build(flash._flash_bwd_kernel, args, consts, cfg)
-    if kernel in ("bwd_dkdv", "bwd_dkdv_heads", "bwd_dq", "bwd_dq_tma"):
-        dkdv = kernel.startswith("bwd_dkdv")
-        tma = kernel == "bwd_dq_tma"
-        cfg = (bwd_dkdv_config if dkdv else bwd_dq_config)(arch, head_dim, dtype=torch_dtype)
-        if tma:
-            cfg = dataclasses.replace(cfg, tma=True)
-        kv = f"tensordesc<{dtype}[1,{cfg.block_n},1,{bd}]>" if tma else ptr + ":16"
-        args = [("q_ptr", ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
-                ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
-                ("seg_ptr", "*i32:16")]
-        args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
-        args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
-                 ("group_size", "i32")]
-        if dkdv:  # per-part dK/dV buffers (GQA heads split over programs) are stacked along the batch
-            args += [("batch", "i32")]
-        for p in ("q", "k", "v", "do"):
-            args += strides(p, ("b", "s", "h"))
-        args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
-                 ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
-        for p in (("dk", "dv") if dkdv else ("dq",)):
-            args += strides(p, ("b", "s", "h"))
-        consts = dict(stride_lse_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, DOT_PRECISION=prec)
-        if dkdv:
-            consts["HEAD_SPLITS"] = HEADS_SPLITS if kernel in HEADS_KERNELS else 1
-        else:
-            consts["USE_TMA"] = tma
-        fn = flash._flash_bwd_dkdv_kernel if dkdv else flash._flash_bwd_dq_kernel
-        return build(fn, args, consts, cfg)
-    if kernel == "bwd_preprocess":
-        cfg = merge_config(arch, head_dim)
-        args = [("out_ptr", ptr + ":16"), ("dout_ptr", ptr + ":16"), ("delta_ptr", "*fp32:16"),
-                ("seqlen", "i32")]
-        args += strides("o", ("b", "s", "h")) + strides("do", ("b", "s", "h"))
-        args += [("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
-        consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m)
-        return build(flash._flash_bwd_preprocess_kernel, args, consts, cfg)
-    if kernel == "merge":
-        cfg = merge_config(arch, head_dim)
-        args = [("out_acc_ptr", "*fp32:16"), ("lse_acc_ptr", "*fp32:16"), ("blk_ptr", ptr + ":16"),
-                ("blk_lse_ptr", "*fp32:16"), ("seqlen", "i32")]
-        args += strides("oa", ("b", "s", "h")) + [("stride_la_b", "i32:16"), ("stride_la_h", "i32:16")]
-        args += strides("ob", ("b", "s", "h")) + [("stride_lb_b", "i32:16"), ("stride_lb_h", "i32:16")]
-        consts = dict(stride_la_s=1, stride_lb_s=1, HEAD_DIM=head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m)
-        return build(merge._merge_attn_states_kernel, args, consts, cfg)
+    v = _Variant(dtype, head_dim, arch)
+    for kernels, spec in ((("fwd", "fwd_acc", "fwd_tma"), _fwd_spec), (("bwd", "bwd_heads"), _bwd_spec),
+                          (("bwd_dkdv", "bwd_dkdv_heads", "bwd_dq", "bwd_dq_tma"), _split_bwd_spec),
+                          (("bwd_preprocess",), _preprocess_spec), (("merge",), _merge_spec)):
+        if kernel in kernels:
+            return spec(kernel, v)
     raise ValueError(f"unknown kernel {kernel!r}; choose from {DEFAULT_KERNELS}")
+
+
+def _fwd_spec(kernel, v: _Variant):
+    from . import flash
+    from .configs import fwd_config
+
+    cfg = fwd_config(v.arch, v.head_dim, dtype=v.torch_dtype)
+    acc = kernel == "fwd_acc"
+    tma = kernel == "fwd_tma"
+    if tma:  # the static forward tiles with K/V by TMA: what the tuner's first TMA candidate runs
+        cfg = dataclasses.replace(cfg, tma=True)
+    kv = f"tensordesc<{v.dtype}[1,{cfg.block_n},1,{v.bd}]>" if tma else v.ptr + ":16"
+    args = [("q_ptr", v.ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
+            ("out_ptr", ("*fp32" if acc else v.ptr) + ":16"), ("lse_ptr", "*fp32:16"),
+            ("seg_ptr", "*i32:16"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
+            ("group_size", "i32")]
+    for p in ("q", "k", "v", "o"):
+        args += _strides(p, ("b", "s", "h"))
+    args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16")]
+    consts = dict(stride_lse_s=1, HEAD_DIM=v.head_dim, BLOCK_D=v.bd, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, ACCUMULATE=acc, DOT_PRECISION=v.prec, USE_TMA=tma)
+    return _build(flash._flash_fwd_kernel, args, consts, cfg)
+
+
+def _bwd_spec(kernel, v: _Variant):
+    from . import flash
+    from .configs import bwd_config
+
+    cfg = bwd_config(v.arch, v.head_dim, dtype=v.torch_dtype)
+    ptr = v.ptr
+    args = [("q_ptr", ptr + ":16"), ("k_ptr", ptr + ":16"), ("v_ptr", ptr + ":16"),
+            ("dout_ptr", ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
+            ("seg_ptr", "*i32:16"), ("dq_ptr", "*fp32:16"), ("dk_ptr", "*fp32:16"),
+            ("dv_ptr", "*fp32:16"), ("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"),
+            ("num_segments", "i32"), ("group_size", "i32")]
+    for p in ("q", "k", "v", "do"):
+        args += _strides(p, ("b", "s", "h"))
+    args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
+             ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+    for p in ("dq", "dk", "dv"):
+        args += _strides(p, ("b", "s", "h"))
+    # ATOMIC_KV=True is the context-parallel case (segments share keys) and the heavier variant.
+    consts = dict(stride_lse_s=1, HEAD_DIM=v.head_dim, BLOCK_D=v.bd, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, ATOMIC_KV=True, DOT_PRECISION=v.prec,
+                  HEAD_SPLITS=HEADS_SPLITS if kernel in HEADS_KERNELS else 1)
+    return _build(flash._flash_bwd_kernel, args, consts, cfg)
+
+
+def _split_bwd_spec(kernel, v: _Variant):
+    from . import flash
+    from .configs import bwd_dkdv_config, bwd_dq_config
+
+    dkdv = kernel.startswith("bwd_dkdv")
+    tma = kernel == "bwd_dq_tma"
+    cfg = (bwd_dkdv_config if dkdv else bwd_dq_config)(v.arch, v.head_dim, dtype=v.torch_dtype)
+    if tma:
+        cfg = dataclasses.replace(cfg, tma=True)
+    kv = f"tensordesc<{v.dtype}[1,{cfg.block_n},1,{v.bd}]>" if tma else v.ptr + ":16"
+    args = [("q_ptr", v.ptr + ":16"), ("k_ptr", kv), ("v_ptr", kv),
+            ("dout_ptr", v.ptr + ":16"), ("lse_ptr", "*fp32:16"), ("delta_ptr", "*fp32:16"),
+            ("seg_ptr", "*i32:16")]
+    args += ([("dk_ptr", "*fp32:16"), ("dv_ptr", "*fp32:16")] if dkdv else [("dq_ptr", "*fp32:16")])
+    args += [("softmax_scale", "fp32"), ("qk_scale", "fp32"), ("cap_in", "fp32"), ("num_segments", "i32"),
+             ("group_size", "i32")]
+    if dkdv:  # per-part dK/dV buffers (GQA heads split over programs) are stacked along the batch
+        args += [("batch", "i32")]
+    for p in ("q", "k", "v", "do"):
+        args += _strides(p, ("b", "s", "h"))
+    args += [("stride_lse_b", "i32:16"), ("stride_lse_h", "i32:16"),
+             ("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+    for p in (("dk", "dv") if dkdv else ("dq",)):
+        args += _strides(p, ("b", "s", "h"))
+    consts = dict(stride_lse_s=1, HEAD_DIM=v.head_dim, BLOCK_D=v.bd, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, DOT_PRECISION=v.prec)
+    if dkdv:
+        consts["HEAD_SPLITS"] = HEADS_SPLITS if kernel in HEADS_KERNELS else 1
+    else:
+        consts["USE_TMA"] = tma
+    fn = flash._flash_bwd_dkdv_kernel if dkdv else flash._flash_bwd_dq_kernel
+    return _build(fn, args, consts, cfg)
+
+
+def _preprocess_spec(kernel, v: _Variant):
+    from . import flash
+    from .configs import merge_config
+
+    cfg = merge_config(v.arch, v.head_dim)
+    args = [("out_ptr", v.ptr + ":16"), ("dout_ptr", v.ptr + ":16"), ("delta_ptr", "*fp32:16"), ("seqlen", "i32")]
+    args += _strides("o", ("b", "s", "h")) + _strides("do", ("b", "s", "h"))
+    args += [("stride_delta_b", "i32:16"), ("stride_delta_h", "i32:16")]
+    consts = dict(HEAD_DIM=v.head_dim, BLOCK_D=v.bd, BLOCK_M=cfg.block_m)
+    return _build(flash._flash_bwd_preprocess_kernel, args, consts, cfg)
+
+
+def _merge_spec(kernel, v: _Variant):
+    from . import merge
+    from .configs import merge_config
+
+    cfg = merge_config(v.arch, v.head_dim)
+    args = [("out_acc_ptr", "*fp32:16"), ("lse_acc_ptr", "*fp32:16"), ("blk_ptr", v.ptr + ":16"),
+            ("blk_lse_ptr", "*fp32:16"), ("seqlen", "i32")]
+    args += _strides("oa", ("b", "s", "h")) + [("stride_la_b", "i32:16"), ("stride_la_h", "i32:16")]
+    args += _strides("ob", ("b", "s", "h")) + [("stride_lb_b", "i32:16"), ("stride_lb_h", "i32:16")]
+    consts = dict(stride_la_s=1, stride_lb_s=1, HEAD_DIM=v.head_dim, BLOCK_D=v.bd, BLOCK_M=cfg.block_m)
+    return _build(merge._merge_attn_states_kernel, args, consts, cfg)
 
 
 def _ce_spec(kernel, cross_entropy, cfg):

@@ -17,10 +17,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from ndp.ops.attention import distinct_outputs
 from ndp_kernels.segments import acc_dtype
+
+from ._validate import resolve_group
 
 __all__ = ["CpImpl", "register", "dispatch", "saved_as_given"]
 
@@ -135,14 +136,6 @@ def _backward(ctx, dout, _dlse):
 torch.library.register_autograd("ndp::cp_attention", _backward, setup_context=_setup_context)
 
 
-def _group_name(group) -> str:
-    if group is None:
-        group = dist.group.WORLD
-    if isinstance(group, DeviceMesh):
-        group = group.get_group()
-    return group.group_name
-
-
 def dispatch(impl: str, q, k, v, groups, *, return_lse=False, **kw):
     """Run a CP call of the registered implementation `impl`: eagerly its autograd Function on the prepared
     arguments; while torch.compile traces, the op (the CP public functions' one body).
@@ -173,7 +166,7 @@ def _op_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backe
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     left, right = window_size
-    names = [_group_name(g) for g in groups] + [""]
+    names = [resolve_group(g)[0].group_name for g in groups] + [""]
     out, lse = torch.ops.ndp.cp_attention(
         q, k, v, sinks, cu_seqlens, impl, names[0], names[1], bool(causal), float(softmax_scale),
         int(left), int(right), layout, backend, bool(deterministic), -1 if chunk_size is None else int(chunk_size),

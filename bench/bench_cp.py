@@ -13,7 +13,7 @@
    single-process attention on the whole sequence -> parallel efficiency T1 / (N * T_N), T_N the
    slowest rank. With CUDA (NCCL) the same runs on GPUs and report % of ideal (T1 / N). Before timing,
    each impl's output is checked against single-process attention on the full sequence (ndp.ops, torch
-   backend, cut with ndp.shard_sequence; tolerances from tests/tolerances.py): a mismatch raises.
+   backend, cut with ndp.shard_sequence; tolerances from ndp/testing.py): a mismatch raises.
 Results: a printed table, <out>/bench_cp.json and <out>/bench_cp.png.
 """
 from __future__ import annotations
@@ -33,11 +33,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-if os.path.join(ROOT, "tests") not in sys.path:
-    sys.path.append(os.path.join(ROOT, "tests"))   # tolerances.py: the one table of tolerances (docs/design.md)
 
 from ndp.cp.schedule import LAYOUTS, Mask, Placement, RingSchedule, build_step  # noqa: E402
 from ndp.cp.sharding import DEFAULT_MIN_PIECE, packed_shard  # noqa: E402
+from ndp.testing import tol  # noqa: E402
 
 LAYERS_NOTE = "bytes per rank for one attention layer (B=1, S=256, H=8, D=64, fp32)"
 
@@ -285,10 +284,8 @@ def _reference_shard(q, k, v, dtype):
 
 def _check_reference(name, out, ref, dtype, dev):
     """Compare one CP output with the reference before timing; every rank raises on a mismatch on any rank.
-    Tolerances: tests/tolerances.py ("out" row of `dtype`). Returns the max abs error over ranks."""
+    Tolerances: ndp/testing.py ("out" row of `dtype`). Returns the max abs error over ranks."""
     import torch.distributed as dist
-
-    from tolerances import tol
 
     atol, rtol = tol(dtype, "out")
     diff = (out.detach().cpu().double() - ref.double()).abs()

@@ -17,7 +17,7 @@
    for a few steps with ``attn_implementation="sdpa"`` and with ndp's attention (``ndp_ring``, no CP
    group: ``ndp.ops.attention`` with ``auto``); tokens/s, both from the same weights, losses compared.
 
-Before timing, every provider's output is checked against a reference (tests/tolerances.py): the single
+Before timing, every provider's output is checked against a reference (ndp/testing.py): the single
 runs against SDPA on the same inputs, the ring outputs against single-process SDPA on the full sequence
 cut with ndp.shard_sequence. Times are medians (perf_counter; CUDA synchronised) with p20/p80. Results:
 a printed table, <out>/bench_engines.json and .csv (one row per result with machine, versions, git SHA).
@@ -39,11 +39,12 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "tests")):
+for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if p not in sys.path:
         sys.path.insert(0, p)
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark CSV row carries)
+from ndp.testing import tol  # noqa: E402
 
 
 def _stats(times):
@@ -52,8 +53,6 @@ def _stats(times):
 
 
 def _check(name, got, want, dtype):
-    from tolerances import tol
-
     atol, rtol = tol(dtype, "out")
     err = (got.double() - want.double()).abs()
     bad = int((err > atol + rtol * want.double().abs()).sum())
@@ -198,8 +197,6 @@ def _ring_body(rank, world, tmp, cfg, out_file):
 
 
 def _check_quiet(got, want):
-    from tolerances import tol
-
     atol, rtol = tol(torch.float32, "out")
     err = (got.double() - want.double()).abs()
     if bool((err > atol + rtol * want.double().abs()).any()):

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import ndp.ops
 from ndp.cp import CommStats, shard_packed, shard_sequence
 from dense_attention import dense_reference
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def make_inputs(case, seed=0):

@@ -10,7 +10,7 @@ from _cp_checks import cu_of, make_inputs, run_case
 from dist import spawn
 from ndp.cp import (allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                     split_cp_group, ulysses_attention, usp_attention)
-from tolerances import tol
+from ndp.testing import tol
 
 pytestmark = pytest.mark.distributed
 

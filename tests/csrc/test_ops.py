@@ -7,7 +7,7 @@ import torch
 import ndp.cp
 from ndp import _ops
 from ndp.ops import _pieces
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 WORLD_SIZES = (1, 2, 4)

@@ -24,7 +24,7 @@ from dist import spawn
 from ndp.parallel import adopt_mesh, as_config, check_mesh, mesh_axis
 import test_packed
 from test_quickstart import CFG_LINE, ROOT, _free_port, _run, quickstart_code
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 @pytest.mark.distributed

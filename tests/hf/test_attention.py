@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 import ndp.hf
 from ndp.parallel import ParallelismConfig
 from ndp.train.presets import build_model
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def _pair(name):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import ndp
 import ndp.hf
 from ndp.train.presets import build_model
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def _model():

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG_LINE = 'cfg = ndp.ParallelismConfig(dp_shard_size=2, cp_size=2, cp_impl="ring", cp_layout="zigzag")'
@@ -80,7 +80,7 @@ def _run(tmp_path, code):
     mp.spawn(_rank, args=(4, code, _free_port(), out), nprocs=4, join=True)
     saved = torch.load(out)
     ref_loss, ref_grads = _reference(saved)
-    assert saved["mean"] == pytest.approx(ref_loss, rel=1e-5)  # fp32 'out' rtol of tests/tolerances.py
+    assert saved["mean"] == pytest.approx(ref_loss, rel=1e-5)  # fp32 'out' rtol of ndp/testing.py
     q = "model.layers.0.self_attn.q_proj.weight"
     ratio = (saved["grads"][q].norm() / ref_grads[q].norm()).item()
     assert_close(saved["grads"][q], ref_grads[q], torch.float32, "grad", msg=f"{q} (norm ratio {ratio:.4f})")

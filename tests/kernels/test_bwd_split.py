@@ -14,7 +14,7 @@ from ndp_kernels import configs, flash, reference, tuning
 from ndp_kernels.segments import NO_LIMIT, Segments
 from ndp_kernels.configs import KernelConfig
 from _kernel_cases import CASES, DTYPES, qkv
-from tolerances import assert_close, assert_within_lowp_bound
+from ndp.testing import assert_close, assert_within_lowp_bound
 
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ndp_kernels import flash, reference
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 FWDS = [pytest.param(flash.flash_attn_fwd, id="triton"), pytest.param(reference.flash_attn_fwd_ref, id="ref")]
 

@@ -9,7 +9,7 @@ import torch
 from ndp_kernels import flash, reference
 from ndp_kernels.segments import NO_LIMIT, Segments
 from _kernel_cases import CASES, DTYPES, qkv
-from tolerances import assert_close, assert_within_lowp_bound
+from ndp.testing import assert_close, assert_within_lowp_bound
 
 
 

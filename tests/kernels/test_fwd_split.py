@@ -15,7 +15,7 @@ import torch
 from ndp_kernels import configs, flash, reference
 from ndp_kernels.segments import NO_LIMIT, Segments, band
 from ndp_kernels.configs import KernelConfig
-from tolerances import assert_close, assert_within_lowp_bound
+from ndp.testing import assert_close, assert_within_lowp_bound
 
 DTYPES = [torch.float32, torch.float16]
 SCALE = 0.125

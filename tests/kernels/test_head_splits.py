@@ -8,7 +8,7 @@ import torch
 from ndp_kernels import configs, flash, reference
 from ndp_kernels.segments import NO_LIMIT, Segments
 from _kernel_cases import DTYPES, qkv
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 GPU = torch.device("cuda")  # only read by the rule through sm_count, which the tests replace
 

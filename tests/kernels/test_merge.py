@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from ndp_kernels import merge, reference
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def _states(shape_out, shape_lse, blk_dtype, seed):

@@ -11,7 +11,7 @@ from ndp_kernels import configs, flash, reference
 from ndp_kernels.segments import NO_LIMIT, Segments
 from ndp_kernels.configs import KernelConfig, override
 from _kernel_cases import CASES, qkv
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 TMA = KernelConfig(32, 32, 4, 1, tma=True)
 

@@ -8,7 +8,7 @@ import torch
 
 from ndp_kernels import NO_LIMIT
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
-from tolerances import assert_close, assert_within_lowp_bound
+from ndp.testing import assert_close, assert_within_lowp_bound
 
 N = NO_LIMIT
 

@@ -8,7 +8,7 @@ import ndp_kernels
 from ndp_kernels import Segments
 from ndp_kernels.reference import flash_attn_bwd_ref, flash_attn_fwd_ref
 from dense_attention import dense_reference
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def _sdpa(q, k, v, causal, window=(-1, -1)):

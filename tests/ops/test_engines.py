@@ -15,7 +15,7 @@ from ndp_kernels import NO_LIMIT, Segments, tuning
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref, flash_attn_bwd_ref, \
     flash_attn_fwd_ref
 from _engine_cases import TABLES, _assert_matches, _inputs, _ref
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 N = NO_LIMIT
 

@@ -16,7 +16,7 @@ from ndp.ops.engines import capable, engine_available
 from ndp_kernels import Segments
 from ndp_kernels.reference import attn_bwd_segments_ref, attn_fwd_segments_ref
 from _engine_cases import varlen_bwd, varlen_fwd
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 def _fake_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -10,7 +10,7 @@ from _nets import PLAN, Net
 from dist import spawn
 from ndp.parallel import (ModelPlan, ParallelismConfig, apply_cp, clip_grad_norm_, default_plan, mesh_axis,
                           parallelize)
-from tolerances import assert_close
+from ndp.testing import assert_close
 
 
 

@@ -10,7 +10,7 @@ import torch
 
 import ndp.cp
 from dist import spawn
-from tolerances import tol
+from ndp.testing import tol
 from _runs import LAYOUTS, run_layouts, train_config
 from ndp.train import train
 

@@ -1,4 +1,5 @@
-"""The one table of test tolerances (docs/design.md, "Conventions: tests"). Tests take atol/rtol from here only."""
+"""The accuracy ndp promises per dtype: the one table of tolerances its tests and benchmarks check results against
+(docs/design.md, "Conventions: tests"), public so a user can check their own runs against the same bounds."""
 import torch
 
 TOL = {

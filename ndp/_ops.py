@@ -3,7 +3,8 @@
 Importing this module never fails: when the extension is missing or does not load, ``load_error`` says why
 and how to fix it, and ``torch.ops.ndp.*`` stays undefined (callers fall back to Python implementations). A build
 without nvcc (most runtime containers) has CPU kernels only: :func:`runs_on` tells whether an op runs on a device,
-and :func:`shard_gather` / :func:`unshard` take the same rows by indexing where it does not.
+and :func:`merge_attn_states_` / :func:`shard_gather` / :func:`unshard` are the entry points that pick an
+implementation by device (the compiled op where it runs, else the Triton merge on a GPU, indexing, the reference).
 
 Ops (schemas in csrc/ops.cpp, semantics in docs/design.md):
     merge_attn_states_(out_acc, lse_acc, block_out, block_lse) -> ()     # in place, fp32 accumulators
@@ -19,6 +20,8 @@ import logging
 import os
 
 import torch
+
+import ndp_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,26 @@ def runs_on(op: str, device) -> bool:
     """Whether ``torch.ops.ndp.<op>`` runs on tensors of `device`: loaded, with a kernel for its dispatch key (a
     CUDA tensor reaching a CPU-only build raises NotImplementedError in the middle of training)."""
     return has_kernel(op, "CUDA" if torch.device(device).type == "cuda" else "CPU")
+
+
+def merge_impl(device, dtype):
+    """The LSE merge that runs for accumulators of `dtype` on `device`: ``torch.ops.ndp.merge_attn_states_`` (C++ on
+    CPU, CUDA kernel in a CUDA build) where it runs there and they are fp32; else on a GPU the Triton kernel
+    ``ndp_kernels.merge_attn_states_`` (a build without nvcc on a GPU machine; it takes fp64 to the reference
+    itself); else the reference (no triton import). All share the math of docs/design.md ("Ring step"): the same
+    weights, rows where both lse are -inf kept."""
+    if dtype == torch.float32 and runs_on("merge_attn_states_", device):
+        return torch.ops.ndp.merge_attn_states_
+    if torch.device(device).type == "cuda":
+        return ndp_kernels.merge_attn_states_
+    return ndp_kernels.reference.merge_attn_states_ref
+
+
+def merge_attn_states_(out_acc, lse_acc, block_out, block_lse):
+    """The one LSE merge entry point: a block's (out, lse) into fp32 (or fp64) accumulators, in place, by the
+    implementation :func:`merge_impl` picks for their device. Returns (out_acc, lse_acc)."""
+    merge_impl(out_acc.device, out_acc.dtype)(out_acc, lse_acc, block_out, block_lse)
+    return out_acc, lse_acc
 
 
 def shard_gather(x: torch.Tensor, dim: int, world_size: int, rank: int, layout: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Triton merge of partial attention states by log-sum-exp (in place, fp32 accumulators).
 
-The forward kernel of ``ndp_kernels.flash`` fuses this merge in its epilogue; this standalone kernel
-serves callers that hold a block result computed elsewhere (flash-attn backend, emulation paths).
+The forward kernel of ``ndp_kernels.flash`` fuses this merge in its epilogue; this standalone kernel merges
+blocks computed elsewhere (the sdpa and flash-attn engines' pieces) on a GPU whose ``ndp._C`` has no CUDA kernel
+(a build without nvcc): ``ndp._ops.merge_attn_states_``, the one merge entry point, picks it there.
 Both take their weights and the new lse from ``_merge_weights`` / ``_merge_lse``, so the two
 paths share one set of numerics.
 """

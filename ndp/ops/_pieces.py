@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from ndp import _ops
-from ndp_kernels import reference
 from ndp_kernels.segments import NO_LIMIT, acc_dtype
 
 __all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_pieces_fwd", "run_pieces_bwd", "MASK_TILE_ROWS"]
@@ -150,10 +149,7 @@ def _merge(out_acc, lse_acc, piece, o, lse):
     """Merges a piece result (o [B, n, H, D], lse [B, H, n]) into the rows of the accumulators."""
     oa = out_acc[:, piece.q0:piece.q1]
     la = lse_acc[:, :, piece.q0:piece.q1]
-    if out_acc.dtype == torch.float32 and _ops.runs_on("merge_attn_states_", out_acc.device):
-        torch.ops.ndp.merge_attn_states_(oa, la, o, lse.float())
-    else:
-        reference.merge_attn_states_ref(oa, la, o, lse.to(lse_acc.dtype))
+    _ops.merge_attn_states_(oa, la, o, lse.to(lse_acc.dtype))
 
 
 def _covers(piece, sq, sk=None) -> bool:

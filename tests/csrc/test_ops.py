@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ndp.cp
+import ndp_kernels
 from ndp import _ops
 from ndp.ops import _pieces
 from ndp.testing import assert_close
@@ -479,3 +480,29 @@ def test_ops_without_a_kernel_for_the_device_are_never_called(layout, monkeypatc
     _pieces._merge(*fallback, piece, blk_o, blk_l)
     for a, b in zip(fallback, merged):
         assert_close(a, b, torch.float32)
+
+
+def test_one_merge_entry_point_picks_the_implementation_by_device(monkeypatch):
+    """The compiled op where it has a kernel for the device (fp32), the Triton kernel on a GPU whose build has no
+    CUDA kernel, the reference elsewhere (fp64, CPU without the op); each merges to the reference's numbers."""
+    for has in (True, False):
+        monkeypatch.setattr(_ops, "runs_on", lambda op, device, has=has: has)
+        want_cuda = torch.ops.ndp.merge_attn_states_ if has else ndp_kernels.merge_attn_states_
+        assert _ops.merge_impl(torch.device("cuda", 0), torch.float32) is want_cuda
+        assert _ops.merge_impl("cuda", torch.float64) is ndp_kernels.merge_attn_states_
+        want_cpu = torch.ops.ndp.merge_attn_states_ if has else ndp_kernels.reference.merge_attn_states_ref
+        assert _ops.merge_impl("cpu", torch.float32) is want_cpu
+        assert _ops.merge_impl("cpu", torch.float64) is ndp_kernels.reference.merge_attn_states_ref
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(1)
+    oa, la = torch.randn(2, 5, 3, 16, generator=g), torch.randn(2, 3, 5, generator=g)
+    blk = torch.randn(2, 5, 3, 16, generator=g).to(torch.bfloat16)
+    blk_lse = torch.randn(2, 3, 5, generator=g)
+    la[0, 1, :2] = blk_lse[0, 1, :2] = float("-inf")   # rows no key reached on either side stay as they are
+    want = [t.clone() for t in (oa, la)]
+    ndp_kernels.reference.merge_attn_states_ref(*want, blk, blk_lse)
+    for impl in (_ops.merge_attn_states_, ndp_kernels.merge_attn_states_):   # compiled op; Triton (interpreter)
+        got = [t.clone() for t in (oa, la)]
+        assert impl(*got, blk, blk_lse)[0] is got[0]
+        for a, b in zip(got, want):
+            assert_close(a, b, torch.float32)

@@ -176,7 +176,7 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     Raises:
         ValueError: the model was not parallelized by ndp, or logits and labels do not match.
     """
-    state, _ = parallel_state(model, "ndp.hf.loss")
+    parallel_state(model, "ndp.hf.loss")
     if getattr(model, "ndp_loss_parallel", False):
         raise ValueError("ndp.hf.loss: the model's LM head is split by vocabulary over the tensor-parallel ranks "
                          "(parallelize(..., loss_parallel=True)): its logits are one rank's columns, not the "
@@ -190,7 +190,8 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                 ignore_index=ignore_index, reduction="sum")
-    return _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean)
+    return scale_loss_sum(local_sum, labels, model, ignore_index=ignore_index, num_tokens=num_tokens,
+                          return_mean=return_mean)
 
 
 def lm_loss(model, labels, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False,
@@ -211,10 +212,11 @@ def lm_loss(model, labels, *, ignore_index: int = -100, num_tokens=None, return_
         Unsupported: the model's LM head or what its forward does to the logits cannot be fused exactly
             (see ``ndp.hf.head``): use :func:`loss` on the logits.
     """
-    state, _ = parallel_state(model, "ndp.hf.lm_loss")
+    parallel_state(model, "ndp.hf.lm_loss")
     labels = _class_labels(labels, ignore_index, "ndp.hf.lm_loss")
     local_sum = head_loss(model, labels, ignore_index=ignore_index, chunk_bytes=chunk_bytes, **inputs)
-    return _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean)
+    return scale_loss_sum(local_sum, labels, model, ignore_index=ignore_index, num_tokens=num_tokens,
+                          return_mean=return_mean)
 
 
 def _class_labels(labels, ignore_index, what):
@@ -225,8 +227,16 @@ def _class_labels(labels, ignore_index, what):
     return labels.long()
 
 
-def _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, return_mean):
-    """``local_sum * fsdp_size / global labelled-token count`` (and the global mean when asked)."""
+def scale_loss_sum(local_sum, labels, model, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False):
+    """The one loss normalisation of ndp (:func:`loss`, :func:`lm_loss`, ``ndp-train``): this rank's summed token
+    loss scaled so that FSDP's gradient averaging yields the gradient of the global mean loss, for a loss summed by
+    any means (e.g. a custom loss over the shard ``shard_batch`` returned).
+
+    Returns ``local_sum * fsdp_size / count`` (``count``: `num_tokens`, or the labelled tokens of `labels` summed
+    over the ``dp_cp`` ranks, one all-reduce of two numbers; at least 1), ``(loss, global mean)`` with
+    `return_mean` (the mean detached fp32, identical on every rank). Raises ValueError for a model ndp did not
+    parallelize."""
+    state, _ = parallel_state(model, "ndp.hf.scale_loss_sum")
     stats = torch.stack([local_sum.detach().double(), (labels != ignore_index).sum().double()])
     group = state.axis("dp_cp")
     if group is not None and group.size() > 1 and (num_tokens is None or return_mean):
@@ -240,6 +250,6 @@ def _global_mean_scaled(local_sum, labels, state, ignore_index, num_tokens, retu
     return out
 
 
-__all__ = ["shard_batch", "loss", "lm_loss", "head_loss", "init_weights", "register_attention",
+__all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "init_weights", "register_attention",
            "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN",
            "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

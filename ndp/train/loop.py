@@ -185,7 +185,6 @@ class _Run:
     dp_rank: int
     dp_size: int
     loss_group: object           # the dp_cp group the loss is summed over (None: one rank)
-    grad_scale_world: int        # FSDP's averaging degree, undone in the backward's scale
 
 
 def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int, int]:
@@ -222,7 +221,7 @@ def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int
                            pack_docs=cfg.pack_docs)
     dp_mesh, loss_mesh = mesh_axis(mesh, "dp"), mesh_axis(mesh, "dp_cp")
     run = _Run(model, opt, sched, dataset, device, autocast, fsdp_mods, dp_mesh.get_local_rank(), dp_mesh.size(),
-               loss_mesh.get_group() if loss_mesh.size() > 1 else None, p.fsdp_size if fsdp_mods else 1)
+               loss_mesh.get_group() if loss_mesh.size() > 1 else None)
     return run, rank_bytes, param_total
 
 
@@ -277,7 +276,7 @@ def _forward_backward(cfg: TrainConfig, run: _Run, batch) -> torch.Tensor:
         offload = ActivationOffload(run.device) if cfg.activation_offload else contextlib.nullcontext()
         with run.autocast, offload:
             ls = token_loss_sum(run.model, cfg.loss, kwargs, labels)
-        (ls * (run.grad_scale_world / max(1, n_global))).backward()
+        ndp.hf.scale_loss_sum(ls, labels, run.model, ignore_index=IGNORE_INDEX, num_tokens=n_global).backward()
         loss_sum += ls.detach()
     return loss_sum
 

@@ -31,6 +31,24 @@ def test_loss_is_the_mean_cross_entropy_on_one_rank():
     assert ndp.hf.loss(logits, torch.full_like(labels, -100), model).item() == 0.0
 
 
+def test_scale_loss_sum_normalises_a_custom_summed_loss_as_loss_does():
+    """The one normalisation ndp.hf.loss, lm_loss and ndp-train share, for a loss summed by other means (here label
+    smoothing): the global mean, num_tokens replacing the count; a model ndp did not parallelize is refused."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    logits = model(ids).logits.flatten(0, 1)
+    smoothed = F.cross_entropy(logits, labels.flatten(), label_smoothing=0.1, reduction="sum")
+    loss, mean = ndp.hf.scale_loss_sum(smoothed, labels, model, return_mean=True)
+    want = F.cross_entropy(logits, labels.flatten(), label_smoothing=0.1)
+    assert_close(loss, want, torch.float32)
+    assert_close(mean, want, torch.float32)
+    quarter = ndp.hf.scale_loss_sum(smoothed, labels, model, num_tokens=4 * int((labels != -100).sum()))
+    assert_close(quarter, want / 4, torch.float32)
+    with pytest.raises(ValueError, match="ndp.hf.scale_loss_sum needs a model returned by ndp.parallelize"):
+        ndp.hf.scale_loss_sum(smoothed, labels, build_model("tiny-llama", seed=0))
+
+
 def test_loss_keeps_float64_logits_in_float64():
     model = _model()
     logits = torch.randn(2, 16, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -1,12 +1,13 @@
 """DeviceMesh construction for (dp_replicate, dp_shard, cp, tp) and the CP groups attention uses."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ndp.cp import split_cp_group
 
 if TYPE_CHECKING:  # annotations only: the config imports this module (it builds its mesh here)
     from .config import ParallelismConfig
@@ -22,7 +23,7 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
         device_type: "cpu" or "cuda".
     Returns:
         DeviceMesh with axes ("dp_replicate", "dp_shard", "cp", "tp") and flattened axes "dp",
-        "dp_shard_cp", "dp_cp" (``mesh["dp_cp"]`` etc.).
+        "dp_shard_cp", "dp_cp" (``mesh_axis(mesh, "dp_cp")`` etc.; torch keeps them on the mesh).
     Raises:
         RuntimeError: no default process group.
         ValueError: ``config.world_size`` != the process group's size (message names every factor).
@@ -33,19 +34,13 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
     config.check_world_size(dist.get_world_size())
     shape = (config.dp_replicate_size, config.dp_shard_size, config.cp_size, config.tp_size)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    # Flattened axes: the ranks holding different data (dp), FSDP's shard axis (CP ranks also hold
-    # different tokens, so they shard parameters like data-parallel ranks do), and every rank whose
-    # token losses enter the global mean (dp_cp).
-    # torch asks callers to keep the flattened meshes rather than slice them from the root again.
-    mesh.ndp_flat = {
-        "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-        "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-        "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
-    }
+    adopt_mesh(config, mesh)
     return mesh
 
 
-# The flattened axes ndp reads, and the axes each joins.
+# The flattened axes ndp reads, and the axes each joins: the ranks holding different data (dp), FSDP's shard axis
+# (CP ranks also hold different tokens, so they shard parameters like data-parallel ranks do), and every rank whose
+# token losses enter the global mean (dp_cp).
 FLAT_AXES = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
@@ -85,43 +80,40 @@ class _OneRank:
 
 
 def adopt_mesh(config, mesh: DeviceMesh | None) -> None:
-    """Registers on a mesh that was not built by ndp (Accelerate's ``build_device_mesh``, a user's) the flattened
-    axes ndp reads (FLAT_AXES): the mesh's own flattened axis of that name where it has one, else the one
-    enabled axis, else a new flatten of the enabled axes (collective: every rank calls it). Call after
-    check_mesh; a mesh ndp built is left as it is."""
-    if mesh is None or hasattr(mesh, "ndp_flat"):
-        return
-    flat = {}
-    for name, parts in FLAT_AXES.items():
-        on = tuple(a for a in parts if getattr(config, f"{a}_size") > 1)
-        if len(on) == 1:
-            flat[name] = mesh[on[0]]
-        elif on:
-            flat[name] = _flattened(mesh, name, on)
-    mesh.ndp_flat = flat
+    """Flattens on a mesh (ndp's, Accelerate's, a user's) the axes ndp reads (FLAT_AXES), so that later
+    :func:`mesh_axis` calls find them. Collective where it makes a process group: every rank calls it, after
+    check_mesh (``parallelize`` and ``build_device_mesh`` do)."""
+    if mesh is not None:
+        for name in FLAT_AXES:
+            mesh_axis(mesh, name)
 
 
 def _flattened(mesh: DeviceMesh, name: str, parts: tuple) -> DeviceMesh:
+    """``parts`` of `mesh` flattened as axis `name`. torch keeps each flattened mesh on the root mesh by name: the
+    first call makes it (a new process group), every later one with the same parts returns it."""
     try:
-        got = mesh[name]  # registered by whoever built the mesh (Accelerate flattens dp, dp_shard_cp, dp_cp)
-    except (KeyError, ValueError, RuntimeError):
         return mesh[parts]._flatten(name)
-    if got.size() != math.prod(mesh[a].size() for a in parts):
-        raise ValueError(f"the DeviceMesh's axis {name!r} has {got.size()} ranks, not the product of {parts}")
-    return got
+    except ValueError as e:  # a flattened axis of that name already joins other axes (a mesh built elsewhere)
+        raise ValueError(f"the DeviceMesh's flattened axis {name!r} does not join the axes {parts} ndp reads it as "
+                         f"({e}); build the mesh with config.build_device_mesh(device_type) or Accelerate's "
+                         f"ParallelismConfig.build_device_mesh") from e
 
 
 def mesh_axis(mesh: DeviceMesh, name: str):
-    """The 1-D mesh of axis ``name``: one of MESH_AXES or a flattened axis (dp, dp_shard_cp, dp_cp); for an
-    axis of size 1 the mesh leaves out, a stand-in of size 1 (``size()``, ``get_local_rank()``)."""
-    flat = getattr(mesh, "ndp_flat", {})
-    if name in flat:
-        return flat[name]
-    if name in (getattr(mesh, "mesh_dim_names", None) or ()):
+    """The 1-D mesh of axis ``name``: one of MESH_AXES or a flattened axis (FLAT_AXES: the axes of it the mesh
+    has, flattened; the one it has; a stand-in of size 1 for none). For an axis of size 1 the mesh leaves out
+    (Accelerate builds only the axes of degree > 1), a stand-in of size 1 (``size()``, ``get_local_rank()``)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if name in names:
         return mesh[name]
-    if name in MESH_AXES or name in FLAT_AXES:
+    if name in FLAT_AXES:
+        parts = tuple(a for a in FLAT_AXES[name] if a in names)
+        if len(parts) > 1:
+            return _flattened(mesh, name, parts)
+        return mesh[parts[0]] if parts else _OneRank()
+    if name in MESH_AXES:
         return _OneRank()
-    raise KeyError(f"the DeviceMesh has no axis {name!r}; axes: {mesh.mesh_dim_names}")
+    raise KeyError(f"the DeviceMesh has no axis {name!r}; axes: {names}")
 
 
 @dataclass(frozen=True)
@@ -158,8 +150,6 @@ def cp_context(config: ParallelismConfig, mesh: DeviceMesh | None) -> CPContext:
     group = mesh.get_group("cp")
     gu = gr = None
     if config.cp_impl == "usp":
-        from ndp.cp import split_cp_group
-
         gu, gr = split_cp_group(group, config.ulysses_size)
     return CPContext(impl=config.cp_impl, layout=config.cp_layout, group=group, ulysses_group=gu,
                      ring_group=gr, size=config.cp_size, rank=mesh.get_local_rank("cp"))

@@ -22,6 +22,7 @@ import ndp.accelerate
 import ndp.trainer
 from dist import spawn
 from ndp.parallel import adopt_mesh, as_config, check_mesh, mesh_axis
+from ndp.parallel.mesh import FLAT_AXES
 import test_packed
 from test_quickstart import CFG_LINE, ROOT, _free_port, _run, quickstart_code
 from ndp.testing import assert_close
@@ -66,7 +67,8 @@ def _meshes(rank, world):
         mesh, cfg = acc.build_device_mesh("cpu"), as_config(acc)
         check_mesh(cfg, mesh)
         adopt_mesh(cfg, mesh)
-        assert {k: v.size() for k, v in mesh.ndp_flat.items()} == flat
+        assert {k: mesh_axis(mesh, k).size() for k in flat} == flat
+        assert all(mesh_axis(mesh, k).size() == 1 for k in FLAT_AXES if k not in flat)
         assert mesh_axis(mesh, "tp").size() == cfg.tp_size and mesh_axis(mesh, "dp_replicate").size() == \
             cfg.dp_replicate_size
     with pytest.raises(ValueError, match="dp_shard: config 2, mesh 4; cp: config 2, mesh absent"):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ndp.ops.sinks import check_sinks
+from ndp.ops.sinks import add_sinks, check_sinks, sinks_grad
 from ndp_kernels.segments import Segments, acc_dtype, check_softcap
 
 from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
@@ -15,7 +15,8 @@ from .schedule import Mask, Placement, Step
 from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
 
-__all__ = ["Call", "LocalEngine", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring", "acc_dtype"]
+__all__ = ["Call", "LocalEngine", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring", "acc_dtype",
+           "stacked_kv_function"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,36 @@ def run_bwd_step(dout4, q4, k4, v4, out4, lse, step: Step, dq_acc, dk_acc, dv_ac
                       softcap=backend.softcap)
     b, _, h, d = q4.shape
     record_flops(int(2.5 * 4 * b * h * d * step.pairs), backward=True)
+
+
+def stacked_kv_function(name: str, fwd, bwd) -> type:
+    """The autograd Function of a CP algorithm whose K and V travel as one stacked buffer (ring, all-gather):
+    ``fwd(q4, kv, plan) -> (out, lse)`` and ``bwd(dout4, q4, kv, out, lse, plan) -> (dq, dkv)`` on dense
+    ``[B, S, H, D]`` tensors (packed input is one row). The Function saves and restores context only; sinks join
+    once after the last block. Its arguments after q, k, v: (sinks, plan, packed)."""
+
+    def forward(ctx, q, k, v, sinks, plan, packed):
+        q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
+        q4 = q4.contiguous()
+        out, lse = fwd(q4, torch.stack([k4, v4]), plan)  # one buffer: K and V travel in one message
+        out, lse = (out.to(q.dtype), lse) if sinks is None else add_sinks(out, lse, sinks, q.dtype)
+        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
+        ctx.plan, ctx.packed = plan, packed
+        ctx.mark_non_differentiable(lse)
+        return (out[0], lse[0]) if packed else (out, lse)
+
+    def backward(ctx, dout, _dlse):
+        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
+        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
+        dq, dkv = bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
+        dq, dk, dv = dq.to(q4.dtype), dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
+        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
+        if ctx.packed:
+            dq, dk, dv = dq[0], dk[0], dv[0]
+        return dq, dk, dv, dsinks, None, None
+
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": f"Autograd of {name}."}
+    return type(name, (torch.autograd.Function,), methods)
 
 
 def p2p_ring(send, recv, group, rank, world, tag):

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
-from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step
+from ._common import acc_dtype, on_device, prepare_call, run_bwd_step, run_fwd_step, stacked_kv_function
 from .compiled import CpImpl, dispatch, register, saved_as_given
 from .schedule import build_step
 from .stats import all_gather_flat, reduce_scatter_flat
@@ -190,32 +189,8 @@ def _allgather_bwd(dout4, q4, kv, out4, lse, plan):
     return dq, dkv
 
 
-class AllGatherAttnFunction(torch.autograd.Function):
-    """Autograd of all-gather attention (block math from ndp.ops)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, packed):
-        q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
-        q4 = q4.contiguous()
-        kv = torch.stack([k4, v4])
-        out, lse = _allgather_fwd(q4, kv, plan)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks, q.dtype)
-        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.plan, ctx.packed = plan, packed
-        ctx.mark_non_differentiable(lse)
-        return (out[0], lse[0]) if packed else (out, lse)
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
-        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq, dkv = _allgather_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
-        dk, dv = dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
-        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
-        if ctx.packed:
-            dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, dsinks, None, None
+# Autograd of all-gather attention (block math from ndp.ops); ring attention shares its body.
+AllGatherAttnFunction = stacked_kv_function("AllGatherAttnFunction", _allgather_fwd, _allgather_bwd)
 
 
 @any_value_head

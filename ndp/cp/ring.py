@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ndp.ops.sinks import add_sinks, sinks_grad
 from ndp_kernels.segments import any_value_head
 
-from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, wait_all
+from ._common import acc_dtype, p2p_ring, prepare_call, run_bwd_step, run_fwd_step, stacked_kv_function, wait_all
 from .compiled import CpImpl, dispatch, register, saved_as_given
 from .schedule import RingSchedule
 
@@ -129,31 +128,8 @@ def ring_bwd(dout4, q4, kv, out4, lse, plan: RingPlan):
     return dq, own
 
 
-class RingAttnFunction(torch.autograd.Function):
-    """Autograd of ring attention; the block math comes from ndp.ops (via schedule steps)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, plan, packed):
-        q4, k4, v4 = (x.unsqueeze(0) if packed else x for x in (q, k, v))
-        q4 = q4.contiguous()
-        kv = torch.stack([k4, v4])  # one buffer: K and V travel in one message
-        out_acc, lse = ring_fwd(q4, kv, plan)
-        out, lse = (out_acc.to(q.dtype), lse) if sinks is None else add_sinks(out_acc, lse, sinks, q.dtype)
-        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
-        ctx.plan, ctx.packed = plan, packed
-        ctx.mark_non_differentiable(lse)
-        return (out[0], lse[0]) if packed else (out, lse)
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
-        dout4 = (dout.unsqueeze(0) if ctx.packed else dout).contiguous()
-        dq, dkv = ring_bwd(dout4, q4, torch.stack([k4, v4]), out, lse, ctx.plan)
-        dq, dk, dv = dq.to(q4.dtype), dkv[0].to(k4.dtype), dkv[1].to(v4.dtype)
-        dsinks = None if sinks is None else sinks_grad(dout4, out, lse, sinks)
-        if ctx.packed:
-            dq, dk, dv = dq[0], dk[0], dv[0]
-        return dq, dk, dv, dsinks, None, None
+# Autograd of ring attention (block math from ndp.ops); all-gather attention shares its body.
+RingAttnFunction = stacked_kv_function("RingAttnFunction", ring_fwd, ring_bwd)
 
 
 @any_value_head

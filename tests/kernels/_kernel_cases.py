@@ -3,6 +3,8 @@ split backward (test_bwd_split)."""
 import pytest
 import torch
 
+from ndp_kernels.segments import NO_LIMIT, Segments
+
 DTYPES = [torch.float32, torch.float16]   # the interpreter's bf16 dot is broken (docs/design.md): AOT covers bf16
 
 
@@ -29,3 +31,18 @@ CASES = [
     # A band wider than a block: unmasked interior blocks between masked edges.
     pytest.param(1, 200, 257, 2, 1, 64, False, (100, 3), id="window100-3-q200-k257"),
 ]
+
+
+def random_segments(rng, sq, sk):
+    """A random segment table over [sq] x [sk] (rows in no segment, empty key ranges, windows)."""
+    cuts = sorted(rng.sample(range(sq + 1), 4))
+    rows = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if rng.random() < 0.2:
+            continue  # rows in no segment
+        ks = rng.randint(0, sk - 1)
+        kl = rng.randint(0, sk - ks)
+        lo = rng.choice([-NO_LIMIT, rng.randint(-60, 30)])
+        hi = rng.choice([NO_LIMIT, rng.randint(max(lo, -30), 80)])
+        rows.append((a, b - a, ks, kl, lo, hi))
+    return Segments.from_rows(rows or [(0, sq, 0, sk, -NO_LIMIT, NO_LIMIT)])

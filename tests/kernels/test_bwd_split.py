@@ -13,7 +13,7 @@ import torch
 from ndp_kernels import configs, flash, reference, tuning
 from ndp_kernels.segments import NO_LIMIT, Segments
 from ndp_kernels.configs import KernelConfig
-from _kernel_cases import CASES, DTYPES, qkv
+from _kernel_cases import CASES, DTYPES, qkv, random_segments
 from ndp.testing import assert_close, assert_within_lowp_bound
 
 
@@ -101,17 +101,6 @@ def test_split_bwd_strided_inputs():
     _check_bwd(q, k, v, dout, torch.float32, causal=True)
 
 
-def test_split_bwd_rows_without_keys_give_zero_gradients():
-    # Bottom-right causal with seq_q > seq_k: the first 80 rows see no key (lse = -inf).
-    q, k, v, dout = qkv(1, 97, 17, 2, 2, 64, torch.float32, seed=3)
-    out, lse = reference.flash_attn_fwd_ref(q, k, v, causal=True)
-    assert torch.isneginf(lse[:, :, :80]).all()
-    dq, dk, dv = flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    assert torch.all(dq[:, :80] == 0)
-    for g in (dq, dk, dv):
-        assert torch.isfinite(g).all()
-
-
 def test_split_bwd_rows_in_no_segment_and_accumulators():
     # Rows 10..19 are in no segment: their dq accumulator rows stay untouched; keys 0..4 of the
     # second segment's k-range overlap the first segment's.
@@ -168,20 +157,6 @@ def test_split_bwd_public_accumulators_packed():
         assert_close(acc - 1.0, g, torch.float32, "grad")
 
 
-def _random_segments(rng, sq, sk):
-    cuts = sorted(rng.sample(range(sq + 1), 4))
-    rows = []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        if rng.random() < 0.2:
-            continue  # rows in no segment
-        ks = rng.randint(0, sk - 1)
-        kl = rng.randint(0, sk - ks)
-        lo = rng.choice([-NO_LIMIT, rng.randint(-60, 30)])
-        hi = rng.choice([NO_LIMIT, rng.randint(max(lo, -30), 80)])
-        rows.append((a, b - a, ks, kl, lo, hi))
-    return Segments.from_rows(rows or [(0, sq, 0, sk, -NO_LIMIT, NO_LIMIT)])
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_split_bwd_random_segment_tables_and_tiles(seed, monkeypatch):
     # Random tables (gaps, shared key rows, empty key ranges, one- and two-sided bands) with the
@@ -194,7 +169,7 @@ def test_split_bwd_random_segment_tables_and_tiles(seed, monkeypatch):
     hk = rng.choice([1, 2])
     h = hk * rng.choice([1, 3])
     sq, sk = rng.randint(20, 150), rng.randint(20, 150)
-    segs = _random_segments(rng, sq, sk)
+    segs = random_segments(rng, sq, sk)
     q, k, v, dout = qkv(2, sq, sk, h, hk, 64, torch.float32, seed=seed)
     _check_segments(q, k, v, dout, segs, torch.float32)
 

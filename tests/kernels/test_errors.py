@@ -80,26 +80,16 @@ def _packed(total=10):
 
 
 @pytest.mark.parametrize("fwd", FWDS)
-def test_cu_seqlens_not_increasing(fwd):
+@pytest.mark.parametrize("cu, exc, match", [
+    ([0, 6, 4, 10], ValueError,
+     r"cu_seqlens_q must be non-decreasing; got cu_seqlens_q\[1\]=6 > cu_seqlens_q\[2\]=4"),
+    (torch.tensor([0, 4, 10], dtype=torch.int64), TypeError, r"cu_seqlens_q must be int32; got torch.int64"),
+    ([0, 4, 9], ValueError, r"cu_seqlens_q\[-1\] must equal the number of tokens \(10\); got 9"),
+], ids=["not_increasing", "wrong_dtype", "last_entry"])
+def test_bad_cu_seqlens(fwd, cu, exc, match):
     q, k, v = _packed()
-    cu = torch.tensor([0, 6, 4, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing; got cu_seqlens_q\[1\]=6 > cu_seqlens_q\[2\]=4"):
-        fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-
-
-@pytest.mark.parametrize("fwd", FWDS)
-def test_cu_seqlens_wrong_dtype(fwd):
-    q, k, v = _packed()
-    cu = torch.tensor([0, 4, 10], dtype=torch.int64)
-    with pytest.raises(TypeError, match=r"cu_seqlens_q must be int32; got torch.int64"):
-        fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
-
-
-@pytest.mark.parametrize("fwd", FWDS)
-def test_cu_seqlens_last_entry(fwd):
-    q, k, v = _packed()
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] must equal the number of tokens \(10\); got 9"):
+    cu = cu if torch.is_tensor(cu) else torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(exc, match=match):
         fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
 
 

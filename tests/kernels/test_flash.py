@@ -1,14 +1,17 @@
 """Triton flash attention (under TRITON_INTERPRET=1) against the plain-PyTorch reference.
 
-fp32 and fp16 only: the interpreter's bf16 dot is broken (docs/design.md, "Facts the code relies on"); bf16 is covered by the AOT
-compile (tests/kernels/test_aot.py) and by the reference path.
+fp32 and fp16 only: the interpreter's bf16 dot is broken (docs/design.md, "Facts the code relies on"); bf16 is
+covered by the AOT compile (tests/kernels/test_aot.py) and by the reference path.
 """
+import random
+
 import pytest
 import torch
 
-from ndp_kernels import flash, reference
+from ndp_kernels import configs, flash, reference
+from ndp_kernels.configs import KernelConfig
 from ndp_kernels.segments import NO_LIMIT, Segments
-from _kernel_cases import CASES, DTYPES, qkv
+from _kernel_cases import CASES, DTYPES, qkv, random_segments
 from ndp.testing import assert_close, assert_within_lowp_bound
 
 
@@ -77,13 +80,14 @@ def test_packed_documents_different_q_and_k_lengths():
     _check(q, k, v, dout, torch.float32, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
 
 
-def test_rows_without_keys_give_zero_and_neg_inf():
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_bwd", "split_bwd"])
+def test_rows_without_keys_give_zero_and_neg_inf(deterministic):
     # seq_q > seq_k with causal bottom-right alignment: the first 80 query rows see no key.
     q, k, v, dout = qkv(1, 97, 17, 2, 2, 64, torch.float32, seed=3)
     out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
     assert torch.all(out[:, :80] == 0) and torch.all(torch.isneginf(lse[:, :, :80]))
     assert torch.isfinite(lse[:, :, 80:]).all()
-    dq, dk, dv = flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True)
+    dq, dk, dv = flash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
     assert torch.all(dq[:, :80] == 0)
     for g in (dq, dk, dv):
         assert torch.isfinite(g).all()
@@ -244,11 +248,6 @@ def test_random_segment_tables_and_tiles(seed, monkeypatch):
     # Random segment tables (gaps, shared key rows, empty key ranges, one- and two-sided bands) with
     # the GPU-like tile shapes swapped into the interpreter configuration, so the band/tile
     # arithmetic (skipped blocks, unmasked interior blocks, ragged ends) is exercised for them too.
-    import random
-
-    from ndp_kernels import configs
-    from ndp_kernels.configs import KernelConfig
-
     rng = random.Random(seed)
     fwd_tile = [(16, 32), (32, 16), (128, 64), (64, 128), (32, 32), (16, 16)][seed]
     monkeypatch.setitem(configs._FWD, ("interpreter", 64), KernelConfig(*fwd_tile, 4, 1))
@@ -256,17 +255,7 @@ def test_random_segment_tables_and_tiles(seed, monkeypatch):
     hk = rng.choice([1, 2])
     h = hk * rng.choice([1, 3])
     sq, sk = rng.randint(20, 150), rng.randint(20, 150)
-    cuts = sorted(rng.sample(range(sq + 1), 4))
-    rows = []
-    for a, b in zip(cuts[:-1], cuts[1:]):
-        if rng.random() < 0.2:
-            continue  # rows in no segment
-        ks = rng.randint(0, sk - 1)
-        kl = rng.randint(0, sk - ks)
-        lo = rng.choice([-NO_LIMIT, rng.randint(-60, 30)])
-        hi = rng.choice([NO_LIMIT, rng.randint(max(lo, -30), 80)])
-        rows.append((a, b - a, ks, kl, lo, hi))
-    segs = Segments.from_rows(rows or [(0, sq, 0, sk, -NO_LIMIT, NO_LIMIT)])
+    segs = random_segments(rng, sq, sk)
     q, k, v, dout = qkv(2, sq, sk, h, hk, 64, torch.float32, seed=seed)
     scale = 0.125
     out, lse = flash.attn_fwd_segments(q, k, v, segs, softmax_scale=scale)

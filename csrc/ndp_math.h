@@ -68,12 +68,18 @@ NDP_HD float merge_value(float acc, float blk, MergeWeights w) {
 
 // Geometry of a merge: out_acc / block_out [B, S, H, D] (head_dim stride 1), lse_acc / block_lse [B, H, S];
 // strides in elements. Packed [T, H, D] / [H, T] inputs are B = 1 with batch strides 0.
+// (batch, seq, head) strides of one tensor of a merge, in elements.
+struct RowStrides {
+  int64_t b, s, h;
+};
+
+NDP_HD int64_t row_offset(const RowStrides& st, int64_t b, int64_t s, int64_t h) {
+  return b * st.b + s * st.s + h * st.h;
+}
+
 struct MergeGeometry {
   int64_t B, S, H, D;
-  int64_t so_b, so_s, so_h;     // out_acc
-  int64_t sl_b, sl_h, sl_s;     // lse_acc
-  int64_t sbo_b, sbo_s, sbo_h;  // block_out
-  int64_t sbl_b, sbl_h, sbl_s;  // block_lse
+  RowStrides out, lse, blk_out, blk_lse;  // out_acc, lse_acc, block_out, block_lse
 };
 
 // Element offsets of row `row` (= (b * S + s) * H + h) in the four tensors of a merge.
@@ -86,10 +92,10 @@ NDP_HD MergeRowOffsets merge_row_offsets(const MergeGeometry& g, int64_t row) {
   const int64_t s = (row / g.H) % g.S;
   const int64_t b = row / (g.H * g.S);
   MergeRowOffsets r;
-  r.out = b * g.so_b + s * g.so_s + h * g.so_h;
-  r.lse = b * g.sl_b + h * g.sl_h + s * g.sl_s;
-  r.blk_out = b * g.sbo_b + s * g.sbo_s + h * g.sbo_h;
-  r.blk_lse = b * g.sbl_b + h * g.sbl_h + s * g.sbl_s;
+  r.out = row_offset(g.out, b, s, h);
+  r.lse = row_offset(g.lse, b, s, h);
+  r.blk_out = row_offset(g.blk_out, b, s, h);
+  r.blk_lse = row_offset(g.blk_lse, b, s, h);
   return r;
 }
 

@@ -99,18 +99,14 @@ MergeGeometry check_merge_args(const at::Tensor& out_acc, const at::Tensor& lse_
   // in place: an expanded accumulator (several elements on one memory location) would race / double-merge
   at::assert_no_internal_overlap(out_acc);
   at::assert_no_internal_overlap(lse_acc);
-  g.so_b = packed ? 0 : out_acc.stride(0);
-  g.so_s = out_acc.stride(-3);
-  g.so_h = out_acc.stride(-2);
-  g.sbo_b = packed ? 0 : block_out.stride(0);
-  g.sbo_s = block_out.stride(-3);
-  g.sbo_h = block_out.stride(-2);
-  g.sl_b = packed ? 0 : lse_acc.stride(0);
-  g.sl_h = lse_acc.stride(-2);
-  g.sl_s = lse_acc.stride(-1);
-  g.sbl_b = packed ? 0 : block_lse.stride(0);
-  g.sbl_h = block_lse.stride(-2);
-  g.sbl_s = block_lse.stride(-1);
+  // out: [B, S, H, D], lse: [B, H, S]; a packed tensor has no batch dim (stride 0)
+  const auto strides = [packed](const at::Tensor& x, int64_t seq_dim, int64_t head_dim) {
+    return RowStrides{packed ? 0 : x.stride(0), x.stride(seq_dim), x.stride(head_dim)};
+  };
+  g.out = strides(out_acc, -3, -2);
+  g.blk_out = strides(block_out, -3, -2);
+  g.lse = strides(lse_acc, -1, -2);
+  g.blk_lse = strides(block_lse, -1, -2);
   return g;
 }
 

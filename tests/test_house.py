@@ -1,6 +1,7 @@
 """The house rules of docs/design.md that a reader trips on, enforced: every document the tree cites lives in the
-repository, and no Python function outside the Triton kernels runs past 100 lines."""
+repository, no Python function outside the Triton kernels runs past 100 lines, and code is not written twice."""
 import ast
+import collections
 import pathlib
 import re
 
@@ -47,3 +48,43 @@ def test_functions_fit_in_100_lines():
                 if lines > MAX_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+# Code written twice: places sharing REPEAT_LINES identical lines (whitespace aside; blank, comment, import and
+# docstring-fence lines skipped), counted as pairs of files. The budget holds what is repeated on purpose: the
+# argument lists of the Triton backward kernels (a kernel's signature cannot be shared).
+REPEAT_LINES = 6
+MAX_REPEATED_PAIRS = 1
+_SKIPPED = ("#", "//", "import ", "from ", '"""')
+
+
+def _code_lines(path):
+    return [(i, s) for i, s in enumerate((x.strip() for x in path.read_text(errors="replace").splitlines()), 1)
+            if s and not s.startswith(_SKIPPED)]
+
+
+def _repeated_pairs():
+    places = collections.defaultdict(list)
+    for path in _files():
+        if path.suffix == ".md":
+            continue
+        lines = _code_lines(path)
+        for j in range(len(lines) - REPEAT_LINES + 1):
+            run = tuple(s for _, s in lines[j:j + REPEAT_LINES])
+            if sum(map(len, run)) >= 60:  # runs of brackets and one-word lines are not code written twice
+                places[run].append((path.relative_to(ROOT).as_posix(), lines[j][0]))
+    pairs = collections.defaultdict(set)
+    for where in places.values():
+        for i, (fa, la) in enumerate(where):
+            for fb, lb in where[i + 1:]:
+                if fa != fb or abs(la - lb) >= REPEAT_LINES:
+                    pairs[tuple(sorted((fa, fb)))].add(min(la, lb))
+    return pairs
+
+
+def test_code_is_not_written_twice():
+    pairs = _repeated_pairs()
+    listed = [f"{a} ~ {b}: runs from line {sorted(lines)[:3]}" for (a, b), lines in sorted(pairs.items())]
+    assert len(pairs) <= MAX_REPEATED_PAIRS, (f"{len(pairs)} pairs of files share {REPEAT_LINES}+ identical lines "
+                                              f"(budget {MAX_REPEATED_PAIRS}); fold them into one place:\n"
+                                              + "\n".join(listed))

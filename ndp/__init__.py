@@ -9,7 +9,7 @@ from ._runtime import shutdown
 from .cp import (CommStats, allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                  split_cp_group, ulysses_attention, usp_attention)
 from .ops.tune import warmup
-from .parallel import ParallelismConfig
+from .parallel import ParallelismConfig, is_transformers_model
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ def parallelize(model, config, mesh, **kwargs):
         ValueError: config and mesh disagree, the model cannot be split as configured, or (meta) its init
             leaves a parameter or buffer unset.
     """
-    if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
+    if is_transformers_model(model):
         from .hf import parallelize as impl
     else:
         from .parallel import parallelize as impl

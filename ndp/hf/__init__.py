@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import ModelPlan, ParallelismConfig, ac_mode, as_config
+from ndp.parallel import ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
@@ -99,6 +99,16 @@ def _loss_parallel_head(model: nn.Module) -> str:
     return name
 
 
+def can_split_head(model: nn.Module) -> bool:
+    """Whether ``parallelize(..., loss_parallel=True)`` can split `model`'s output embedding by vocabulary over the
+    tensor-parallel ranks (an untied top-level nn.Linear): the one place this is asked."""
+    try:
+        _loss_parallel_head(model)
+    except Unsupported:
+        return False
+    return True
+
+
 def init_weights(model: nn.Module, *, seed: int) -> nn.Module:
     """Initialize a materialized transformers model with ndp's seeded per-module scheme (``ndp.parallel.init``).
 
@@ -137,7 +147,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
         ValueError: heads not divisible by tp / the Ulysses degree.
     """
     loss_parallel = kwargs.pop("loss_parallel", False)
-    if not (hasattr(model, "set_attn_implementation") and hasattr(model, "config")):
+    if not is_transformers_model(model):
         # Not a transformers model: the generic path (FSDP/AC over its repeated blocks, or kwargs["plan"]).
         return _parallelize(model, config, mesh, **kwargs)
     config = as_config(config)  # Accelerate's ParallelismConfig too
@@ -250,6 +260,6 @@ def scale_loss_sum(local_sum, labels, model, *, ignore_index: int = -100, num_to
     return out
 
 
-__all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "init_weights", "register_attention",
-           "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN",
+__all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can_split_head", "init_weights",
+           "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN",
            "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

@@ -100,6 +100,12 @@ def _match(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Modu
     return out
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether `model` is a transformers ``PreTrainedModel`` (``ndp.hf``'s plan applies), told without importing
+    transformers: its attention is switched by ``set_attn_implementation`` and described by ``config``."""
+    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
 def default_plan(model: nn.Module) -> ModelPlan:
     """Plan for an arbitrary module: the children of its largest ``nn.ModuleList`` are the blocks."""
     best, best_name = None, None

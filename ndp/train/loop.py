@@ -203,8 +203,8 @@ def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    # Under TP the fused loss splits the LM head by vocabulary (a tied head stays whole, as the embedding)
-    loss_parallel = cfg.loss == "fused" and p.tp_size > 1 and not model.config.tie_word_embeddings
+    # Under TP the fused loss splits the LM head by vocabulary where it can (a tied head stays whole, as the embedding)
+    loss_parallel = cfg.loss == "fused" and p.tp_size > 1 and ndp.hf.can_split_head(model)
     ndp.hf.parallelize(model, p, mesh, mp_policy=mp_policy, activation_checkpointing=cfg.activation_checkpointing,
                        loss_parallel=loss_parallel, init_seed=cfg.seed, init_device=device, compile=cfg.compile)
     rank_bytes = _param_bytes_max(model)

@@ -117,3 +117,18 @@ def test_an_output_embedding_that_is_not_a_linear_is_refused():
     with pytest.raises(ndp.hf.Unsupported, match="output embedding to be a torch.nn.Linear; LlamaForCausalLM's is "
                                                  "Sequential"):
         ndp.hf.lm_loss(model, labels, input_ids=ids)
+
+
+def test_a_tied_output_embedding_is_not_split_by_vocabulary():
+    # The one question "can the LM head be split over TP?" (ndp-train asks it to choose its loss under TP).
+    untied = build_model("tiny-llama", seed=0)
+    assert ndp.hf.can_split_head(untied)
+    tied = build_model("tiny-llama", seed=0)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert not ndp.hf.can_split_head(tied)
+    with pytest.raises(ndp.hf.Unsupported, match=r"LlamaForCausalLM's is tied to the input embedding "
+                                                 r"\(tie_word_embeddings\).*Leave loss_parallel off"):
+        ndp.hf.hf_plan(tied, loss_parallel=True)
+    wrapped = build_model("tiny-llama", seed=0)
+    wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
+    assert not ndp.hf.can_split_head(wrapped)

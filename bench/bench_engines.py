@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -44,6 +43,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, p)
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark CSV row carries)
+from _common import gloo_rank, spawn_json  # noqa: E402  (a spawned gloo job that hands one JSON result back)
 from ndp.testing import tol  # noqa: E402
 
 
@@ -124,76 +124,70 @@ def single(seqlens, dev, iters, engines=None):
 
 # ---------------------------------------------------------------------------------------------- ring (gloo)
 
-def _ring_body(rank, world, tmp, cfg, out_file):
+def _ring_body(rank, tmp, out_file, world, cfg):
+    gloo_rank(rank, world, tmp, out_file, lambda: _ring_times(cfg), timeout_s=600)
+
+
+def _ring_times(cfg) -> dict:
+    """This rank's times and reference error per ring provider (process group up; all-reduced: the slowest rank)."""
     import torch.distributed as dist
 
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    ok = False
-    try:
-        import ndp
-        from torch.distributed.tensor.experimental._context_parallel import _attention as tcp
+    import ndp
+    from torch.distributed.tensor.experimental._context_parallel import _attention as tcp
 
-        s, d = cfg["s"], 64
-        g = torch.Generator().manual_seed(0)
-        q, k, v, dout = (torch.randn(1, s, 8, d, generator=g) for _ in range(4))
-        with torch.no_grad():
-            full = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
-        want = ndp.shard_sequence(full.transpose(1, 2), dim=1)
-        ql, kl, vl, dl = (ndp.shard_sequence(x, dim=1) for x in (q, k, v, dout))
-        res = {}
+    s, d = cfg["s"], 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, s, 8, d, generator=g) for _ in range(4))
+    with torch.no_grad():
+        full = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True)
+    want = ndp.shard_sequence(full.transpose(1, 2), dim=1)
+    ql, kl, vl, dl = (ndp.shard_sequence(x, dim=1) for x in (q, k, v, dout))
+    res = {}
 
-        def ndp_ring(backend):
-            xs = [x.detach().requires_grad_() for x in (ql, kl, vl)]
+    def ndp_ring(backend):
+        xs = [x.detach().requires_grad_() for x in (ql, kl, vl)]
 
-            def run():
-                out = ndp.ring_attention(*xs, causal=True, backend=backend)
-                out.backward(dl)
-                return out
-            return run
+        def run():
+            out = ndp.ring_attention(*xs, causal=True, backend=backend)
+            out.backward(dl)
+            return out
+        return run
 
-        # torch's ring: zigzag ("load balanced") head-tail shards in [B, H, S, D], the CPU flash op per block.
-        tcp._cp_options.enable_load_balance = True
-        aten = torch.ops.aten
-        qt, kt, vt, dt = (x.transpose(1, 2).contiguous() for x in (ql, kl, vl, dl))
+    # torch's ring: zigzag ("load balanced") head-tail shards in [B, H, S, D], the CPU flash op per block.
+    tcp._cp_options.enable_load_balance = True
+    aten = torch.ops.aten
+    qt, kt, vt, dt = (x.transpose(1, 2).contiguous() for x in (ql, kl, vl, dl))
 
-        def torch_ring():
-            out, lse = tcp._templated_ring_attention(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
-                                                     qt, kt, vt, is_causal=True, dropout_p=0.0, scale=d ** -0.5)[:2]
-            tcp._templated_ring_attention_backward(
-                dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=dt,
-                grad_out_name="grad_out", query=qt, key=kt, value=vt, out=out, logsumexp=lse, is_causal=True,
-                dropout_p=0.0, scale=d ** -0.5)
-            return out.transpose(1, 2)
+    def torch_ring():
+        out, lse = tcp._templated_ring_attention(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
+                                                 qt, kt, vt, is_causal=True, dropout_p=0.0, scale=d ** -0.5)[:2]
+        tcp._templated_ring_attention_backward(
+            dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=dt,
+            grad_out_name="grad_out", query=qt, key=kt, value=vt, out=out, logsumexp=lse, is_causal=True,
+            dropout_p=0.0, scale=d ** -0.5)
+        return out.transpose(1, 2)
 
-        providers = [("ndp ring auto", ndp_ring("auto")), ("torch context-parallel ring", torch_ring)]
-        if cfg["with_reference_engine"]:
-            providers.append(("ndp ring torch-engine", ndp_ring("torch")))
-        # Interleave providers round by round so that machine noise hits all of them alike.
-        times = {name: [] for name, _ in providers}
-        errs = {}
+    providers = [("ndp ring auto", ndp_ring("auto")), ("torch context-parallel ring", torch_ring)]
+    if cfg["with_reference_engine"]:
+        providers.append(("ndp ring torch-engine", ndp_ring("torch")))
+    # Interleave providers round by round so that machine noise hits all of them alike.
+    times = {name: [] for name, _ in providers}
+    errs = {}
+    for name, fn in providers:
+        errs[name] = _check_quiet(fn().detach(), want)
+    for _ in range(cfg["iters"]):
         for name, fn in providers:
-            errs[name] = _check_quiet(fn().detach(), want)
-        for _ in range(cfg["iters"]):
-            for name, fn in providers:
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        for name, _ in providers:
-            t = torch.tensor(times[name], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)   # per round, the slowest rank
-            e = torch.tensor([errs[name]], dtype=torch.float64)
-            dist.all_reduce(e, op=dist.ReduceOp.MAX)
-            res[name] = dict(times=t.tolist(), ref_err=e.item())
-        if rank == 0:
-            with open(out_file, "w") as f:
-                json.dump(res, f)
-        ok = True
-    finally:
-        bench_cp.end_rank(ok)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    for name, _ in providers:
+        t = torch.tensor(times[name], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)   # per round, the slowest rank
+        e = torch.tensor([errs[name]], dtype=torch.float64)
+        dist.all_reduce(e, op=dist.ReduceOp.MAX)
+        res[name] = dict(times=t.tolist(), ref_err=e.item())
+    return res
 
 
 def _check_quiet(got, want):
@@ -206,14 +200,8 @@ def _check_quiet(got, want):
 
 
 def ring(s, iters, with_reference_engine):
-    import torch.multiprocessing as mp
-
     cfg = dict(s=s, iters=iters, with_reference_engine=with_reference_engine)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ring.json")
-        mp.spawn(_ring_body, args=(2, tmp, cfg, out), nprocs=2, join=True)
-        with open(out) as f:
-            res = json.load(f)
+    res = spawn_json(_ring_body, 2, 2, cfg)
     shape = f"W=2 zigzag B=1 S={s} H=8 D=64 float32 causal"
     base = _stats(res["torch context-parallel ring"]["times"])["ms"]
     rows = []

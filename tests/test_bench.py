@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+from bench_scripts import bench_json, run_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))   # bench_kernels: its judge and providers are checked in-process
 
 
 def test_kernel_ratio_table_judges_against_the_best_other_provider():
@@ -95,37 +97,30 @@ def test_bench_engines_cpu_mode_runs_and_checks(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["single", "cp2_ring"])
-def test_plan_vs_measured_terms_split_the_step(name):
-    # The per-term check of ndp.plan runs (tiny sizes) and its split is right: each term lands where it should,
-    # a single process has no communication, and a CP job's collectives are found.
-    import plan_vs_measured
-
-    meas, pred, prof = plan_vs_measured.measure_terms("tiny-llama", name, seq_len=128, batch=2, base_seq_len=16)
+def test_plan_terms_split_the_step(name, tmp_path):
+    # The per-term check of ndp.plan (bench/plan_terms.py) runs (tiny sizes) and its split is right: each term lands
+    # where it should, a single process has no communication, and a CP job's collectives are found.
+    res = bench_json("plan_terms.py", tmp_path, "--model", "tiny-llama", "--configs", name, "--seq-len", 128,
+                     "--batch", 2, "--base-seq-len", 16, timeout=900)["terms"][name]
+    meas, pred, prof = res["measured"], res["predicted"], res["cpu_profile"]
     assert set(meas) == set(pred) == {"matmul", "attention", "elementwise", "comm", "optimizer", "fixed", "step"}
     # (at these sizes the two measured steps are within noise of each other: only their signs are checked)
     assert meas["step"] > 0 and meas["fixed"] > 0 and pred["step"] > pred["fixed"] == meas["fixed"]
-    assert meas["optimizer"] > 0 and pred["optimizer"] > 0 and prof.elementwise_gbps > 0
+    assert meas["optimizer"] > 0 and pred["optimizer"] > 0 and prof["elementwise_gbps"] > 0
     if name == "single":
         assert meas["comm"] == pred["comm"] == 0
     else:
-        assert prof.comm_overlap == 0 and 0 < prof.reduce_scatter_efficiency <= 1
+        assert prof["comm_overlap"] == 0 and 0 < prof["reduce_scatter_efficiency"] <= 1
 
 
 def test_term_of_assigns_scopes():
-    import plan_vs_measured
-
-    class Ev:
-        def __init__(self, name, parent=None):
-            self.name, self.cpu_parent = name, parent
-
-    attn = Ev("ndp::attention_backward")
-    opt = Ev("Optimizer.step#AdamW.step")
-    cases = {("aten::mm", None): "matmul", ("aten::mm", attn): "attention", ("aten::mul", None): "elementwise",
-             ("aten::mul_", opt): "optimizer", ("aten::pow", Ev("ndp.clip_grad_norm_")): "optimizer",
-             ("c10d::send", attn): "comm", ("_c10d_functional::wait_tensor", None): "comm",
-             ("aten::copy_", Ev("FSDP::all_gather_copy_in")): "comm"}
-    for (name, parent), term in cases.items():
-        assert plan_vs_measured._term_of(Ev(name, parent)) == term, (name, term)
+    # an op, then the scopes around it (innermost first): the planner term its self time counts to
+    cases = {"aten::mm": "matmul", "aten::mm<ndp::attention_backward": "attention", "aten::mul": "elementwise",
+             "aten::mul_<Optimizer.step#AdamW.step": "optimizer", "aten::pow<ndp.clip_grad_norm_": "optimizer",
+             "c10d::send<ndp::attention_backward": "comm", "_c10d_functional::wait_tensor": "comm",
+             "aten::copy_<FSDP::all_gather_copy_in": "comm"}
+    out = run_bench("plan_terms.py", *(a for chain in cases for a in ("--term-of", chain)))
+    assert out.split() == list(cases.values()), out
 
 
 def test_gpu_report_smoke_mode_runs_every_part(tmp_path):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from bench_scripts import bench_json
 from ndp.parallel import ParallelismConfig
 from ndp.plan import (PlanRequest, Topology, cp_bytes_per_layer, enumerate_configs, estimate,
                       layer_activation_bytes, load_gpu_profile, load_model_spec, plan, root_activation_bytes)
@@ -339,13 +340,11 @@ def test_best_tiny_config_runs_through_ndp_train(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_predicted_bytes_equal_measured_gloo_ranks():
-    # ndp.train's setup in a 2-rank gloo job (bench/plan_vs_measured.py): parameter and AdamW bytes per rank
+def test_predicted_bytes_equal_measured_gloo_ranks(tmp_path):
+    # ndp.train's setup in a 2-rank gloo job (bench/plan_memory.py --only bytes): parameter and AdamW bytes per rank
     # exactly, saved activations exactly (autograd's saved tensors, parameters excluded)
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from plan_vs_measured import measure_bytes
-
-    rows = measure_bytes("tiny-llama", names=("dp_shard2", "tp2", "cp2_ulysses"), seq_len=64, batch=2)
+    rows = bench_json("plan_memory.py", tmp_path, "--only", "bytes", "--model", "tiny-llama", "--configs",
+                      "dp_shard2,tp2,cp2_ulysses", "--seq-len", 64, "--batch", 2)["bytes"]
     assert [r["config"] for r in rows] == ["dp_shard2", "tp2", "cp2_ulysses"]
     for r in rows:
         for term in ("params", "optimizer", "activations"):
@@ -383,10 +382,12 @@ def test_memory_option_constants_are_ndps():
     assert cost.LOSS_CHUNK_BYTES == CHUNK_BYTES and cost.LOSSES == LOSSES and cost.AC_MODES == ndp.parallel.AC_MODES
 
 
-def test_fused_loss_and_selective_bytes_equal_measured():
-    # bench/plan_vs_measured.py --only memory: the storages the ops allocate, against the planner's terms
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from plan_vs_measured import measure_loss_bytes, measure_selective_bytes
-
-    for r in measure_loss_bytes() + measure_selective_bytes():
+def test_fused_loss_and_selective_bytes_equal_measured(tmp_path):
+    # bench/plan_memory.py --only options (plan_vs_measured.py --only memory): the storages the ops allocate, against
+    # the planner's terms
+    rows = bench_json("plan_memory.py", tmp_path, "--only", "options")["memory_options"]
+    assert [(r["term"], r["dtype"]) for r in rows] == [(t, d) for t in ("logits (fused loss)",
+                                                                        "activations per layer (selective)")
+                                                       for d in ("float32", "bfloat16")]
+    for r in rows:
         assert abs(r["predicted"] / r["measured"] - 1) <= 0.01, r

@@ -81,16 +81,26 @@ class _OneRank:
 
 def adopt_mesh(config, mesh: DeviceMesh | None) -> None:
     """Flattens on a mesh (ndp's, Accelerate's, a user's) the axes ndp reads (FLAT_AXES), so that later
-    :func:`mesh_axis` calls find them. Collective where it makes a process group: every rank calls it, after
-    check_mesh (``parallelize`` and ``build_device_mesh`` do)."""
-    if mesh is not None:
-        for name in FLAT_AXES:
-            mesh_axis(mesh, name)
+    :func:`mesh_axis` calls find them; refuses a flattened axis of one of those names that joins other axes.
+    Collective where it makes a process group: every rank calls it, after check_mesh (``parallelize`` and
+    ``build_device_mesh`` do)."""
+    if mesh is None:
+        return
+    for name in FLAT_AXES:
+        parts = _present(mesh, name)
+        if len(parts) > 1:
+            _flatten(mesh, name, parts)
 
 
-def _flattened(mesh: DeviceMesh, name: str, parts: tuple) -> DeviceMesh:
-    """``parts`` of `mesh` flattened as axis `name`. torch keeps each flattened mesh on the root mesh by name: the
-    first call makes it (a new process group), every later one with the same parts returns it."""
+def _present(mesh: DeviceMesh, name: str) -> tuple:
+    """The axes of flattened axis `name` that `mesh` has (Accelerate's leaves out those of size 1)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return tuple(a for a in FLAT_AXES[name] if a in names)
+
+
+def _flatten(mesh: DeviceMesh, name: str, parts: tuple) -> DeviceMesh:
+    """``parts`` of `mesh` flattened as axis `name`: made on the first call (a new process group), and kept by
+    torch on the root mesh by name; torch refuses a name that already joins other axes."""
     try:
         return mesh[parts]._flatten(name)
     except ValueError as e:  # a flattened axis of that name already joins other axes (a mesh built elsewhere)
@@ -107,9 +117,12 @@ def mesh_axis(mesh: DeviceMesh, name: str):
     if name in names:
         return mesh[name]
     if name in FLAT_AXES:
-        parts = tuple(a for a in FLAT_AXES[name] if a in names)
+        parts = _present(mesh, name)
         if len(parts) > 1:
-            return _flattened(mesh, name, parts)
+            # Found in torch's record once adopt_mesh checked and made it (this runs on every loss call: slicing
+            # the mesh again would cost ~0.1 ms); made here on a mesh nobody adopted.
+            made = mesh._get_root_mesh()._flatten_mapping.get(name)
+            return made if made is not None else _flatten(mesh, name, parts)
         return mesh[parts[0]] if parts else _OneRank()
     if name in MESH_AXES:
         return _OneRank()

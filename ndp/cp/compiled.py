@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.attention import distinct_outputs
-from ndp_kernels.segments import acc_dtype
+from ndp_kernels.segments import acc_dtype, lse_shape
 
 from ._validate import resolve_group
 
@@ -92,8 +92,7 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, cu_seql
 @_cp_attention.register_fake
 def _cp_attention_fake(q, k, v, sinks, cu_seqlens, impl, group, group2, causal, scale, left, right, layout, backend,
                        deterministic, chunk_size, softcap):
-    lse = (q.shape[1], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return q.new_empty(q.shape), q.new_empty(lse, dtype=acc_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens is not None), dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("ndp::cp_attention_backward", mutates_args=())

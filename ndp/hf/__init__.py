@@ -261,5 +261,5 @@ def scale_loss_sum(local_sum, labels, model, *, ignore_index: int = -100, num_to
 
 
 __all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can_split_head", "init_weights",
-           "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES", "DEFAULT_TP_PLAN",
-           "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]
+           "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES",
+           "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

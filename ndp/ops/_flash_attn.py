@@ -175,8 +175,8 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, version=
 def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
         deterministic=False, version=2):
     """One block's backward on FlashAttention-``version`` (2 or 3), given the rows' final out and lse."""
-    return run_pieces_bwd(_calls(q4, k4, segs, version, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
-                   dq_acc, dk_acc, dv_acc)
+    return run_pieces_bwd(_calls(q4, k4, segs, version, deterministic), dout4, q4, k4, v4, out4, lse3,
+                          softmax_scale, dq_acc, dk_acc, dv_acc)
 
 
 def _call(fn, name, *, window, causal, deterministic=None, **kwargs):

@@ -136,7 +136,7 @@ def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_a
     if q4.device.type != "cpu":
         dout4, out4 = dout4.to(q4.dtype), out4.to(q4.dtype)
     grads = run_pieces_bwd(_calls(segs, q4, k4, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
-                    dq_acc, dk_acc, dv_acc)
+                           dq_acc, dk_acc, dv_acc)
     if dq_acc is None:
         return tuple(g.to(dtype) for g in grads)
     return grads

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts,
+from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts, lse_shape,
                                    position_restarts, run_bwd, segments_of)
 
 from .engines import ENGINE_MODULES, ENGINES, block_class, capable, choose, engine_available, engine_module
@@ -188,8 +188,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Te
 @_attention_op.register_fake
 def _attention_fake(q, k, v, cu_q, cu_k, pos, sinks, causal, left, right, max_q, max_k, scale, softcap, backend,
                     deterministic):
-    lse = (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return q.new_empty(q.shape), q.new_empty(lse, dtype=acc_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_q is not None), dtype=acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("ndp::attention_backward", mutates_args=())

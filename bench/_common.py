@@ -12,6 +12,8 @@ import sys
 import tempfile
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -63,8 +65,6 @@ def parser(doc) -> argparse.ArgumentParser:
 def spawn_json(worker, nprocs, *args):
     """Run ``worker(rank, tmp, out_file, *args)`` in ``nprocs`` spawned processes and return the JSON one of them
     wrote to ``out_file``; ``tmp`` is a fresh directory (the job's rendezvous file lives there)."""
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(worker, args=(tmp, out) + args, nprocs=nprocs, join=True)
@@ -75,8 +75,6 @@ def spawn_json(worker, nprocs, *args):
 def gloo_rank(rank, world, tmp, out_file, body, timeout_s=120) -> None:
     """One rank of a spawn_json gloo job: one thread (as a rank of a CPU job runs), the process group over a file
     rendezvous in ``tmp``, then ``body()``; rank 0 writes what it returns to ``out_file``."""
-    import torch.distributed as dist
-
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,

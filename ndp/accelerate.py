@@ -32,7 +32,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, TorchDynamoPlugin
 
 import ndp.hf
-from ndp_kernels.segments import cu_from_starts, position_restarts
+from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.hf.batch import PACKING_KEYS, shard_rows
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
 from ndp.parallel.mesh import mesh_axis
@@ -221,8 +221,8 @@ def _packed(rows, position_ids=None):
         if name is None:
             raise ValueError("maybe_context_parallel(position_ids=...) must be one of the buffers (it is sharded "
                              "with them)")
-        starts = position_restarts(position_ids)
-        return (cu_from_starts(starts), name) if bool(starts.any()) else (None, None)
+        cu = packed_rows_cu(position_ids, *position_ids.shape)
+        return (cu, name) if cu is not None else (None, None)
     found = {}
     for name, t in rows.items():
         if t.is_floating_point() or t.numel() == 0 or bool((t[:, 0] != 0).any()):

@@ -23,6 +23,7 @@ import math
 import numbers
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 NO_LIMIT = 1 << 30
 MIN_HEAD_DIM = 16
@@ -235,7 +236,7 @@ def _check_cu_meta(name, cu, device):
 
 def _cu_values(name, cu, total):
     """The values of a checked cu_seqlens tensor, checked: a leading 0, non-decreasing, ending at `total`."""
-    vals = cu.tolist()
+    vals = read_once(cu, "values", cu.tolist)
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0; got {name}[0]={vals[0]}. Prepend the 0: "
                          f"torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int32).")
@@ -385,6 +386,37 @@ def segments_of(q, k, *, causal=False, window_size=(-1, -1), cu_seqlens_q=None, 
 def _packed(cu_q: tuple, cu_k: tuple, causal: bool, window_size: tuple) -> Segments:
     # Cached like _dense: every layer of a step has the same documents, so they share one table and its memo.
     return Segments.from_cu_seqlens(cu_q, cu_k, causal=causal, window_size=window_size)
+
+
+# What was read of a device tensor's values, per tensor and version: {tensor: (version, {key: value})}.
+_READ = WeakTensorKeyDictionary()
+# Device types whose tensors are read every time: on CPU a read costs nothing, and a tensor sharing numpy's memory
+# changes its values without its version.
+_READ_EVERY_TIME = {"cpu"}
+
+
+def read_once(t: torch.Tensor, key, read):
+    """``read()``, a function of `t`'s values, remembered while they stay the same (its version counter): every
+    layer of a step passes the same cu_seqlens and position_ids, and on a GPU each read of their values waits for
+    the device. Not remembered on CPU nor for inference tensors (no version counter)."""
+    if t.device.type in _READ_EVERY_TIME or t.is_inference():
+        return read()
+    hit = _READ.get(t)
+    if hit is None or hit[0] != t._version:
+        hit = _READ[t] = (t._version, {})
+    if key not in hit[1]:
+        hit[1][key] = read()
+    return hit[1][key]
+
+
+def packed_rows_cu(pos: torch.Tensor, batch: int, seq: int) -> torch.Tensor | None:
+    """int32 cu_seqlens of [batch, seq] rows flattened where the positions `pos` ([batch or 1, seq]) restart inside
+    a row (packed documents, a document also starting at every row), else None (dense rows). Read once per
+    positions tensor (``read_once``)."""
+    def read():
+        starts = position_restarts(pos.expand(batch, seq))
+        return cu_from_starts(starts) if bool(starts.any()) else None
+    return read_once(pos, ("packed_rows_cu", batch, seq), read)
 
 
 def position_restarts(pos: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import ndp._ops  # noqa: F401  registers torch.ops.ndp.*
+from ndp_kernels.segments import read_once
 
 from ._validate import check_layout, resolve_group
 from .schedule import Placement
@@ -224,7 +225,7 @@ def _check_cu(cu_seqlens) -> tuple:
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [num_docs + 1]; got dtype={cu_seqlens.dtype}, "
                          f"shape={tuple(cu_seqlens.shape)}")
-    vals = tuple(int(x) for x in cu_seqlens.tolist())
+    vals = tuple(int(x) for x in read_once(cu_seqlens, "values", cu_seqlens.tolist))
     if vals[0] != 0 or any(b < a for a, b in zip(vals, vals[1:])):
         raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing (cumulative document lengths); got "
                          f"{list(vals[:8])}{'...' if len(vals) > 8 else ''}")

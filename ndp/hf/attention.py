@@ -15,7 +15,6 @@ no copy (the kernels take strided inputs; the CP layer makes contiguous what it 
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -23,7 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import ndp.cp
 import ndp.ops
-from ndp_kernels.segments import cu_from_starts, position_restarts
+from ndp_kernels.segments import packed_rows_cu, read_once
 from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, spec_of
@@ -57,7 +56,6 @@ _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
             "attention_chunk_size": "chunked attention"}
 
 
-_CHECKED = {"positions": None}
 # Refusals found outside an attention call, raised at this rank's next CP attention call: {id(CPContext): error}.
 _PENDING: dict = {}
 
@@ -68,12 +66,8 @@ def _shard_positions_error(pos, ctx, seq, impl):
     layout. Checked once per position_ids tensor (every layer of a forward gets the same one)."""
     if not torch.is_tensor(pos) or pos.dim() != 2 or pos.shape[-1] != seq:
         return None  # no positions here, or a multimodal layout (3-D RoPE positions): nothing to compare
-    last = _CHECKED["positions"]
-    if last is not None and last[0]() is pos and last[1] == pos._version:
-        return None
     want = _dense_shard_positions(seq * ctx.size, ctx.size, ctx.rank, ctx.layout, str(pos.device))
-    if bool((pos == want).all()):
-        _CHECKED["positions"] = (weakref.ref(pos), pos._version)
+    if read_once(pos, ("is_shard", seq, ctx.size, ctx.rank, ctx.layout), lambda: bool((pos == want).all())):
         return None
     got = pos[0].tolist()
     return ValueError(
@@ -165,12 +159,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if chunk is not None and not cp_on and seq > chunk:
         cu, flat, rows_pos = _cu_of_chunks(batch, seq, chunk, q.device), True, None
     elif rows_pos is not None and not torch.compiler.is_compiling():
-        # Eagerly, packed rows become cu_seqlens here (one host read, and nothing more for the backward to keep);
+        # Eagerly, packed rows become cu_seqlens here (read once per position_ids tensor, for every layer);
         # compiled, the op finds them from the positions (no graph break).
-        starts = position_restarts(rows_pos.expand(batch, seq))
-        if bool(starts.any()):
-            cu, flat = cu_from_starts(starts), True
-        rows_pos = None
+        cu = packed_rows_cu(rows_pos, batch, seq)
+        flat, rows_pos = cu is not None, None
     if cu is not None:
         if batch != 1 and not flat:
             raise ValueError(f"packed documents (cu_seq_lens_q) need batch size 1; got batch={batch}")

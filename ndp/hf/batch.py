@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ndp.cp
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
-from ndp_kernels.segments import cu_from_starts, position_restarts
+from ndp_kernels.segments import cu_from_starts, packed_rows_cu
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -68,8 +68,7 @@ def packed_cu(tensors) -> torch.Tensor | None:
     if seq_idx is not None:
         return cu_from_starts(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0)))
     pos = tensors.get("position_ids")
-    starts = None if pos is None else position_restarts(pos)
-    return cu_from_starts(starts) if starts is not None and bool(starts.any()) else None
+    return None if pos is None else packed_rows_cu(pos, *pos.shape)
 
 
 def _pad_value(name, pad_id):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, cu_from_starts, lse_shape,
-                                   position_restarts, run_bwd, segments_of)
+from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, lse_shape, packed_rows_cu,
+                                   run_bwd, segments_of)
 
 from .engines import ENGINE_MODULES, ENGINES, block_class, capable, choose, engine_available, engine_module
 from .sinks import add_sinks, check_sinks, sinks_grad
@@ -139,10 +139,9 @@ class _Layout:
     def __init__(self, q, k, cu_q, cu_k, pos, causal, window, max_q, max_k):
         self.rows = None
         if cu_q is None and pos is not None:
-            starts = position_restarts(pos.expand(q.shape[0], q.shape[1]))
-            if bool(starts.any()):
-                self.rows, cu_q = q.shape[:2], cu_from_starts(starts)
-                cu_k = cu_q
+            cu_q = cu_k = packed_rows_cu(pos, q.shape[0], q.shape[1])
+            if cu_q is not None:
+                self.rows = q.shape[:2]
         self.packed = cu_q is not None and self.rows is None
         flat = (lambda x: x.reshape(-1, *x.shape[2:])) if self.rows is not None else (lambda x: x)
         self.segs = segments_of(flat(q), flat(k), causal=causal, window_size=window, cu_seqlens_q=cu_q,

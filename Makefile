@@ -51,11 +51,13 @@ bench: build
 	$(VPY) bench/bench_cp.py --out bench/results/
 
 # The GPU measurement in one command (bench/gpu_report.py): GPU tests, kernels, engines, HF A/B, first call;
-# report under bench/results/<gpu>/. PARTS=kernels,hf picks parts. Without a GPU: the smoke mode (seconds).
+# report under bench/results/<gpu>/. PARTS=kernels,hf picks parts, BUDGET_S the whole run's seconds (540 on a GPU),
+# ARCHIVE=FILE.tar.gz packs the report folder. Without a GPU: the smoke mode (seconds).
 # On a machine with its own CUDA torch: pip install --no-build-isolation -e . && make gpu-report GPU_PY=python3
 GPU_PY ?= $(VPY)
 gpu-report: $(if $(filter $(VPY),$(GPU_PY)),build)
-	$(GPU_PY) bench/gpu_report.py $(if $(PARTS),--parts $(PARTS))
+	$(GPU_PY) bench/gpu_report.py $(if $(PARTS),--parts $(PARTS)) $(if $(BUDGET_S),--budget-s $(BUDGET_S)) \
+		$(if $(ARCHIVE),--archive $(ARCHIVE))
 
 # CUDA variant of ndp._C (CPU + CUDA ops) built against the CUDA torch build in its own venv; needs nvcc,
 # no GPU. Installs the wheel there and checks that the CUDA kernels are registered.

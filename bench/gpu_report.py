@@ -16,7 +16,10 @@ Parts, each a fresh process with its own time limit, run in this order (``--part
 
 Every part writes JSON under ``<out>/<gpu>/<part>/``; the report is ``<out>/<gpu>/report.md`` (figures from this
 run only, the part's command and its status: a part that fails or runs past its limit is reported as such and the
-others still run). The full run fits in 10 minutes on one H100.
+others still run), rewritten after every part, so a run stopped from outside still leaves the parts it finished.
+The full run fits in 10 minutes on one H100: the parts' own limits add up to more, so the run has a time budget
+(``--budget-s``, 540 s on a GPU): a part gets what is left of it, a part that finds it spent is skipped and says
+so. ``--archive FILE.tar.gz`` packs the report folder into one file (to attach or to carry off the machine).
 
 Without a CUDA device it runs the smoke mode: every part on tiny CPU shapes (Triton interpreter), in well under a
 minute, to check the whole path; the report says that no GPU figure was measured.
@@ -30,6 +33,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -43,6 +47,7 @@ if HERE not in sys.path:
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records)
 
 PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
+GPU_BUDGET_S = 540  # the whole run on a GPU, seconds: 10 minutes less the build and the start of the machine
 # (arguments on a GPU, arguments in the smoke mode, time limit on a GPU in seconds)
 COMMANDS = {
     "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], None, 150),
@@ -60,12 +65,16 @@ COMMANDS = {
 }
 
 
-def run_part(part: str, gpu: bool, out: str, limit_s: float | None) -> dict:
-    """Runs one part in fresh processes; returns its record (status, seconds, command, output tail)."""
+def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: float | None = None) -> dict:
+    """Runs one part in fresh processes within min(its limit, `budget_s` left of the run); returns its record
+    (status, seconds, command, output tail)."""
     args = COMMANDS[part][0 if gpu else 1]
     if args is None:
         return dict(part=part, status="skipped", reason="no CUDA device: the GPU tests need one", seconds=0.0)
     limit = limit_s or (COMMANDS[part][2] if gpu else 300)
+    if budget_s is not None and budget_s < 1:
+        return dict(part=part, status="not run", reason="the run's time budget (--budget-s) was spent", seconds=0.0)
+    limit = limit if budget_s is None else min(limit, budget_s)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     runs = [args]
@@ -82,7 +91,7 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None) -> dict:
             proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=max(left, 1))
         except subprocess.TimeoutExpired as e:
-            status, tail = f"ran past its {limit:g} s limit", _text(e.stdout) + _text(e.stderr)
+            status, tail = f"ran past its {limit:.3g} s limit", _text(e.stdout) + _text(e.stderr)
             break
         tail = proc.stdout + proc.stderr
         if proc.returncode:
@@ -201,6 +210,7 @@ def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
             lines += [_last_line(r["tail"])]
         if r["part"] in SECTIONS:
             lines += SECTIONS[r["part"]](os.path.join(base, r["part"]))
+    os.makedirs(base, exist_ok=True)
     path = os.path.join(base, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -226,21 +236,32 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="the CPU smoke mode even where a GPU is present")
     ap.add_argument("--limit-s", type=float, default=None, help="time limit per part (default: per part)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help=f"time budget of the whole run (default: {GPU_BUDGET_S} s on a GPU, none in the smoke mode)")
+    ap.add_argument("--archive", default=None, help="also pack the report folder into this .tar.gz file")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
+    if not parts:
+        ap.error(f"--parts names no part; choose from {','.join(PARTS)}")
     if unknown:
         ap.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
     gpu = torch.cuda.is_available() and not args.smoke
     device = torch.cuda.get_device_name(0) if gpu else "cpu (smoke mode)"
     base = os.path.join(args.out, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_"))
-    records = []
+    budget = args.budget_s if args.budget_s is not None else (GPU_BUDGET_S if gpu else None)
+    records, t0 = [], time.perf_counter()
     for part in parts:
         print(f"gpu-report: {part} ...", flush=True)
-        records.append(run_part(part, gpu, os.path.join(base, part), args.limit_s))
+        left = None if budget is None else budget - (time.perf_counter() - t0)
+        records.append(run_part(part, gpu, os.path.join(base, part), args.limit_s, left))
         print(f"gpu-report: {part}: {records[-1]['status']} ({records[-1]['seconds']} s)", flush=True)
-    path = write_report(records, base, gpu, device)
+        path = write_report(records, base, gpu, device)
     print(f"report: {path}")
+    if args.archive:
+        with tarfile.open(args.archive, "w:gz") as tar:
+            tar.add(base, arcname=os.path.basename(base))
+        print(f"archive: {args.archive}")
     return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -152,6 +153,22 @@ def test_gpu_report_part_past_its_limit_is_reported_and_the_rest_run(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_report.py"), "--parts", "kernel"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown parts ['kernel']" in bad.stderr
+
+
+def test_gpu_report_keeps_to_its_time_budget_and_packs_the_report(tmp_path):
+    # The parts' own limits add up to more than the run may take: the budget cuts the part that reaches it, skips
+    # the rest, and the report (written after every part) and its archive still come out.
+    archive = tmp_path / "report.tar.gz"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_report.py"), "--out", str(tmp_path),
+                          "--smoke", "--parts", "engines,first_call", "--budget-s", "1.2", "--archive", str(archive)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    rep = json.load(open(tmp_path / "cpu_smoke_mode" / "report.json"))
+    assert [(r["part"], r["status"], r.get("reason")) for r in rep["parts"]] == [
+        ("engines", "ran past its 1.2 s limit", None),
+        ("first_call", "not run", "the run's time budget (--budget-s) was spent")]
+    with tarfile.open(archive) as tar:
+        assert {"cpu_smoke_mode/report.md", "cpu_smoke_mode/report.json"} <= set(tar.getnames())
 
 
 def test_bench_memory_fused_loss_keeps_a_fraction_of_the_logits(tmp_path):

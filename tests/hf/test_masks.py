@@ -13,9 +13,11 @@ def test_describe_reads_causal_window_chunk_and_packing():
     assert describe(mu.sliding_window_causal_mask_function(7)) == MaskSpec(causal=True, window=7)
     assert describe(mu.chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long))) == \
         MaskSpec(causal=True, chunk=16)
-    packed = mu.packed_sequence_compatibility_function(mu.sliding_window_causal_mask_function(5),
-                                                       torch.zeros(1, 4, dtype=torch.long),
-                                                       torch.zeros(1, 4, dtype=torch.long))
+    window, ids = mu.sliding_window_causal_mask_function(5), torch.zeros(1, 4, dtype=torch.long)
+    if hasattr(mu, "packed_sequence_compatibility_function"):  # newer transformers remap positions per document
+        packed = mu.packed_sequence_compatibility_function(window, ids, ids)
+    else:  # transformers 5.17 (the GPU machines'): the packed piece and-ed to the mask, as its create_*_mask do
+        packed = mu.and_masks(window, mu.packed_sequence_mask_function(ids))
     assert describe(packed) == MaskSpec(causal=True, window=5, packed=True)
     assert describe(mu.bidirectional_mask_function) == MaskSpec(causal=False)
 

@@ -148,6 +148,21 @@ def _forward(model, ids, pos):
     return model(**_inputs(model, ids, pos)).logits
 
 
+def _reference_inputs(model, ids, pos):
+    """The eager reference's inputs: the ndp run's, plus an all-ones attention_mask where the model's eager attention
+    skips its causal mask without one (moshi in transformers 5.17 builds no mask when none is given, so its eager
+    attention is bidirectional while sdpa and ndp apply the layers' is_causal)."""
+    inputs = _inputs(model, ids, pos)
+    masked = dict(inputs, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        try:
+            with_mask = model(**masked).logits
+        except Exception:  # noqa: BLE001 - a model that takes no mask: its plain run is the reference
+            return inputs
+    return inputs if _rel(with_mask, plain) <= TOL else masked
+
+
 def classify(fn, tol=TOL):
     """("EXACT"|"DIFF", rel) from fn() -> rel, ("REFUSED", msg) for ndp's Unsupported, ("CRASH", msg) otherwise."""
     import ndp.hf
@@ -169,7 +184,7 @@ def single(model_type):
         model = tiny_model(model_type)
         ids, _, pos = batch()
         with torch.no_grad():
-            ref = _forward(model, ids, pos)
+            ref = model(**_reference_inputs(model, ids, pos)).logits
     except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
         return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
 
@@ -187,7 +202,7 @@ def reference(model_type):
     """1 process on the whole batch: (mean loss, {name: grad}) with eager attention."""
     model = tiny_model(model_type).train()
     ids, labels, pos = batch()
-    logits = _forward(model, ids, pos)
+    logits = model(**_reference_inputs(model, ids, pos)).logits
     return _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                                     labels.reshape(-1)))
 

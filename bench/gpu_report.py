@@ -151,12 +151,16 @@ def engines_section(d: str) -> list[str]:
     data = _load(os.path.join(d, "bench_engines.json"))
     if not data:
         return ["no engine rows were written"]
-    lines = ["| provider | shape | ms (p50) | p20 | p80 | ratio to the first | tokens/s |", "|---" * 7 + "|"]
+    lines = ["| provider | shape | ms (p50) | p20 | p80 | ratio to the first | tokens/s | host syncs / step |",
+             "|---" * 8 + "|"]
     lines += [f"| {r['provider']} | {r['shape']} | {r['ms']:.2f} | {r['p20']:.2f} | {r['p80']:.2f} | "
-              f"{r['ratio']:.3f} | {r['tokens_per_s']:.0f} |" if "tokens_per_s" in r else
-              f"| {r['provider']} | {r['shape']} | {r['ms']:.2f} | {r['p20']:.2f} | {r['p80']:.2f} | "
-              f"{r['ratio']:.3f} | - |" for r in data["rows"]]
+              f"{r['ratio']:.3f} | {_or_dash(r.get('tokens_per_s'), '.0f')} | {_or_dash(r.get('host_syncs'), 'd')} |"
+              for r in data["rows"]]
     return lines
+
+
+def _or_dash(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def first_call_section(d: str) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -48,9 +49,15 @@ import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records
 
 PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
 GPU_BUDGET_S = 540  # the whole run on a GPU, seconds: 10 minutes less the build and the start of the machine
+PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+# The tests part's second run: the kernel tests compiled on the device (NDP_TEST_DEVICE=cuda: tests/conftest.py puts
+# tensors and generators on the GPU), in parallel where pytest-xdist is installed (the compiles take the time); the
+# tuner's tests and the ahead-of-time compiles are CPU checks.
+KERNEL_TESTS = (PYTEST + (["-n", "8"] if importlib.util.find_spec("xdist") else [])
+                + ["tests/kernels", "--ignore=tests/kernels/test_tune.py", "--ignore=tests/kernels/test_aot.py"])
 # (arguments on a GPU, arguments in the smoke mode, time limit on a GPU in seconds)
 COMMANDS = {
-    "tests": (["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], None, 150),
+    "tests": (PYTEST + ["-m", "gpu", "tests"], None, 180),
     "kernels": (["bench/bench_kernels.py", "--seqlens", "1024,4096,16384", "--head-dims", "128"],
                 ["bench/bench_kernels.py", "--smoke", "--no-static-report"], 240),
     "engines": (["bench/bench_engines.py", "--only", "single", "--seqlens", "1024,4096,16384"],
@@ -77,30 +84,31 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: fl
     limit = limit if budget_s is None else min(limit, budget_s)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = [args]
+    runs = [(args + ["--out", out], {})]
     if part == "first_call":
         caches = tempfile.mkdtemp(prefix="ndp-first-call-")
         env.update(TRITON_CACHE_DIR=os.path.join(caches, "triton"), NDP_TUNING_DIR=os.path.join(caches, "tuning"))
-        runs = [args + ["--label", label, "--out", out] for label in ("cold", "warm")]
-    elif part != "tests":
-        runs = [args + ["--out", out]]
+        runs = [(args + ["--label", label, "--out", out], {}) for label in ("cold", "warm")]
+    elif part == "tests":
+        runs = [(args, {}), (KERNEL_TESTS, {"NDP_TEST_DEVICE": "cuda"})]
     t0, tail, status = time.perf_counter(), "", "ok"
-    for a in runs:
+    for a, extra in runs:
         left = limit - (time.perf_counter() - t0)
         try:
-            proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=max(left, 1))
+            proc = subprocess.run([sys.executable] + a, cwd=ROOT, env=dict(env, **extra), capture_output=True,
+                                  text=True, timeout=max(left, 1))
         except subprocess.TimeoutExpired as e:
-            status, tail = f"ran past its {limit:.3g} s limit", _text(e.stdout) + _text(e.stderr)
+            status, tail = f"ran past its {limit:.3g} s limit", tail + _text(e.stdout) + _text(e.stderr)
             break
-        tail = proc.stdout + proc.stderr
+        tail += proc.stdout + proc.stderr
         if proc.returncode:
             status = f"failed (exit {proc.returncode})"
             break
     with open(os.path.join(out, "output.txt"), "w") as f:
         f.write(tail)
-    return dict(part=part, status=status, seconds=round(time.perf_counter() - t0, 1),
-                command=" ".join(["python"] + args), tail=tail[-1500:])
+    command = " ; ".join(" ".join([f"{k}={v}" for k, v in extra.items()] + ["python"] + a) for a, extra in runs)
+    return dict(part=part, status=status, seconds=round(time.perf_counter() - t0, 1), command=command,
+                tail=tail[-1500:])
 
 
 def _text(x) -> str:
@@ -211,7 +219,7 @@ def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
         if r["status"] != "ok" and r.get("tail"):
             lines += ["```", r["tail"].strip()[-1200:], "```"]
         elif r["part"] == "tests" and r.get("tail"):
-            lines += [_last_line(r["tail"])]
+            lines += _pytest_summaries(r["tail"])
         if r["part"] in SECTIONS:
             lines += SECTIONS[r["part"]](os.path.join(base, r["part"]))
     os.makedirs(base, exist_ok=True)
@@ -223,8 +231,10 @@ def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
     return path
 
 
-def _last_line(text: str) -> str:
-    return next((x for x in reversed(text.strip().splitlines()) if x.strip()), "")
+def _pytest_summaries(text: str) -> list[str]:
+    """The closing line of each pytest run in `text` ("12 passed, 1 skipped in 3.1s")."""
+    return [x.strip("= ") for x in text.splitlines()
+            if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s", x)]
 
 
 def _version(mod: str) -> str:

@@ -25,10 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-import trl
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
 from .parallel import mesh_axis
+
+try:
+    import trl
+except ImportError:  # optional (ndp[hf]): Trainer works without it, SFTTrainer says what to install
+    trl = None
 
 __all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer"]
 
@@ -106,7 +110,7 @@ class Trainer(NdpTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""
 
 
-class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer):
+class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object):
     """``trl.SFTTrainer`` with ndp's context parallelism, ``packing=True`` included.
 
     TRL refuses packing with ``cp_size > 1`` because torch's CP drops the per-document mask; ndp's attention keeps
@@ -118,6 +122,9 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer):
     """
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
+        if trl is None:
+            raise ImportError("ndp.trainer.SFTTrainer subclasses trl.SFTTrainer, and trl is not installed: "
+                              "pip install trl (or ndp[hf]). ndp.trainer.Trainer needs no trl.")
         pc = getattr(args, "parallelism_config", None)
         self._ndp_packing = None
         if args is not None and args.packing and pc is not None and pc.cp_enabled:

@@ -2,6 +2,7 @@
 flattened axes of its own) go straight into ndp.parallelize; loss and every gradient match one process."""
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -310,6 +311,7 @@ def test_readme_trainer_verbatim_matches_a_one_process_trainer(tmp_path):
 @pytest.mark.timeout(600)
 def test_readme_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
     # TRL refuses packing=True with cp_size > 1; ndp's SFTTrainer trains it, per document.
+    pytest.importorskip("trl")  # an optional dependency (ndp[hf]); CI installs it
     code = readme_block(2)
     assert "\nfrom ndp.trainer import SFTTrainer" in code and "packing=True" in code
     model_dir = str(tmp_path / "model")
@@ -324,6 +326,18 @@ def test_readme_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
     # fp32 (accelerate trains FSDP2 in fp32): one process alone moves these losses by up to 2e-4 between eager, sdpa
     # and ndp attention; documents attending across their boundaries, or a wrong normalisation, move them by > 1e-2
     assert len(got) == 4 and got == pytest.approx(want, abs=5e-4), (got, want)
+
+
+def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():
+    # trl is optional (ndp[hf]): without it ndp.trainer imports, Trainer is there, SFTTrainer names what is missing.
+    code = ("import sys; sys.modules['trl'] = None\n"  # what `import trl` meets where trl is not installed
+            "import transformers, ndp.trainer as t\n"
+            "assert issubclass(t.Trainer, transformers.Trainer)\n"
+            "try:\n    t.SFTTrainer()\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trl is not installed: pip install trl (or ndp[hf])" in out.stdout
 
 
 def _one_process_script(code, imports, tmp_path, model_dir):

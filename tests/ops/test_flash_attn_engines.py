@@ -150,6 +150,7 @@ def _real_fa3():
     return _flash_attn.available3()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _real_fa3()[0], reason=f"FlashAttention-3 not usable here: {_real_fa3()[1]}")
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (128, 32))])
 def test_real_fa3_matches_reference(causal, window):

@@ -325,6 +325,7 @@ def _cuda():
     return torch.cuda.is_available(), "no CUDA device"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _cuda()[0], reason="needs a CUDA GPU (the stand-in tests above run everywhere)")
 @pytest.mark.parametrize("kernel,dtype,hk", [("cudnn", torch.bfloat16, 8), ("flash", torch.bfloat16, 2),
                                              ("flash", torch.float16, 8), ("efficient", torch.float32, 8)])

@@ -540,9 +540,11 @@ def bwd_dq_config(arch: str, head_dim: int, device: torch.device | None = None,
 
 def with_softcap(kind: str, cfg: KernelConfig, head_dim: int) -> KernelConfig:
     """The tile a soft-capped launch of `kind` takes: the dK/dV kernel keeps one more score-sized tile live
-    (the cap's derivative) and at head_dim bucket 256 spills with the plain tile, so it takes half the key rows
-    (`python -m ndp_kernels.aot`, kernels *_softcap)."""
-    if kind == "bwd_dkdv" and kernel_bucket(head_dim) == 256:
+    (the cap's derivative) and spills with the plain tile at head_dim bucket 256, and with triton 3.6 with the
+    32 x 128 tile of bucket 64 (sm_90, 16-bit: 8 bytes of stack), so there it takes half the key rows
+    (`python -m ndp_kernels.aot`, kernels *_softcap, on triton 3.9 and 3.6)."""
+    bucket = kernel_bucket(head_dim)
+    if kind == "bwd_dkdv" and (bucket == 256 or bucket == 64 and cfg.block_m * cfg.block_n >= 32 * 128):
         return dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
 

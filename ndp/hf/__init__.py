@@ -66,7 +66,10 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     """
     prefix = _base_prefix(model)
     base_plan = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN
-    tp_plan = {prefix + k: v for k, v in base_plan.items()}
+    tied = _tied_input_embedding(model)
+    # TP keeps a tied input embedding whole: its output embedding computes with the same weight, unsplit
+    # (transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan).
+    tp_plan = {prefix + k: v for k, v in base_plan.items() if prefix + k != tied}
     if loss_parallel:
         tp_plan[_loss_parallel_head(model)] = "colwise"
 
@@ -84,15 +87,22 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
                      enable_cp=enable_cp, init_module=model._init_weights)
 
 
+def _tied_input_embedding(model: nn.Module) -> str | None:
+    """The name of the input embedding when the output embedding shares its weight (tie_word_embeddings)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if emb is None or head is None or getattr(head, "weight", None) is not getattr(emb, "weight", False):
+        return None
+    return next((n for n, m in model.named_modules() if m is emb), None)
+
+
 def _loss_parallel_head(model: nn.Module) -> str:
     """The name of the output embedding a vocabulary-parallel loss splits."""
     head = model.get_output_embeddings()
     name = next((n for n, m in model.named_modules() if m is head and head is not None), None)
-    emb = model.get_input_embeddings()
     if not isinstance(head, nn.Linear) or name is None:
         raise Unsupported(f"loss_parallel splits the output embedding, an nn.Linear; {type(model).__name__}'s is "
                           f"{type(head).__name__}. Leave loss_parallel off.")
-    if emb is not None and head.weight is getattr(emb, "weight", None):
+    if _tied_input_embedding(model) is not None:
         raise Unsupported(f"loss_parallel splits the output embedding by vocabulary rows; {type(model).__name__}'s "
                           f"is tied to the input embedding (tie_word_embeddings), which tensor parallel keeps whole. "
                           f"Leave loss_parallel off (the fused loss then computes the whole vocabulary per rank).")

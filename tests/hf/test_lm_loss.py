@@ -132,3 +132,16 @@ def test_a_tied_output_embedding_is_not_split_by_vocabulary():
     wrapped = build_model("tiny-llama", seed=0)
     wrapped.lm_head = torch.nn.Sequential(wrapped.lm_head)
     assert not ndp.hf.can_split_head(wrapped)
+
+
+def test_tensor_parallel_keeps_a_tied_input_embedding_whole():
+    # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to the plan of a tied model; its head computes
+    # with the same weight, unsplit, so the plan leaves the embedding out (an untied one keeps its entry).
+    for tie in (True, False):
+        model = build_model("tiny-llama", seed=0)
+        if tie:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.config.base_model_tp_plan = {**ndp.hf.DEFAULT_TP_PLAN, "embed_tokens": "rowwise_rep"}
+        plan = ndp.hf.hf_plan(model).tp_plan
+        assert ("model.embed_tokens" in plan) is not tie
+        assert plan["model.layers.*.self_attn.q_proj"] == "colwise"

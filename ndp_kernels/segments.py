@@ -388,25 +388,32 @@ def _packed(cu_q: tuple, cu_k: tuple, causal: bool, window_size: tuple) -> Segme
     return Segments.from_cu_seqlens(cu_q, cu_k, causal=causal, window_size=window_size)
 
 
-# What was read of a device tensor's values, per tensor and version: {tensor: (version, {key: value})}.
+# What was read of a device tensor's values: {tensor: (version, copy of the values read, {key: value})}.
 _READ = WeakTensorKeyDictionary()
 # Device types whose tensors are read every time: on CPU a read costs nothing, and a tensor sharing numpy's memory
 # changes its values without its version.
 _READ_EVERY_TIME = {"cpu"}
+_STALE = ("ndp: a cu_seqlens / position_ids tensor changed without its version counter (written by a collective "
+          "such as dist.broadcast, or through .data) after ndp read it: pass a new tensor for each batch")
 
 
 def read_once(t: torch.Tensor, key, read):
-    """``read()``, a function of `t`'s values, remembered while they stay the same (its version counter): every
-    layer of a step passes the same cu_seqlens and position_ids, and on a GPU each read of their values waits for
-    the device. Not remembered on CPU nor for inference tensors (no version counter)."""
+    """``read()``, a function of `t`'s values, remembered while they stay the same: every layer of a step passes
+    the same cu_seqlens and position_ids, and on a GPU each read of their values waits for the device. A new
+    version (an in-place write) reads again; a write that skips the version counter (a collective into the same
+    buffer) is caught on the device by comparing with a copy of what was read, without waiting for it, and fails
+    loudly (``torch._assert_async``) instead of reusing a stale read. Not remembered on CPU nor for inference
+    tensors (no version counter)."""
     if t.device.type in _READ_EVERY_TIME or t.is_inference():
         return read()
     hit = _READ.get(t)
     if hit is None or hit[0] != t._version:
-        hit = _READ[t] = (t._version, {})
-    if key not in hit[1]:
-        hit[1][key] = read()
-    return hit[1][key]
+        hit = _READ[t] = (t._version, t.clone(), {})
+    else:
+        torch._assert_async((t == hit[1]).all(), _STALE)
+    if key not in hit[2]:
+        hit[2][key] = read()
+    return hit[2][key]
 
 
 def packed_rows_cu(pos: torch.Tensor, batch: int, seq: int) -> torch.Tensor | None:

@@ -65,6 +65,20 @@ def test_cu_seqlens_are_read_once_per_tensor_and_again_after_an_in_place_change(
     _check_docs(out, q, k, v, [12, 1, 27])
 
 
+def test_a_write_that_skips_the_version_counter_fails_loudly(remembered):
+    # dist.broadcast into the same buffer (or a write through .data) leaves the version as it was: the remembered
+    # read would be stale. It is compared with the tensor on the device (on a GPU without waiting; the CPU raises
+    # at once) and refused, never reused.
+    q, k, v = _qkv(40)
+    cu = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
+    _layers(q, k, v, 1, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    version = cu._version
+    cu.data.copy_(torch.tensor([0, 12, 13, 40], dtype=torch.int32))
+    assert cu._version == version
+    with pytest.raises(RuntimeError, match="changed without its version counter .* pass a new tensor for each batch"):
+        _layers(q, k, v, 1, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
 def test_packed_rows_of_position_ids_are_found_once_per_tensor(remembered):
     q, k, v = _qkv(40)
     pos = torch.tensor([list(range(25)) + list(range(15))])

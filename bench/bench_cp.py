@@ -441,14 +441,26 @@ def _plot(result, path):
 
 
 def _git_sha():
-    """The checked-out commit, read from .git (no git process)."""
+    """The checked-out commit: ``$NDP_GIT_SHA`` (a copy of the tree without .git, e.g. on a GPU machine), else read
+    from .git with no git process (a worktree's ``gitdir:`` file and packed refs followed)."""
+    if os.environ.get("NDP_GIT_SHA"):
+        return os.environ["NDP_GIT_SHA"]
     try:
-        head = open(os.path.join(ROOT, ".git", "HEAD")).read().strip()
-        if head.startswith("ref: "):
-            ref = os.path.join(ROOT, ".git", head[5:])
-            return open(ref).read().strip() if os.path.exists(ref) else "unknown"
-        return head
-    except OSError:
+        git = os.path.join(ROOT, ".git")
+        if os.path.isfile(git):  # a worktree: "gitdir: <its folder in the main repository>"
+            git = open(git).read().split("gitdir:", 1)[1].strip()
+        head = open(os.path.join(git, "HEAD")).read().strip()
+        if not head.startswith("ref: "):
+            return head
+        common = os.path.join(git, open(os.path.join(git, "commondir")).read().strip()) \
+            if os.path.exists(os.path.join(git, "commondir")) else git
+        ref = os.path.join(common, head[5:])
+        if os.path.exists(ref):
+            return open(ref).read().strip()
+        packed = os.path.join(common, "packed-refs")
+        lines = open(packed).read().splitlines() if os.path.exists(packed) else []
+        return next((x.split()[0] for x in lines if x.endswith(" " + head[5:])), "unknown")
+    except (OSError, IndexError):
         return "unknown"
 
 

@@ -173,6 +173,19 @@ def test_gpu_report_keeps_to_its_time_budget_and_packs_the_report(tmp_path):
     assert {"report.md", "report.json"} <= {n.split("/")[-1] for n in names}
 
 
+def test_results_name_the_commit_they_measured():
+    # Read from .git without a git process (packed refs, a worktree's gitdir file), or given where the tree was
+    # copied without .git (a GPU machine): NDP_GIT_SHA.
+    def run(**env):
+        return subprocess.run([sys.executable, "-c", "import bench_cp; print(bench_cp._git_sha())"], text=True,
+                              cwd=os.path.join(ROOT, "bench"), capture_output=True, env=dict(os.environ, **env),
+                              timeout=120).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert run() == head.stdout.strip()
+    assert run(NDP_GIT_SHA="0123abc") == "0123abc"
+
+
 def test_bench_memory_fused_loss_keeps_a_fraction_of_the_logits(tmp_path):
     # seq 2048 x vocab 32768: the fp32 logits are 256 MiB; the full path keeps about 3 of them, the fused op a chunk
     # and the weight's fp32 gradient (0.35-0.6x here with the allocator's slack; 0.15x at seq 8192 x vocab 65536,

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Triton kernels run on CPU tensors only under the interpreter; the flag is read when kernels are
 # decorated, so it must be set before anything imports triton.
 # NDP_TEST_DEVICE=cuda runs the kernel tests compiled on a GPU instead (on a GPU machine): tensors made without a
@@ -20,6 +22,22 @@ for p in (ROOT, os.path.join(ROOT, "tests")):
 if GPU_MODE:
     import torch
 
+    class _CudaGenerator(torch.Generator):
+        """torch.Generator() on the GPU: a subclass, not a function, since torch's own modules annotate with
+        ``torch.Generator | None`` at import (torch.distributed.tensor)."""
+
+        def __new__(cls, device="cuda"):
+            return super().__new__(cls, device)
+
     torch.set_default_device("cuda")
-    _Generator = torch.Generator
-    torch.Generator = lambda device="cuda": _Generator(device)
+    torch.Generator = _CudaGenerator
+
+
+def pytest_collection_modifyitems(config, items):
+    """With NDP_TEST_DEVICE=cuda the kernel tests run on the GPU: the tests of a CPU path do not apply."""
+    if not GPU_MODE:
+        return
+    skip = pytest.mark.skip(reason="checks a CPU path; here the kernel tests run on the GPU (NDP_TEST_DEVICE=cuda)")
+    for item in items:
+        if "cpu_only" in item.keywords:
+            item.add_marker(skip)

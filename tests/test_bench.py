@@ -2,6 +2,7 @@
 (ndp over the best other provider) is computed right."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -171,6 +172,18 @@ def test_gpu_report_keeps_to_its_time_budget_and_packs_the_report(tmp_path):
         names = tar.getnames()
     assert all(n.split("/")[0] == "cpu_smoke_mode" for n in names)
     assert {"report.md", "report.json"} <= {n.split("/")[-1] for n in names}
+
+
+def test_the_kernel_tests_collect_in_gpu_mode():
+    # gpu-report's tests part runs the kernel tests with NDP_TEST_DEVICE=cuda (tests/conftest.py puts tensors and
+    # generators on the GPU). A function in place of torch.Generator broke torch's own `torch.Generator | None`
+    # annotations (torch.distributed.tensor): every file failed to collect there. Here without a GPU, the files that
+    # make no tensor at import.
+    files = ["tests/kernels/test_merge.py", "tests/kernels/test_flash.py", "tests/kernels/test_bwd_split.py"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *files],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, NDP_TEST_DEVICE="cuda"))
+    assert out.returncode == 0 and re.search(r"\d{2,} tests collected in", out.stdout), out.stdout[-2000:]
 
 
 def test_results_name_the_commit_they_measured():

@@ -219,6 +219,7 @@ def test_override_and_no_probe_reach_other_threads():
     assert configs.bwd_impl("interpreter", 64, torch.float32) == plain and not tuning.measurement_off()
 
 
+@pytest.mark.cpu_only
 def test_bwd_impl_selection(monkeypatch):
     # deterministic=True always takes the split backward; the default comes from the one table.
     for arch in ("sm_80", "sm_90", "interpreter"):

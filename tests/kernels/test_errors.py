@@ -122,6 +122,7 @@ def test_bwd_errors():
         flash.flash_attn_bwd(out, q, k[:, :, :1].expand(1, 8, 3, 32), v[:, :, :1].expand(1, 8, 3, 32), out, lse)
 
 
+@pytest.mark.cpu_only
 def test_cpu_without_interpreter_is_a_runtime_error(monkeypatch):
     monkeypatch.setattr(flash, "interpreter_active", lambda: False)
     q, k, v = _qkv()

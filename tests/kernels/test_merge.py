@@ -66,6 +66,7 @@ def test_merge_errors():
         merge.merge_attn_states_(out_acc, lse_acc, blk, blk_lse[:, :1])
 
 
+@pytest.mark.cpu_only
 def test_merge_falls_back_to_reference_without_interpreter(monkeypatch):
     # Plain CPU without TRITON_INTERPRET: the reference merge runs instead of the kernel.
     monkeypatch.setattr(merge, "interpreter_active", lambda: False)

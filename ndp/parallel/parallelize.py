@@ -55,6 +55,8 @@ def _tp_style(name: str) -> ParallelStyle:
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # an nn.Embedding split by vocabulary rows, its output summed over the ranks (transformers' name)
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "sequence_parallel": lambda: SequenceParallel(),
     }
     if name not in styles:

@@ -80,3 +80,39 @@ def _refuse_tp(rank, world):
     cfg2 = ParallelismConfig(cp_size=2)
     with pytest.raises(ValueError, match="needs a plan with enable_cp"):
         apply_cp(Net(), cfg2, cfg2.build_device_mesh("cpu"), ModelPlan())
+
+
+class _Embedded(torch.nn.Module):
+    """Token ids -> an embedding split by vocabulary rows over TP -> the MLP blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.net = Net()
+
+    def forward(self, ids):
+        return self.net(self.emb(ids))
+
+
+def _embedding_rowwise(rank, world):
+    torch.manual_seed(0)
+    ref = _Embedded()
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+    ref(ids).backward()
+    cfg = ParallelismConfig(tp_size=2)
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    plan = ModelPlan(tp_plan={"emb": "embedding_rowwise", "net.blocks.*.up": "colwise",
+                              "net.blocks.*.down": "rowwise"}, blocks=("net.blocks.*",))
+    parallelize(model, cfg, cfg.build_device_mesh("cpu"), plan=plan)
+    assert model.emb.weight.placements[0].is_shard(0)  # vocabulary rows split
+    model(ids).backward()
+    got = _grads(model)
+    for n, g in _grads(ref).items():
+        assert_close(got[n], g, torch.float32, "grad", msg=n)
+
+
+@pytest.mark.distributed
+def test_an_embedding_split_by_vocabulary_rows_matches_single_process(tmp_path):
+    # transformers' "embedding_rowwise" TP style (nemotron_h's embeddings, doge's expert embeddings)
+    spawn(_embedding_rowwise, 2, tmp_path)

@@ -84,13 +84,14 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: fl
     limit = limit if budget_s is None else min(limit, budget_s)
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    runs = [(args + ["--out", out], {})]
     if part == "first_call":
         caches = tempfile.mkdtemp(prefix="ndp-first-call-")
         env.update(TRITON_CACHE_DIR=os.path.join(caches, "triton"), NDP_TUNING_DIR=os.path.join(caches, "tuning"))
         runs = [(args + ["--label", label, "--out", out], {}) for label in ("cold", "warm")]
     elif part == "tests":
         runs = [(args, {}), (KERNEL_TESTS, {"NDP_TEST_DEVICE": "cuda"})]
+    else:
+        runs = [(args + ["--out", out], {})]
     t0, tail, status = time.perf_counter(), "", "ok"
     for a, extra in runs:
         left = limit - (time.perf_counter() - t0)

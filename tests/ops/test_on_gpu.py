@@ -32,16 +32,14 @@ def _lowp_reference(q, k, v, dout, docs, dtype, device):
     """(out, dq, dk, dv) of torch's math SDPA computed in `dtype`, document by document: the error a plain
     implementation in that dtype makes, the bound's yardstick (ndp.testing.assert_within_lowp_bound)."""
     q, k, v = (x.to(device, dtype).requires_grad_() for x in (q, k, v))
-    dout = dout.to(device, dtype)
-    spans = [(a, b) for a, b in zip(_cu(docs, device).tolist(), _cu(docs, device).tolist()[1:])] if docs else None
-    heads = (lambda x: x.transpose(0, 1)[None]) if docs else (lambda x: x.transpose(1, 2))
-    back = (lambda x: x[0].transpose(0, 1)) if docs else (lambda x: x.transpose(1, 2))
+    # a packed row is one batch of one row per document
+    cu = torch.tensor([0] + docs).cumsum(0).tolist() if docs else None
+    rows = [tuple(x[None, a:b] for x in (q, k, v)) for a, b in zip(cu, cu[1:])] if docs else [(q, k, v)]
     with sdpa_kernel(SDPBackend.MATH):
-        parts = [back(F.scaled_dot_product_attention(*(heads(x[a:b]) for x in (q, k, v)), is_causal=True,
-                                                     enable_gqa=True)) for a, b in spans] if docs else \
-            [back(F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True, enable_gqa=True))]
-    out = torch.cat(parts) if docs else parts[0]
-    out.backward(dout)
+        outs = [F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in row), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2) for row in rows]
+    out = torch.cat([o[0] for o in outs]) if docs else outs[0]
+    out.backward(dout.to(device, dtype))
     return tuple(x.cpu() for x in (out, q.grad, k.grad, v.grad))
 
 

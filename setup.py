@@ -56,13 +56,28 @@ def _cuda_decision():
     return True, f"torch CUDA {torch.version.cuda}, nvcc at {nvcc}, archs {os.environ['TORCH_CUDA_ARCH_LIST']}"
 
 
+def _link_missing_headers(wheel_dirs, toolkit_include, dest):
+    """Links into ``dest`` each entry of ``wheel_dirs`` (first wins) that ``toolkit_include`` lacks; returns dest."""
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for d in wheel_dirs:
+        for name in sorted(os.listdir(d)):
+            link = os.path.join(dest, name)
+            if not os.path.exists(os.path.join(toolkit_include, name)) and not os.path.lexists(link):
+                os.symlink(os.path.join(d, name), link)
+    return dest
+
+
 def _cuda_include_dirs():
-    # Against the CUDA torch wheels, torch headers that include cuBLAS/cuSPARSE need the headers shipped in the
-    # nvidia-* wheels (site-packages/nvidia/cu13/include, or nvidia/<lib>/include for older layouts).
+    # CUDA torch wheels ship the headers torch's own headers include (cuBLAS, cuSPARSE, ...) in the nvidia-* wheels
+    # (site-packages/nvidia/cu13/include, or nvidia/<lib>/include for older layouts), beside a CUDA runtime's
+    # headers. nvcc must keep its own runtime headers (torch 2.15's CUDA 13.2 headers stop nvcc 13.0: "CUDA compiler
+    # and CUDA toolkit headers are incompatible"), so one folder links in only what the toolkit lacks.
     site = os.path.dirname(os.path.dirname(torch.__file__))
-    dirs = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
-    dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
-    return [d for i, d in enumerate(dirs) if d not in dirs[:i]]
+    wheel_dirs = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
+    wheel_dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    dest = os.path.join(ROOT, "build", "cuda-wheel-headers")
+    return [_link_missing_headers(wheel_dirs, os.path.join(CUDA_HOME, "include"), dest)]
 
 
 def _extensions():

@@ -32,11 +32,8 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda 
 fi
 t1=$(date +%s)
 
-# torch headers that include cuBLAS/cuSPARSE need the headers of the nvidia-* wheels (setup.py adds them too).
-SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-for d in "$SITE"/nvidia/cu*/include; do
-  [ -d "$d" ] && export CPATH="$d${CPATH:+:$CPATH}"
-done
+# torch headers that include cuBLAS/cuSPARSE need headers of the nvidia-* wheels: setup.py links in those the toolkit
+# lacks (a search path of the whole folder would also put the wheels' CUDA runtime headers before nvcc's own).
 
 SRC="$(mktemp -d /tmp/ndp-cuda-src.XXXXXX)"
 trap 'rm -rf "$SRC"' EXIT

@@ -5,6 +5,7 @@ The fresh venv reuses the test venv's torch and other dependencies through a .pt
 second 200 MB torch install) but gets its own site-packages, where the wheel installs; the checks run from
 a scratch directory so the repository on sys.path cannot mask the installed package.
 """
+import ast
 import os
 import shutil
 import subprocess
@@ -80,3 +81,30 @@ def test_wheel_builds_installs_and_imports_in_fresh_venv(tmp_path):
                 "print(torch.ops.ndp.shard_index(8, 2, 1, 'zigzag').tolist())\n"
                 "ndp.info.main([])\n"], cwd=scratch, timeout=300)
     assert "[2, 3, 4, 5]" in out and "compiled ops (torch.ops.ndp.*): loaded" in out, out
+
+
+def _setup_function(name):
+    # setup.py calls setup() when run: compile the one function from its source instead.
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        (fn,) = [n for n in ast.parse(f.read()).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    scope = {"os": os, "shutil": shutil}
+    exec(compile(ast.Module([fn], []), "setup.py", "exec"), scope)
+    return scope[name]
+
+
+def test_cuda_build_takes_only_the_headers_its_toolkit_lacks_from_the_torch_wheels(tmp_path):
+    # torch 2.15's wheels ship CUDA 13.2 runtime headers; before nvcc 13.0's own they stop the build.
+    link = _setup_function("_link_missing_headers")
+    toolkit, cu13, cudnn = tmp_path / "toolkit", tmp_path / "cu13", tmp_path / "cudnn"
+    for d, names in ((toolkit, ["cuda_runtime_api.h", "cccl/"]), (cu13, ["cuda_runtime_api.h", "cccl/", "cublas.h"]),
+                     (cudnn, ["cudnn.h", "cublas.h"])):
+        d.mkdir()
+        for n in names:
+            if n.endswith("/"):
+                (d / n).mkdir()
+            else:
+                (d / n).write_text(n)
+    for _ in range(2):  # a rebuild replaces the links
+        dest = link([str(cu13), str(cudnn)], str(toolkit), str(tmp_path / "links"))
+        assert sorted(os.listdir(dest)) == ["cublas.h", "cudnn.h"]
+        assert os.path.realpath(os.path.join(dest, "cublas.h")) == str(cu13 / "cublas.h")

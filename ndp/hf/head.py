@@ -32,7 +32,8 @@ __all__ = ["head_loss", "logit_transform"]
 # torch function name -> the op it is on the logits (scalar operand recorded)
 _OPS = {"__truediv__": "div", "div": "div", "true_divide": "div", "__mul__": "mul", "__rmul__": "mul",
         "mul": "mul", "tanh": "tanh"}
-# Ops that do not change the values a loss sees (dtype / layout); the fused loss is fp32 (fp64) already.
+# Ops that do not change the values a loss sees (dtype / layout); the fused loss is fp32 (fp64) already. An op
+# whose result holds no tensor (stride(), numel(): torch 2.15's FSDP2 asks the head's output its strides) is a query.
 _NEUTRAL = {"float", "to", "contiguous", "__get__", "size", "dim", "view_as"}
 
 
@@ -43,9 +44,9 @@ class _Logits(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", repr(func))
         log = next(a._ndp_log for a in tree_leaves((args, kwargs)) if isinstance(a, _Logits))
-        if name not in _NEUTRAL:
-            log.append(_record(name, args))
         out = super().__torch_function__(func, types, args, kwargs or {})
+        if name not in _NEUTRAL and any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            log.append(_record(name, args))
         if isinstance(out, _Logits):
             out._ndp_log = log
         return out

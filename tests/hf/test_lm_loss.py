@@ -97,6 +97,20 @@ def test_loss_parallel_under_tp_equals_one_process(tmp_path):
     spawn(_loss_parallel_body, 2, tmp_path)
 
 
+def _query_then_scale(module, args, out):
+    # what torch 2.15's FSDP2 does to a module's output (asks its strides), then a Granite-like scale
+    assert out.stride() and out.numel() >= 0 and out.is_contiguous() in (True, False)
+    return out * 0.5
+
+
+def test_queries_of_the_logits_do_not_refuse_the_fused_loss():
+    model = ndp.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), ndp.ParallelismConfig(), None)
+    model.lm_head.register_forward_hook(_query_then_scale)
+    ids, labels, pos = _batch()
+    full, fused = _both(model, dict(input_ids=ids, labels=labels, position_ids=pos))
+    _assert_same(full, fused)  # the fused loss applied the scale, and only it
+
+
 def test_a_forward_that_changes_its_logits_otherwise_is_refused():
     model = ndp.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(), None)
     ids, labels, _ = _batch()

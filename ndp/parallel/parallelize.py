@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -220,7 +221,8 @@ def fsdp_mesh(config: ParallelismConfig, mesh: DeviceMesh) -> DeviceMesh:
         return shard
     if not isinstance(shard, DeviceMesh):
         return mesh_axis(mesh, "dp_replicate")
-    return mesh["dp_replicate", shard.mesh_dim_names[0]]  # dp_shard_cp, or the one axis of it a mesh has
+    # as FSDP2 joins them itself: slicing a flattened axis from the root mesh is deprecated (a warning per call)
+    return DeviceMesh._concatenate([mesh_axis(mesh, "dp_replicate"), shard])
 
 
 def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, blocks: Sequence[nn.Module], *,
@@ -230,19 +232,18 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
     Args:
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None (parameters' own dtype).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+    _check_one_dtype_per_module(model)
     m = fsdp_mesh(config, mesh)
     kw = dict(mesh=m, mp_policy=mp_policy or MixedPrecisionPolicy())
     for i, blk in enumerate(blocks):
         # The last block's parameters are needed again right at the start of backward: keep them.
         last = i == len(blocks) - 1
         for sub in _odd_dtype_modules(blk):
-            fully_shard(sub, reshard_after_forward=reshard_after_forward and not last, **kw)
-        fully_shard(blk, reshard_after_forward=reshard_after_forward and not last, **kw)
+            _shard_apart(sub, reshard_after_forward=reshard_after_forward and not last, **kw)
+        _shard_apart(blk, reshard_after_forward=reshard_after_forward and not last, **kw)
         tie_experts(blk)  # after fully_shard: its hook runs once FSDP has gathered the parameters
     for sub in _odd_dtype_modules(model):
-        fully_shard(sub, reshard_after_forward=reshard_after_forward, **kw)
+        _shard_apart(sub, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     return model
 
@@ -278,8 +279,6 @@ def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
     shards one dtype per unit, so each gets its own (e.g. a router kept in fp32 inside a bf16 model). Innermost
     first: sharding a module after its parent would find its parameters already sharded (ernie4_5_moe's router
     holds its fp32 bias statistics module)."""
-    from torch.distributed.fsdp import FSDPModule
-
     counts: dict = {}
     for p in root.parameters():
         counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
@@ -288,6 +287,27 @@ def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
     main = max(counts, key=counts.get)
     return [mod for mod in reversed(list(root.modules())) if mod is not root and not isinstance(mod, FSDPModule)
             and any(p.dtype != main for p in mod.parameters(recurse=False))]
+
+
+def _shard_apart(mod: nn.Module, **kw) -> None:
+    """``fully_shard(mod)``; where ``mod``'s own parameters have another dtype than some children's, those children
+    go first, as one unit of their own (flint's attention keeps fp32 sinks beside projections of the model's dtype)."""
+    own = {p.dtype for p in mod.parameters(recurse=False)}
+    kids = [c for c in mod.children() if own and not isinstance(c, FSDPModule)
+            and any(p.dtype not in own for p in c.parameters())]
+    if kids:
+        fully_shard(kids, **kw)
+    fully_shard(mod, **kw)
+
+
+def _check_one_dtype_per_module(model: nn.Module) -> None:
+    # FSDP2 needs one dtype per unit, and a module's own parameters cannot be split into two units.
+    for name, mod in model.named_modules():
+        own = {str(p.dtype) for p in mod.parameters(recurse=False)}
+        if len(own) > 1:
+            raise ValueError(f"FSDP2 shards one dtype per module, and {name or type(model).__name__} holds parameters "
+                             f"of dtypes {sorted(own)} itself; cast them to one (model.to(dtype)) before "
+                             f"ndp.parallelize.")
 
 
 def _init_device(mesh: DeviceMesh | None, device) -> torch.device:

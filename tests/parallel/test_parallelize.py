@@ -116,3 +116,67 @@ def _embedding_rowwise(rank, world):
 def test_an_embedding_split_by_vocabulary_rows_matches_single_process(tmp_path):
     # transformers' "embedding_rowwise" TP style (nemotron_h's embeddings, doge's expert embeddings)
     spawn(_embedding_rowwise, 2, tmp_path)
+
+
+class _Sinks(torch.nn.Module):
+    """Keeps a float32 parameter of its own beside children of the model's dtype, as flint's attention keeps its
+    sinks (transformers 5.24): FSDP2 shards one dtype per unit."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, d, dtype=torch.float32))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale.to(x.dtype)
+
+
+class _MixedBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.attn = _Sinks(d)
+        self.mlp = torch.nn.Linear(d, d)
+        self.gate = torch.nn.Parameter(torch.full((d,), 0.75, dtype=torch.float32))  # the block's own, float32
+
+    def forward(self, x):
+        return x + self.mlp(torch.tanh(self.attn(x))) * self.gate.to(x.dtype)
+
+
+class _MixedNet(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_MixedBlock(d) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def _mixed_dtypes(rank, world):
+    torch.manual_seed(0)
+    ref = _MixedNet().double()
+    for m in ref.modules():  # .double() cast them too: back to float32, as transformers builds them
+        for name in ("scale", "gate"):
+            if name in m._parameters:
+                m._parameters[name].data = m._parameters[name].data.float()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    ref(x).backward()
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    cfg = ParallelismConfig(dp_shard_size=2)
+    parallelize(model, cfg, cfg.build_device_mesh("cpu"), plan=ModelPlan(blocks=("blocks.*",)))
+    (model(x.chunk(2)[rank]) * 2).backward()
+    got = _grads(model)
+    for n, g in _grads(ref).items():
+        assert got[n].dtype == g.dtype, n
+        assert_close(got[n], g, g.dtype, "grad", msg=n)
+    bad = copy.deepcopy(ref)
+    bad.blocks[0].attn.proj.register_parameter("odd", torch.nn.Parameter(torch.ones(2, dtype=torch.float32)))
+    with pytest.raises(ValueError, match=r"blocks.0.attn.proj holds parameters of dtypes \['torch.float32', 'torch"):
+        parallelize(bad, cfg, cfg.build_device_mesh("cpu"), plan=ModelPlan(blocks=("blocks.*",)))
+
+
+@pytest.mark.distributed
+def test_float32_parameters_beside_the_models_dtype_shard_and_match_one_process(tmp_path):
+    spawn(_mixed_dtypes, 2, tmp_path)

@@ -15,7 +15,7 @@ from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_at
 from .batch import parallel_state, shard_batch
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
-                     layer_stacks, outside_layers, text_config)
+                     head_counts, layer_stacks, outside_layers, text_config)
 
 # Used when a model's config carries no base_model_tp_plan (same split as Llama's).
 DEFAULT_TP_PLAN = {
@@ -41,12 +41,9 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
         ValueError: the heads cannot be split by tp / the Ulysses degree.
         Unsupported: (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``).
     """
-    cfg = text_config(model)
-    heads = getattr(cfg, "num_attention_heads", None)
     if config.cp_size > 1:
         check_cp_model(model)
-    if heads is not None:
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
+    for heads, kv in head_counts(text_config(model)):
         config.check_heads(heads, kv)
 
 

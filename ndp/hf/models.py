@@ -35,6 +35,18 @@ def text_config(model: nn.Module):
     return get(decoder=True) if get is not None else cfg
 
 
+def head_counts(cfg) -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of the decoder's layers: one pair, or one per kind of layer where the config
+    sets them per layer (a heterogeneous config, dots3_note: reading them from the whole config raises there)."""
+    layers = cfg.per_layer_config if getattr(cfg, "is_heterogeneous", False) else [cfg]
+    counts = set()
+    for c in layers:
+        heads = getattr(c, "num_attention_heads", None)
+        if heads is not None:
+            counts.add((heads, getattr(c, "num_key_value_heads", None) or heads))
+    return sorted(counts)
+
+
 @functools.lru_cache(maxsize=None)
 def _calls_interface(cls) -> bool:
     # transformers' attention modules look their implementation up in ALL_ATTENTION_FUNCTIONS at each forward.

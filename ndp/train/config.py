@@ -11,6 +11,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from ndp.hf.models import head_counts
 from ndp.parallel import AC_MODES, CP_IMPLS, CP_LAYOUTS, ParallelismConfig, ac_mode
 
 from .presets import INITS
@@ -119,8 +120,8 @@ class TrainConfig:
             raise ValueError(f"--init meta builds random weights shard by shard; --model {self.model!r} is a model "
                              f"directory whose weights are loaded whole. Use --init full for it.")
         cfg = model_config(self.model)
-        heads = cfg.num_attention_heads
-        p.check_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads)
+        for heads, kv in head_counts(cfg):
+            p.check_heads(heads, kv)
         if not self.pack_docs:
             p.check_seq_len(self.seq_len)
         limit = getattr(cfg, "max_position_embeddings", None)

@@ -51,6 +51,7 @@ def _shrink(cfg, seen):
         return
     seen.add(id(cfg))
     for name, value in TINY.items():
+        name = getattr(cfg, "attribute_map", {}).get(name, name)  # kimi_linear: num_experts_per_tok -> ..._token
         if name in cfg.__dict__ and not isinstance(cfg.__dict__[name], (dict, list)) or name in ("vocab_size",):
             try:
                 setattr(cfg, name, value)
@@ -85,6 +86,8 @@ def _shrink(cfg, seen):
 # Families whose default config transformers cannot build a model from, or whose tiny form needs more than the
 # shrinking above: set after it.
 FIXES = {
+    # its default config sets no layer_types (the model reads them): one convolution layer, one attention layer
+    "lfm2_moe": lambda c: c.__dict__.update(layer_types=["conv", "full_attention"], num_dense_layers=1),
     # DbrxAttention reads rope_theta (the config has none) and clamps q/k/v by clip_qkv (None by default: a crash)
     "dbrx": lambda c: c.attn_config.__dict__.update(rope_theta=10000.0, clip_qkv=8.0),
     "cohere_compass_text": lambda c: setattr(c, "rope_parameters", {"full_attention": {"rope_type": "default",

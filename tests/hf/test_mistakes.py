@@ -6,14 +6,18 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 import torch.nn.functional as F
-from transformers import DataCollatorWithFlattening
+from transformers import CONFIG_MAPPING, AutoConfig, DataCollatorWithFlattening
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ndp  # noqa: E402
+import ndp.hf  # noqa: E402
 from dist import spawn  # noqa: E402
 from ndp.hf.attention import guard_outside_layers  # noqa: E402
-from ndp.hf.models import check_cp_model, cp_attention_modules, decoder_layers, outside_layers  # noqa: E402
+from ndp.hf.models import (check_cp_model, cp_attention_modules, decoder_layers, head_counts,  # noqa: E402
+                           outside_layers)
 from ndp.train.presets import build_model  # noqa: E402
 from _zoo import tiny_model  # noqa: E402
 
@@ -93,3 +97,16 @@ def test_decoder_layers_are_the_text_decoders():
     assert any(t.startswith("model.embed_tokens_extend.audio_embed") for t in towers)
     assert any(t.startswith("model.embed_tokens_extend.image_embed") for t in towers)
     check_cp_model(model)  # no token mixer in the decoder layers: allowed
+
+
+@pytest.mark.skipif("dots3_note_text" not in CONFIG_MAPPING, reason="dots3_note_text is new in transformers 5.24")
+def test_heads_set_per_layer_are_checked_layer_by_layer():
+    # A heterogeneous config (dots3_note: 128 heads in indexed layers, 64 in sliding ones) raises on a read of
+    # num_attention_heads from the whole config; ndp checks every kind of layer.
+    cfg = AutoConfig.for_model("dots3_note_text")
+    assert head_counts(cfg) == [(64, 64), (128, 128)]
+    model = nn.Module()
+    model.config = cfg
+    ndp.hf.check_model(model, ndp.ParallelismConfig(tp_size=64))
+    with pytest.raises(ValueError, match="num_heads=64, num_kv_heads=64, tp_size=128"):
+        ndp.hf.check_model(model, ndp.ParallelismConfig(tp_size=128))

@@ -75,7 +75,7 @@ def _cuda_include_dirs():
     # and CUDA toolkit headers are incompatible"), so one folder links in only what the toolkit lacks.
     site = os.path.dirname(os.path.dirname(torch.__file__))
     wheel_dirs = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "include")))
-    wheel_dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    wheel_dirs = list(dict.fromkeys(wheel_dirs + sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))))
     dest = os.path.join(ROOT, "build", "cuda-wheel-headers")
     return [_link_missing_headers(wheel_dirs, os.path.join(CUDA_HOME, "include"), dest)]
 

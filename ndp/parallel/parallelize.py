@@ -293,8 +293,8 @@ def _shard_apart(mod: nn.Module, **kw) -> None:
     """``fully_shard(mod)``; where ``mod``'s own parameters have another dtype than some children's, those children
     go first, as one unit of their own (flint's attention keeps fp32 sinks beside projections of the model's dtype)."""
     own = {p.dtype for p in mod.parameters(recurse=False)}
-    kids = [c for c in mod.children() if own and not isinstance(c, FSDPModule)
-            and any(p.dtype not in own for p in c.parameters())]
+    kids = [c for c in mod.children()
+            if not isinstance(c, FSDPModule) and any(p.dtype not in own for p in c.parameters())] if own else []
     if kids:
         fully_shard(kids, **kw)
     fully_shard(mod, **kw)

@@ -25,7 +25,7 @@ import ndp.ops
 from ndp_kernels.segments import packed_rows_cu, read_once
 from ndp.parallel import CP_ATTR
 
-from .masks import describe, marker, spec_of
+from .masks import describe, marker, read_dense, spec_of, with_padding
 from .models import Unsupported
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
@@ -109,7 +109,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         query, key: ``[B, H, S, D]`` / ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ from D, as in
             MLA); local shards under CP, in the CP layout.
         attention_mask: what ndp's mask interface returned: None, a marker carrying the layer's
-            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed), or a padding mask (refused).
+            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed), or a padding mask (refused); or a
+            dense 4-D mask given to the model or built by it (:func:`~ndp.hf.masks.read_dense`: full, causal or
+            causal packed documents are applied, any other is refused). A dense mask is the truth, as in eager
+            attention: position_ids then only place RoPE.
         scaling: softmax scale; dropout: must be 0.
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
@@ -124,7 +127,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     """
     ctx = getattr(module, CP_ATTR, None)
     cp_on = ctx is not None and ctx.enabled
-    spec = spec_of(attention_mask)
+    spec, dense, dense_cu = _mask_of(attention_mask, query.shape[0], query.shape[2], cp_on)
     causal = kwargs.pop("is_causal", None)
     sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
     softcap = kwargs.pop("softcap", None) or 0.0  # Gemma 2: scores softcap * tanh(scores / softcap)
@@ -146,9 +149,12 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     batch, seq = q.shape[0], q.shape[1]
-    cu = kwargs.get("cu_seq_lens_q")
-    position_ids = kwargs.get("position_ids")
-    flat = False
+    if spec is not None and spec.lengths is not None:  # right-padded rows, one process (refused under CP)
+        return _right_padded(q, k, v, spec.lengths, causal=causal, softmax_scale=scaling, sinks=sinks,
+                             softcap=softcap), None
+    # with a dense mask the mask alone says where documents are (as in eager attention)
+    cu, flat = (dense_cu, True) if dense else (kwargs.get("cu_seq_lens_q"), False)
+    position_ids = None if dense else kwargs.get("position_ids")
     chunk = spec.chunk if spec is not None else None
     # Under CP a rank's positions do not continue (zigzag) and transformers calls that packing: not a packed batch.
     if chunk is not None and (cu is not None or (spec.packed and not cp_on)):
@@ -180,21 +186,60 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     else:
         kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window, sinks=sinks,
                   chunk_size=chunk, softcap=softcap)
-        if cu is not None:
-            kw["cu_seqlens"] = cu
-        if impl == "ring":
-            out = ndp.cp.ring_attention(q, k, v, group=ctx.group, **kw)
-        elif impl == "allgather":
-            out = ndp.cp.allgather_attention(q, k, v, group=ctx.group, **kw)
-        elif impl == "ulysses":
-            out = ndp.cp.ulysses_attention(q, k, v, group=ctx.group, **kw)
-        elif impl == "usp":
-            out = ndp.cp.usp_attention(q, k, v, ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group, **kw)
-        else:
-            raise ValueError(f"unknown CP impl {impl!r}; expected one of {sorted(IMPL_NAMES)}")
+        out = _cp_attention(q, k, v, ctx, impl, **kw, **({} if cu is None else dict(cu_seqlens=cu)))
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out, None
+
+
+@functools.lru_cache(maxsize=16)
+def _padding_plan(lengths: tuple, seq: int, device) -> tuple:
+    """Right-padded rows flattened: the indices of the real and of the pad tokens, the order that puts
+    ``cat([real, pad])`` back, and the int32 cu_seqlens of each row's real and pad tokens."""
+    lens = torch.tensor(lengths)
+    real = (torch.arange(seq)[None, :] < lens[:, None]).reshape(-1)
+    real_idx, pad_idx = real.nonzero().flatten(), (~real).nonzero().flatten()
+    order = torch.argsort(torch.cat([real_idx, pad_idx]))
+    cu_real, cu_pad = (torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (lens, seq - lens))
+    return tuple(t.to(device) for t in (real_idx, pad_idx, order, cu_real, cu_pad))
+
+
+def _right_padded(q, k, v, lengths, *, causal, **kw):
+    """Attention over right-padded rows (``[batch, seq, heads, dim]``; `lengths` real tokens per row) as eager
+    applies transformers' padding mask: real tokens among their row's real tokens (the layer's causal mask); every
+    pad token over all of its row's real tokens (causal & padding: they all precede it), and no token sees a pad.
+    Two varlen calls."""
+    batch, seq = q.shape[:2]
+    real, pad, order, cu_real, cu_pad = _padding_plan(lengths, seq, q.device)
+    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
+    kr, vr, n = k[real], v[real], max(lengths)
+    out_real = ndp.ops.attention(q[real], kr, vr, causal=causal, cu_seqlens_q=cu_real, cu_seqlens_k=cu_real,
+                                 max_seqlen_q=n, max_seqlen_k=n, **kw)
+    out_pad = ndp.ops.attention(q[pad], kr, vr, causal=False, cu_seqlens_q=cu_pad, cu_seqlens_k=cu_real,
+                                max_seqlen_q=seq - min(lengths), max_seqlen_k=n, **kw)
+    return torch.cat([out_real, out_pad])[order].reshape(batch, seq, *out_real.shape[1:])
+
+
+def _mask_of(attention_mask, batch, seq, sharded):
+    """(spec, dense, cu): the MaskSpec that ndp's marker carries, or that of a dense 4-D mask (``dense``; ``cu``
+    the int32 cu_seqlens of its packed documents, else None); spec None for no mask or a 2-D one."""
+    spec = spec_of(attention_mask)
+    if spec is not None or attention_mask is None or attention_mask.dim() <= 2:
+        return spec, False, None
+    spec, cu = read_dense(attention_mask, batch, seq, sharded=sharded)
+    return spec, True, cu
+
+
+def _cp_attention(q, k, v, ctx, impl, **kw):
+    if impl == "ring":
+        return ndp.cp.ring_attention(q, k, v, group=ctx.group, **kw)
+    if impl == "allgather":
+        return ndp.cp.allgather_attention(q, k, v, group=ctx.group, **kw)
+    if impl == "ulysses":
+        return ndp.cp.ulysses_attention(q, k, v, group=ctx.group, **kw)
+    if impl == "usp":
+        return ndp.cp.usp_attention(q, k, v, ulysses_group=ctx.ulysses_group, ring_group=ctx.ring_group, **kw)
+    raise ValueError(f"unknown CP impl {impl!r}; expected one of {sorted(IMPL_NAMES)}")
 
 
 def _row_positions(position_ids, seq) -> bool:
@@ -206,14 +251,17 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
     """The first reason this attention call cannot run exactly (ctx: the CP context when CP is on), or None."""
     if ctx is not None and id(ctx) in _PENDING:
         return _PENDING.pop(id(ctx))
+    if spec is None and attention_mask is not None and not bool(attention_mask.all()) or (
+            ctx is not None and spec is not None and spec.lengths is not None):
+        where = "under context parallelism" if ctx is not None else "of this form"
+        return ValueError(f"ndp attention cannot honour an attention mask with masked positions (padding) {where}; "
+                          f"pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q; "
+                          f"ndp.hf.shard_batch pads what CP needs itself).")
     if spec is not None and spec.refused:
         return Unsupported(spec.refused)
     if dropout:
         return ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
                           f"attention_dropout to 0.")
-    if spec is None and attention_mask is not None and not bool(attention_mask.all()):
-        return ValueError("ndp attention cannot honour an attention mask with masked positions (padding); "
-                          "pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q).")
     if ctx is not None and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling():
         # compiled decoder layers skip it: guard_positions checks once per forward, before the layers
         return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)
@@ -272,11 +320,13 @@ def guard_outside_layers(model, names, ctx) -> None:
 def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
               **kwargs):
     # ndp attention applies the mask itself: no dense mask, a marker carrying what the mask function asks for
-    # (refused here, before any layer runs, when ndp cannot apply it). A 2D padding mask is passed on only when it
-    # masks something, so that the attention can refuse it instead of silently ignoring it.
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return attention_mask
+    # (refused here, before any layer runs, when ndp cannot apply it) and the rows' padding, read once per forward.
+    # A padding mask of another form is passed on, for the attention to refuse instead of silently ignoring it.
     spec = describe(mask_function) if mask_function is not None else None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        if spec is None or attention_mask.dim() != 2 or attention_mask.shape[1] != q_length or q_offset or kv_offset:
+            return attention_mask
+        spec = with_padding(spec, attention_mask)
     return None if spec is None else marker(spec, kwargs.get("device"))
 
 

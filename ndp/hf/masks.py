@@ -8,13 +8,20 @@ cannot express (a learned or arbitrary mask, ``or_masks``) raises :class:`~ndp.h
 being dropped. Bidirectional image blocks (``blockwise_overlay`` or-ed to the causal mask: git, Gemma 4) are honoured
 when the batch has no image block (text-only training: the or-ed piece is false everywhere) and refused otherwise;
 that refusal depends on the data, so it travels in the spec and the attention raises it on every CP rank at once.
+
+A dense 4-D mask handed to the model (transformers passes it to the attention as it is: a user's "custom 4D mask",
+or one a model builds itself, BLT's cross-attention) is read by :func:`read_dense`: full attention, causal, or causal
+packed documents are applied exactly; any other mask is refused by name.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from transformers import masking_utils as mu
+
+from ndp_kernels.segments import cu_from_starts, read_once
 
 from .models import Unsupported
 
@@ -23,12 +30,14 @@ from .models import Unsupported
 class MaskSpec:
     """A mask ndp applies itself: ``causal``; ``window`` (transformers' sliding window: a query sees itself and
     the ``window - 1`` keys before it); ``chunk`` (queries see keys of their own ``chunk``-token block only);
-    ``packed`` (documents told apart by position_ids that do not continue); ``refused``: why this batch cannot
-    be attended exactly (a data-dependent refusal the attention raises on every rank), else None."""
+    ``packed`` (documents told apart by position_ids that do not continue); ``lengths``: the real tokens of each
+    row where transformers' 2-D padding mask masks something (read once per forward), else None; ``refused``: why this
+    batch cannot be attended exactly (a data-dependent refusal the attention raises on every rank), else None."""
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     packed: bool = False
+    lengths: tuple[int, ...] | None = None
     refused: str | None = None
 
 
@@ -111,6 +120,31 @@ def describe(mask_function) -> MaskSpec:
     return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, refused=refused)
 
 
+_PAD_FIX = ("Pad on the right (tokenizer.padding_side = 'right'), or pack the documents (position_ids restarting "
+            "at 0, no attention_mask).")
+
+
+def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
+    """`spec` for rows padded as the 2-D `mask` ([batch, seq], 1 = real token) says, when ndp can apply it exactly:
+    each row's real tokens first, then pads (right padding), with no window or chunk. Then every pad token sees
+    exactly its row's real tokens (``causal & padding``) and no real token sees a pad; left padding and gaps give
+    pad rows that see no key (what eager fills with an arbitrary average), so they are refused, as a window or chunk
+    with padding is (a pad row would see part of its row)."""
+    mask = mask.bool()
+    lengths = mask.sum(1)
+    right = bool((mask == (torch.arange(mask.shape[1], device=mask.device) < lengths[:, None])).all())
+    spec = replace(spec, lengths=tuple(lengths.tolist()))  # also where refused: CP refuses any padding first
+    if not right or min(spec.lengths) == 0:
+        why = "a row with no real token" if right else "padding that is not all at the end of each row"
+        return replace(spec, refused=f"ndp attention applies right padding only; the attention_mask has {why} "
+                                     f"(real tokens per row: {list(spec.lengths)}). {_PAD_FIX}")
+    if spec.window is not None or spec.chunk is not None:
+        what = f"sliding window of {spec.window}" if spec.window is not None else f"chunk of {spec.chunk}"
+        return replace(spec, refused=f"ndp attention cannot apply padding together with a {what} (a pad token "
+                                     f"would see part of its row). {_PAD_FIX}")
+    return spec
+
+
 class _Marker(torch.Tensor):
     """A one-element ``[1, 1, 1, 1]`` True tensor carrying a MaskSpec (a mask's rank, so that shape checks pass). A model that computes with its mask outside the attention call
     (indexes it, adds it to scores: a sparse indexer, a learned mask) gets :class:`Unsupported`, not a broadcast
@@ -150,4 +184,58 @@ def spec_of(attention_mask) -> MaskSpec | None:
     return getattr(attention_mask, "ndp_mask", None)
 
 
-__all__ = ["MaskSpec", "describe", "marker", "spec_of"]
+_DENSE_FIX = ("Pass the documents as position_ids restarting at 0 (or cu_seq_lens_q) instead of a dense mask, or use "
+              "the model's own attention implementation.")
+
+
+def read_dense(mask: torch.Tensor, batch: int, seq: int, *, sharded: bool) -> tuple[MaskSpec, torch.Tensor | None]:
+    """What a dense ``[batch or 1, 1, seq, seq]`` mask asks of self-attention over rows of `seq` tokens, when ndp
+    can apply it exactly: every key (full attention, as eager applies an all-keep mask whatever ``is_causal``
+    says), causal, or causal documents packed in each row (a block-diagonal causal mask). Boolean masks keep True;
+    floating-point masks are added to the scores, so they keep 0 and mask -inf (or transformers' dtype minimum).
+    Read once per mask tensor (``read_once``).
+
+    Args:
+        sharded: the rows are this rank's CP shard: every dense mask is refused there.
+    Returns:
+        (spec, cu): ``spec.refused`` names why the mask cannot be applied (raised by the attention, on every CP
+        rank), else ``spec.causal``; cu: int32 cu_seqlens of the rows flattened when documents are packed, else None.
+    """
+    return read_once(mask, ("read_dense", batch, seq, sharded), lambda: _read_dense(mask, batch, seq, sharded))
+
+
+def _refused(mask, why: str) -> tuple[MaskSpec, None]:
+    return MaskSpec(refused=f"ndp attention got a dense attention mask of shape {tuple(mask.shape)} and dtype "
+                            f"{mask.dtype} that {why}. {_DENSE_FIX}"), None
+
+
+def _read_dense(mask, batch, seq, sharded):
+    if sharded:
+        return _refused(mask, "reaches a context-parallel shard (each rank holds pieces of the sequence, which a "
+                              "dense mask of the shard cannot describe)")
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) or mask.shape[2:] != (seq, seq):
+        return _refused(mask, f"is not [batch ({batch}) or 1, 1, seq ({seq}), seq] (self-attention over the rows, "
+                              f"one mask for every head)")
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        keep = mask == 0
+        if not bool((keep | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+            return _refused(mask, "adds values other than 0 and -inf to the scores (a bias)")
+    else:
+        return _refused(mask, "is neither boolean (True keeps) nor floating point (0 keeps, -inf masks)")
+    keep = keep[:, 0].expand(batch, seq, seq)
+    if bool(keep.all()):
+        return MaskSpec(causal=False), None
+    # a token starts a document where it cannot see the token before it; the mask must then be exactly causal
+    # inside each document and nothing across documents
+    starts = F.pad(~keep.diagonal(offset=-1, dim1=1, dim2=2), (1, 0))
+    doc = starts.cumsum(1)
+    want = (doc[:, :, None] == doc[:, None, :]).tril_()
+    if not torch.equal(keep, want):
+        return _refused(mask, "is not full, causal, or causal within packed documents (ndp applies those exactly)")
+    packed = bool(starts[:, 1:].any())
+    return MaskSpec(causal=True, packed=packed), cu_from_starts(starts) if packed else None
+
+
+__all__ = ["MaskSpec", "describe", "marker", "read_dense", "spec_of", "with_padding"]

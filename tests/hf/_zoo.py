@@ -63,13 +63,15 @@ def _shrink(cfg, seen):
     d = cfg.__dict__
     if "qk_rope_head_dim" in d:  # MLA
         if "head_dim" in d:  # the RoPE part is the "head_dim"
-            cfg.head_dim = cfg.qk_rope_head_dim
+            cfg.head_dim = d["qk_rope_head_dim"]
         if "num_key_value_heads" in d:  # MLA projects keys for every head
-            cfg.num_key_value_heads = cfg.num_attention_heads
+            cfg.num_key_value_heads = d["num_attention_heads"]
     if "rotary_dim" in d and isinstance(d["rotary_dim"], int):
         cfg.rotary_dim = 8
     if "mamba_d_head" in d and "mamba_n_heads" in d:  # mamba heads x head size = expand x hidden
         cfg.mamba_d_head, cfg.mamba_n_heads = 16, getattr(cfg, "mamba_expand", 2) * cfg.hidden_size // 16
+        if "mamba_d_ssm" in d:  # falcon_h1 names the product too
+            cfg.mamba_d_ssm = cfg.mamba_d_head * cfg.mamba_n_heads
     if "expand" in d and "n_groups" in d and "head_dim" in d:  # Mamba2
         cfg.num_heads = cfg.expand * cfg.hidden_size // cfg.head_dim
     for name in ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern"):
@@ -93,6 +95,20 @@ FIXES = {
     "cohere_compass_text": lambda c: setattr(c, "rope_parameters", {"full_attention": {"rope_type": "default",
                                                                                         "rope_theta": 10000.0}}),
     # 4 layers, the last 2 reading the keys/values of the first 2 (KV sharing), per-layer inputs of 16
+    # the attention reads the hidden states joined to the embeddings (2 x hidden); sizes derived at __init__
+    "zamba": lambda c: c.__dict__.update(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4,
+                                         num_key_value_heads=4),
+    "zamba2": lambda c: c.__dict__.update(attention_hidden_size=128, attention_head_dim=32, mamba_headdim=16,
+                                          kv_channels=16, num_query_groups=4, num_key_value_heads=4, adapter_rank=8,
+                                          hybrid_layer_ids=[i for i, t in enumerate(c.layers_block_type)
+                                                            if t == "hybrid"]),
+    # the local encoder/decoder cross-attend to the global transformer's patches; byte-group hashes of a small vocab
+    "blt": lambda c: [c.__dict__.update(encoder_hash_byte_group_vocab=64),
+                      c.global_config.__dict__.update(encoder_cross_output_size=64 * c.cross_attn_k)] + [
+        s.__dict__.update(hidden_size_global=64) for s in (c.encoder_config, c.decoder_config)],
+    "xlstm": lambda c: c.__dict__.update(embedding_dim=64, num_blocks=2, num_heads=4),
+    "dots3_note_text": lambda c: setattr(c, "head_dim", 16),
+    "dots3_note": lambda c: setattr(c.text_config, "head_dim", 16),
     "gemma3n_text": lambda c: c.__dict__.update(num_hidden_layers=4, num_kv_shared_layers=2,
                                                 layer_types=c.layer_types[:2] * 2, vocab_size_per_layer_input=VOCAB,
                                                 hidden_size_per_layer_input=16,
@@ -100,18 +116,35 @@ FIXES = {
 }
 
 
+# Families whose sizes are read or derived at __init__ (heterogeneous per-layer configs, RoPE fractions, indexer
+# checks): given then, shrunk. dots3_note: MLA heads of 8 + 8 (its head_dim is the whole q/k head, reset after the
+# shrinking); qwen4_exp: its sparse indexer's sizes (none by default, with indexed layers by default).
+_DOTS3 = dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=32, swa_kv_lora_rank=16,
+              swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=8, head_dim=16, qk_rope_head_dim=8,
+              qk_nope_head_dim=8, v_head_dim=8, index_head_dim=16)
+_QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                  indexer_compress_ratio=4, head_dim=16)
+AT_INIT = {"dots3_note_text": _DOTS3, "dots3_note": dict(text_config=_DOTS3),
+           "qwen4_exp_text": _QWEN4_EXP, "qwen4_exp": dict(text_config=_QWEN4_EXP)}
+
+
 def tiny_config(model_type: str):
-    cfg = AutoConfig.for_model(model_type)
+    cfg = AutoConfig.for_model(model_type, **AT_INIT.get(model_type, {}))
     _shrink(cfg, set())
     FIXES.get(model_type, lambda c: None)(cfg)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = REFERENCE_ATTENTION.get(model_type, "eager")
     return cfg
+
+
+# Families whose eager attention is not a reference: their own other implementation is.
+REFERENCE_ATTENTION = {"blt": "sdpa"}  # eager gives NaN on cross-attention rows whose every key is masked
 
 
 def tiny_model(model_type: str, seed: int = 0):
     cfg = tiny_config(model_type)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float64, attn_implementation="eager",
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
+                                             attn_implementation=REFERENCE_ATTENTION.get(model_type, "eager"),
                                              experts_implementation="eager")
     return model.eval()
 

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 import ndp.hf
@@ -70,14 +71,99 @@ def test_packed_documents_match_separate_rows():
         start += n
 
 
-def test_padding_mask_refused():
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_right_padding_matches_sdpa_at_every_position(name):
+    """A right-padded batch (DataCollatorWithPadding's): every token, pads included, and every gradient equal
+    transformers' own attention with the same mask (a pad sees its row's real tokens, no token sees a pad); the
+    real tokens equal the row without its pads."""
+    ref, model = _pair(name)
+    ids = _ids(3, 16)
+    mask = (torch.arange(16)[None, :] < torch.tensor([16, 11, 5])[:, None]).long()
+    want, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    assert_close(got, want, torch.float32, "out", msg=name)
+    (want * torch.linspace(-1, 1, want.shape[-1])).sum().backward()  # the pads' logits count too
+    (got * torch.linspace(-1, 1, got.shape[-1])).sum().backward()
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert_close(q.grad, p.grad, torch.float32, "grad", msg=f"{name} {n}")
+    with torch.no_grad():
+        assert_close(got[2:, :5], model(ids[2:, :5]).logits, torch.float32, "out")
+        assert (got[2:, 5:] - model(ids[2:]).logits[:, 5:]).abs().max() > 1e-3  # the pads saw no pad
+
+
+def test_padding_ndp_cannot_apply_is_refused_by_name():
     _, model = _pair("tiny-llama")
     ids = _ids(2, 16)
     mask = torch.ones(2, 16, dtype=torch.long)
-    model(ids, attention_mask=mask)  # an all-ones mask is fine
-    mask[0, -3:] = 0
-    with pytest.raises(ValueError, match="cannot honour an attention mask"):
-        model(ids, attention_mask=mask)
+    model(ids, attention_mask=mask)  # an all-ones mask is no mask
+    left, gap, empty = mask.clone(), mask.clone(), mask.clone()
+    left[1, :4] = 0
+    gap[0, 5:7] = 0
+    empty[1] = 0
+    for m, why in ((left, r"padding that is not all at the end of each row \(real tokens per row: \[16, 12\]\)"),
+                   (gap, r"padding that is not all at the end"), (empty, r"a row with no real token")):
+        with pytest.raises(ndp.hf.Unsupported, match=r"applies right padding only; the attention_mask has " + why +
+                           r".*padding_side = 'right'"):
+            model(ids, attention_mask=m)
+    _, mistral = _pair("tiny-mistral")
+    with pytest.raises(ndp.hf.Unsupported, match=r"padding together with a sliding window of 32"):
+        mistral(_ids(2, 40), attention_mask=F.pad(mask, (0, 24)))
+
+
+def _float_mask(keep):
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+def _doc_mask(lens_per_row):
+    """[rows, 1, S, S] bool: causal inside each document of each row, nothing across documents."""
+    masks = []
+    for lens in lens_per_row:
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        masks.append((doc[:, None] == doc[None, :]).tril())
+    return torch.stack(masks)[:, None]
+
+
+@pytest.mark.parametrize("as_float", [False, True], ids=["bool", "float"])
+def test_dense_masks_full_causal_and_packed_match_sdpa(as_float):
+    """A 4-D mask reaches the attention as it is (a user's custom mask; BLT builds one): sdpa and eager apply the
+    mask alone. All-keep is full attention (ndp applied its causal mask before: a silent difference), causal is
+    causal, block-diagonal causal is packed documents (each row its own split), forward and backward."""
+    ref, model = _pair("tiny-llama")
+    ids = _ids(2, 16)
+    full = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    causal = full.tril()
+    packed = _doc_mask([[5, 11], [3, 6, 7]])
+    for name, keep in (("full", full), ("causal", causal), ("packed", packed)):
+        mask = _float_mask(keep) if as_float else keep
+        ref.zero_grad(), model.zero_grad()
+        want, got = ref(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        assert_close(got, want, torch.float32, "out", msg=name)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+            assert_close(q.grad, p.grad, torch.float32, "grad", msg=f"{name} {n}")
+    with torch.no_grad():  # the three masks differ: each case tests what it names
+        plain = model(ids).logits
+        assert (model(ids, attention_mask=full).logits - plain).abs().max() > 1e-3
+        assert_close(model(ids, attention_mask=causal).logits, plain, torch.float32, "out")
+        alone = model(ids[1:, 3:9]).logits  # row 1's second document, on its own
+        assert_close(model(ids, attention_mask=packed).logits[1:, 3:9], alone, torch.float32, "out")
+
+
+def test_dense_masks_ndp_cannot_apply_are_refused_by_name():
+    _, model = _pair("tiny-llama")
+    ids = _ids(2, 16)
+    causal = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
+    window = causal & ~torch.ones(16, 16, dtype=torch.bool).tril(-4)
+    bias = _float_mask(causal) + torch.where(causal, -0.5, 0.0)
+    cases = [(window, r"is not full, causal, or causal within packed documents"),
+             (causal.expand(2, 4, 16, 16), r"is not \[batch \(2\) or 1, 1, seq \(16\), seq\]"),
+             (causal[..., :8], r"shape \(2, 1, 16, 8\)"),
+             (bias, r"adds values other than 0 and -inf to the scores"),
+             (causal.long(), r"is neither boolean .* nor floating point")]
+    for mask, match in cases:
+        with pytest.raises(ndp.hf.Unsupported, match=r"ndp attention got a dense attention mask .*" + match +
+                           r".*position_ids restarting at 0"):
+            model(ids, attention_mask=mask)
 
 
 def test_dropout_refused():

@@ -1,5 +1,5 @@
 """A new user's mistakes under CP get one clear error on every rank, before any work: a batch that did not go
-through shard_batch (dense or packed), a packed batch without its document table, parallelize without a mesh in a
+through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize without a mesh in a
 multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
 import os
 import sys
@@ -58,6 +58,11 @@ def _mistakes_body(rank, world):
     b = ndp.hf.shard_batch(model, **p)
     labels = b.pop("labels")
     assert ndp.hf.loss(model(**b).logits, labels, model).isfinite()
+    # a dense mask of this rank's shard (even one that keeps every key) cannot describe the sequence
+    d = ndp.hf.shard_batch(model, input_ids=ids)
+    with pytest.raises(ndp.hf.Unsupported, match=r"dense attention mask of shape \(2, 1, 16, 16\) .* reaches a "
+                                                 r"context-parallel shard"):
+        model(**d, attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool))
 
 
 def test_cp_mistakes_raise_on_every_rank(tmp_path):

@@ -109,10 +109,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         query, key: ``[B, H, S, D]`` / ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ from D, as in
             MLA); local shards under CP, in the CP layout.
         attention_mask: what ndp's mask interface returned: None, a marker carrying the layer's
-            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed), or a padding mask (refused); or a
-            dense 4-D mask given to the model or built by it (:func:`~ndp.hf.masks.read_dense`: full, causal or
-            causal packed documents are applied, any other is refused). A dense mask is the truth, as in eager
-            attention: position_ids then only place RoPE.
+            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed; right padding, applied on one process),
+            or a padding mask it could not read (refused); or a dense 4-D mask given to the model or built by it
+            (:func:`~ndp.hf.masks.read_dense`: full, causal or causal packed documents are applied, any other is
+            refused). A dense mask is the truth, as in eager attention: position_ids then only place RoPE.
         scaling: softmax scale; dropout: must be 0.
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
@@ -121,8 +121,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
             Gemma 2). Arguments that change attention and that ndp does not implement (per-token sinks, a head
             mask, unknown ones) are refused, never dropped.
     Raises:
-        ValueError: a padding mask, dropout, or a packed batch with batch > 1. Under CP a mask or dropout refused
-            on one rank raises on every rank of the CP group (no rank is left waiting in the ring).
+        ValueError: padding under CP or in a form ndp cannot read, dropout, or a packed batch with batch > 1.
+            Under CP a mask or dropout refused on one rank raises on every rank of the CP group (no rank is left
+            waiting in the ring).
         Unsupported: an argument or mask ndp cannot apply exactly (the same on every rank).
     """
     ctx = getattr(module, CP_ATTR, None)

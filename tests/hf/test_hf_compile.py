@@ -59,6 +59,18 @@ def test_decoder_layers_compile_fullgraph(model_type, backend):
     _close(_run(model, model), eager)
 
 
+def test_compiled_layers_follow_each_batchs_padding():
+    """Right-padded batches (the padding read into the mask marker's spec): compiled layers equal eager for each
+    batch's own padding, never a padding compiled in from an earlier batch."""
+    model = _ndp_model("llama")
+    masks = [(torch.arange(32)[None] < torch.tensor([[32], [n]])).long() for n in (20, 9)]
+    eager = [_run(model, lambda **kw: model(**kw, attention_mask=m)) for m in masks]
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for m, e in zip(masks, eager):
+        _close(_run(model, lambda **kw: model(**kw, attention_mask=m)), e)
+
+
 def test_whole_model_compiles_with_breaks_only_at_the_mask():
     model = _ndp_model("llama")
     eager = _run(model, model)

@@ -1,6 +1,6 @@
 """A new user's mistakes under CP get one clear error on every rank, before any work: a batch that did not go
-through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize without a mesh in a
-multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
+through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize
+without a mesh in a multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
 import os
 import sys
 

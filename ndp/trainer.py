@@ -13,8 +13,8 @@ and overrides, nothing patched:
   (Trainer's evaluation would otherwise gather the CP ranks' partial losses as samples and report a wrong loss);
   ``compute_metrics`` under CP is refused by name (the logits are sharded);
 - ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
-  sharding, position_ids, an all-ones attention mask) go to ndp's ``maybe_context_parallel``, without the SDPA-only
-  check. The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
+  sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is labelled
+  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel``, without the SDPA-only check. The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import transformers
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
+from .hf.batch import without_padding
 from .parallel import mesh_axis
 
 try:
@@ -66,6 +67,7 @@ class NdpTrainerMixin:
         inputs = dict(inputs)
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
+        inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
         if "position_ids" not in inputs:
             ids = inputs["input_ids"]
             inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()

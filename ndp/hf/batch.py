@@ -96,6 +96,38 @@ def pad_rows(rows, multiple, pad_id=0):
     return out
 
 
+def without_padding(tensors: dict) -> dict:
+    """`tensors` with a right-padded batch's ``attention_mask`` made all ones, for context parallelism (which applies
+    no padding mask): under a causal mask no real token sees a pad (pads come last), so every real token's output
+    is unchanged, and with -100 as every pad's label (``labels``, ``shift_labels``) the pads' outputs, which then
+    also see earlier pads, reach no loss: the loss and every gradient are the padded batch's. ``shard_batch`` pads
+    the same way. Other tensors are returned as they are.
+
+    Raises:
+        ValueError: padding that is not at the end of each row, a batch without labels, or a pad with a label.
+    """
+    mask = tensors.get("attention_mask")
+    if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
+        return tensors
+    keep = mask.bool()
+    lengths = keep.sum(1)
+    fix = "Pad on the right with labels -100 at every pad, or pack the documents (DataCollatorWithFlattening)."
+    if not bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all()):
+        raise ValueError(f"context parallelism takes right padding only; the attention_mask has padding that is not "
+                         f"all at the end of each row (real tokens per row: {lengths.tolist()}). {fix}")
+    names = [k for k in ("labels", "shift_labels") if torch.is_tensor(tensors.get(k))]
+    if not names:
+        raise ValueError(f"a padded batch under context parallelism needs its labels (labels or shift_labels, -100 "
+                         f"at every pad): the pads' outputs differ from the padded model's, and only labels of -100 "
+                         f"keep them out of the loss. {fix}")
+    for name in names:
+        labelled = int((tensors[name][~keep] != -100).sum())
+        if labelled:
+            raise ValueError(f"{name} at padded positions must be -100 under context parallelism; {labelled} pads "
+                             f"have a label (their outputs differ from the padded model's). {fix}")
+    return dict(tensors, attention_mask=torch.ones_like(mask))
+
+
 def _take_dp_rows(state, rows):
     dp_size = state.config.dp_size
     dp_rank = state.axis("dp").get_local_rank()
@@ -150,7 +182,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
             otherwise): labels -100, position_ids continued, input_ids the model's pad_token_id (0 without one),
             attention_mask 1. Under a causal mask no real token sees the pads, so the loss and gradients equal the
             unpadded ones. False: such a length raises.
-        tensors: ``[batch, seq]`` tensors (``input_ids``, ``labels``, ``position_ids``, ``seq_idx``, ...) and, for a
+        tensors: ``[batch, seq]`` tensors (``input_ids``, ``labels``, ``position_ids``, ``seq_idx``,
+            ``attention_mask``: right padding, every pad labelled -100, under CP; ...) and, for a
             packed batch, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` as
             ``DataCollatorWithFlattening`` makes them.
     Returns:
@@ -162,7 +195,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     Raises:
         ValueError: the model was not parallelized by ndp; tensors of different shapes; a document table that does
             not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
-            (pad=False) a length the layout cannot shard.
+            (pad=False) a length the layout cannot shard; under CP, an ``attention_mask`` with padding that
+            ``without_padding`` cannot drop exactly (not at the end of each row, or a pad with a label).
     """
     state, ctx = parallel_state(model, "shard_batch")
     rows = _rows(tensors)
@@ -178,7 +212,7 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
             rows["position_ids"] = _positions_in_documents(cu, next(iter(rows.values())))
         return {**tensors, **rows}
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return shard_rows(rows, ctx, cu=cu, pad=pad, pad_id=pad_id if isinstance(pad_id, int) else 0)
+    return shard_rows(without_padding(rows), ctx, cu=cu, pad=pad, pad_id=pad_id if isinstance(pad_id, int) else 0)
 
 
 def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
@@ -195,4 +229,5 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
 
 
-__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "parallel_state", "PACKING_KEYS"]
+__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "parallel_state", "without_padding",
+           "PACKING_KEYS"]

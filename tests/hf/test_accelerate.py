@@ -122,16 +122,17 @@ def _blog_rank(rank, world, code, port, out, model_dir):
     os._exit(0)  # past torch 2.13 gloo's teardown at interpreter exit (see tests/dist.py)
 
 
-def _one_process(model_dir, tokens, steps, dp, clip=None):
+def _one_process(model_dir, tokens, steps, dp, clip=None, collate=None):
     # The same model and batches on one process: step s trains on the dp samples the dp ranks took; clip: the
-    # Trainer's max_grad_norm.
+    # Trainer's max_grad_norm; collate: samples -> a batch with attention_mask and labels (else tokens are rows).
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
     for s in range(steps):
-        ids = tokens[dp * s:dp * (s + 1)]
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        b = collate(tokens[dp * s:dp * (s + 1)]) if collate else {"input_ids": tokens[dp * s:dp * (s + 1)]}
+        logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask")).logits
+        labels = b.get("labels", b["input_ids"])
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -252,6 +253,46 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
         logits = model(input_ids=data[:5]).logits
         want = F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:5, 1:].flatten()).item()
     assert got["eval"] == pytest.approx(want, rel=1e-5)
+
+
+PADDED_LENGTHS = (64, 40, 52, 23)
+
+
+def _padded_samples():
+    tokens = torch.randint(1, 256, (len(PADDED_LENGTHS), 64), generator=torch.Generator().manual_seed(3))
+    return [{"input_ids": t[:n]} for t, n in zip(tokens, PADDED_LENGTHS)]
+
+
+def _pad_collate(samples):
+    """What DataCollatorForLanguageModeling(mlm=False) gives on the right: pad id 0, mask 0, label -100 at pads."""
+    ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True, padding_value=0)
+    mask = (torch.arange(ids.shape[1])[None] < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]).long()
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def _padded_trainer_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=2, max_steps=2,
+                             learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                             parallelism_config=AccelerateConfig(cp_size=2), fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                       train_dataset=_padded_samples(), data_collator=_pad_collate)
+    trainer.train()
+    if rank == 0:
+        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "padded.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_trainer_right_padded_batches_under_cp_match_one_process(tmp_path):
+    """A padding collator's batches under cp 2: the losses of one process on the padded batches with their mask."""
+    model_dir = str(tmp_path / "model")
+    _save_tiny_llama(model_dir)
+    spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    want, _ = _one_process(model_dir, _padded_samples(), steps=2, dp=2, clip=1.0, collate=_pad_collate)
+    assert torch.load(tmp_path / "padded.pt") == pytest.approx(want, abs=1e-4)  # logged to 4 digits
 
 
 def _resume_rank(rank, world, tmp, model_dir):

@@ -1,11 +1,20 @@
-"""A padding mask that falls on only one rank's CP shard (issue 11): every rank raises, none hangs."""
+"""A padding mask that falls on only one rank's CP shard (issue 11): every rank raises, none hangs. A right-padded
+batch through shard_batch, every pad labelled -100: the loss and every gradient equal one process with the padding
+mask; padding it cannot drop exactly is refused by name."""
+import os
+import sys
 import time
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-from dist import spawn
-from ndp.train.presets import build_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dist import spawn  # noqa: E402
+from ndp.train.presets import build_model  # noqa: E402
+import _zoo  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -20,7 +29,9 @@ def _mask_body(rank, world, impl):
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, 28:] = 0  # right padding: with zigzag it lands on one rank's shard only (rank 0 holds chunk 2N-1)
-    b = ndp.hf.shard_batch(model, input_ids=ids, attention_mask=mask)
+    # sharded by hand, as a user who skips shard_batch would (shard_batch drops right padding when it is exact)
+    b = {k: ndp.cp.shard_sequence(t, dim=1, layout="zigzag") for k, t in
+         dict(input_ids=ids, attention_mask=mask, position_ids=torch.arange(32)[None]).items()}
     holder = bool((b["attention_mask"] == 0).any())
     holders = [None] * world
     torch.distributed.all_gather_object(holders, holder)
@@ -40,3 +51,42 @@ def _mask_body(rank, world, impl):
 @pytest.mark.parametrize("impl,world", [("ring", 2), ("ulysses", 2), ("usp", 4)])
 def test_padding_mask_on_one_cp_shard_raises_everywhere(tmp_path, impl, world):
     spawn(_mask_body, world, tmp_path, impl, timeout_s=20)
+
+
+def _padded_body(rank, world, impl):
+    import ndp
+    import ndp.hf
+
+    ids, _, _ = _zoo.batch()  # [2, 32]
+    mask = (torch.arange(_zoo.SEQ)[None] < torch.tensor([[_zoo.SEQ], [21]])).long()
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100).masked_fill(mask == 0, -100)
+    ref = _zoo.tiny_model("llama").train()
+    logits = ref(input_ids=ids, attention_mask=mask).logits
+    ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    ref_loss.backward()
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl)
+    model = ndp.hf.parallelize(_zoo.tiny_model("llama").train(), cfg, cfg.build_device_mesh("cpu"))
+    b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=mask)
+    assert bool(b["attention_mask"].all())
+    local_labels = b.pop("labels")
+    loss, mean = ndp.hf.loss(model(**b).logits, local_labels, model, return_mean=True)
+    loss.backward()
+    assert _zoo._rel(mean.detach().double(), ref_loss.detach()) <= _zoo.TOL  # the mean comes back in float32
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    floor = 1e-4 * max(float(g.abs().max()) for g in grads.values())  # as the zoo: zero in exact arithmetic is noise
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert _zoo._rel(g, grads[n.replace("_checkpoint_wrapped_module.", "")], floor) <= _zoo.TOL, n
+    fix = r"Pad on the right with labels -100 at every pad, or pack the documents"
+    with pytest.raises(ValueError, match=r"labels at padded positions must be -100 under context parallelism; 10 "
+                                         r"pads have a label .*" + fix):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=F.pad(ids[:, 1:], (0, 1), value=-100), attention_mask=mask)
+    with pytest.raises(ValueError, match=r"a padded batch under context parallelism needs its labels"):
+        ndp.hf.shard_batch(model, input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match=r"right padding only; .* \(real tokens per row: \[32, 21\]\)"):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=mask.flip(1))
+
+
+@pytest.mark.parametrize("impl", ["ring", "ulysses"])
+def test_right_padded_batch_through_shard_batch_is_exact_under_cp(tmp_path, impl):
+    spawn(_padded_body, 2, tmp_path, impl, timeout_s=60)

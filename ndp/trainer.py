@@ -14,7 +14,8 @@ and overrides, nothing patched:
   ``compute_metrics`` under CP is refused by name (the logits are sharded);
 - ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
   sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is labelled
-  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel``, without the SDPA-only check. The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
+  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel``, without the SDPA-only check.
+  The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss.
 """
 from __future__ import annotations

@@ -16,6 +16,8 @@ from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu
 
+from .masks import padding_of
+
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -109,19 +111,18 @@ def without_padding(tensors: dict) -> dict:
     mask = tensors.get("attention_mask")
     if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
         return tensors
-    keep = mask.bool()
-    lengths = keep.sum(1)
+    lengths, right = padding_of(mask)
     fix = "Pad on the right with labels -100 at every pad, or pack the documents (DataCollatorWithFlattening)."
-    if not bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all()):
+    if not right:
         raise ValueError(f"context parallelism takes right padding only; the attention_mask has padding that is not "
-                         f"all at the end of each row (real tokens per row: {lengths.tolist()}). {fix}")
+                         f"all at the end of each row (real tokens per row: {lengths}). {fix}")
     names = [k for k in ("labels", "shift_labels") if torch.is_tensor(tensors.get(k))]
     if not names:
         raise ValueError(f"a padded batch under context parallelism needs its labels (labels or shift_labels, -100 "
                          f"at every pad): the pads' outputs differ from the padded model's, and only labels of -100 "
                          f"keep them out of the loss. {fix}")
     for name in names:
-        labelled = int((tensors[name][~keep] != -100).sum())
+        labelled = int((tensors[name][mask == 0] != -100).sum())
         if labelled:
             raise ValueError(f"{name} at padded positions must be -100 under context parallelism; {labelled} pads "
                              f"have a label (their outputs differ from the padded model's). {fix}")

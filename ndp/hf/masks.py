@@ -124,16 +124,21 @@ _PAD_FIX = ("Pad on the right (tokenizer.padding_side = 'right'), or pack the do
             "at 0, no attention_mask).")
 
 
+def padding_of(mask: torch.Tensor) -> tuple[list[int], bool]:
+    """(real tokens per row, whether every row's padding sits at its end) of a 2-D padding mask (1 = real token)."""
+    keep = mask.bool()
+    lengths = keep.sum(1)
+    return lengths.tolist(), bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all())
+
+
 def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
     """`spec` for rows padded as the 2-D `mask` ([batch, seq], 1 = real token) says, when ndp can apply it exactly:
     each row's real tokens first, then pads (right padding), with no window or chunk. Then every pad token sees
     exactly its row's real tokens (``causal & padding``) and no real token sees a pad; left padding and gaps give
     pad rows that see no key (what eager fills with an arbitrary average), so they are refused, as a window or chunk
     with padding is (a pad row would see part of its row)."""
-    mask = mask.bool()
-    lengths = mask.sum(1)
-    right = bool((mask == (torch.arange(mask.shape[1], device=mask.device) < lengths[:, None])).all())
-    spec = replace(spec, lengths=tuple(lengths.tolist()))  # also where refused: CP refuses any padding first
+    lengths, right = padding_of(mask)
+    spec = replace(spec, lengths=tuple(lengths))  # also where refused: CP refuses any padding first
     if not right or min(spec.lengths) == 0:
         why = "a row with no real token" if right else "padding that is not all at the end of each row"
         return replace(spec, refused=f"ndp attention applies right padding only; the attention_mask has {why} "
@@ -201,7 +206,10 @@ def read_dense(mask: torch.Tensor, batch: int, seq: int, *, sharded: bool) -> tu
         (spec, cu): ``spec.refused`` names why the mask cannot be applied (raised by the attention, on every CP
         rank), else ``spec.causal``; cu: int32 cu_seqlens of the rows flattened when documents are packed, else None.
     """
-    return read_once(mask, ("read_dense", batch, seq, sharded), lambda: _read_dense(mask, batch, seq, sharded))
+    if sharded:  # refused before read_once, which would copy the whole mask first
+        return _refused(mask, "reaches a context-parallel shard (each rank holds pieces of the sequence, which a "
+                              "dense mask of the shard cannot describe)")
+    return read_once(mask, ("read_dense", batch, seq), lambda: _read_dense(mask, batch, seq))
 
 
 def _refused(mask, why: str) -> tuple[MaskSpec, None]:
@@ -209,10 +217,7 @@ def _refused(mask, why: str) -> tuple[MaskSpec, None]:
                             f"{mask.dtype} that {why}. {_DENSE_FIX}"), None
 
 
-def _read_dense(mask, batch, seq, sharded):
-    if sharded:
-        return _refused(mask, "reaches a context-parallel shard (each rank holds pieces of the sequence, which a "
-                              "dense mask of the shard cannot describe)")
+def _read_dense(mask, batch, seq):
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, batch) or mask.shape[2:] != (seq, seq):
         return _refused(mask, f"is not [batch ({batch}) or 1, 1, seq ({seq}), seq] (self-attention over the rows, "
                               f"one mask for every head)")
@@ -238,4 +243,4 @@ def _read_dense(mask, batch, seq, sharded):
     return MaskSpec(causal=True, packed=packed), cu_from_starts(starts) if packed else None
 
 
-__all__ = ["MaskSpec", "describe", "marker", "read_dense", "spec_of", "with_padding"]
+__all__ = ["MaskSpec", "describe", "marker", "padding_of", "read_dense", "spec_of", "with_padding"]

@@ -27,6 +27,7 @@ from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, read_dense, spec_of, with_padding
 from .models import Unsupported
+from .padded import padded_attention, padding_plan
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
 
@@ -109,10 +110,11 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         query, key: ``[B, H, S, D]`` / ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ from D, as in
             MLA); local shards under CP, in the CP layout.
         attention_mask: what ndp's mask interface returned: None, a marker carrying the layer's
-            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed; right padding, applied on one process),
-            or a padding mask it could not read (refused); or a dense 4-D mask given to the model or built by it
-            (:func:`~ndp.hf.masks.read_dense`: full, causal or causal packed documents are applied, any other is
-            refused). A dense mask is the truth, as in eager attention: position_ids then only place RoPE.
+            :class:`~ndp.hf.masks.MaskSpec` (causal, window, chunk, packed; padding, applied on one process by
+            ``ndp.hf.padded``), or a padding mask it could not read (refused); or a dense 4-D mask given to the
+            model or built by it (:func:`~ndp.hf.masks.read_dense`: full, causal or causal packed documents are
+            applied, any other is refused). A dense mask is the truth, as in eager attention: position_ids then
+            only place RoPE.
         scaling: softmax scale; dropout: must be 0.
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
@@ -150,9 +152,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     batch, seq = q.shape[0], q.shape[1]
-    if spec is not None and spec.lengths is not None:  # right-padded rows, one process (refused under CP)
-        return _right_padded(q, k, v, spec.lengths, causal=causal, softmax_scale=scaling, sinks=sinks,
-                             softcap=softcap), None
+    if spec is not None and spec.lengths is not None:  # padded rows, one process (refused under CP)
+        plan = padding_plan(spec.starts, spec.lengths, seq, causal, spec.window, spec.chunk, q.device)
+        return padded_attention(q, k, v, plan, softmax_scale=scaling, sinks=sinks, softcap=softcap), None
     # with a dense mask the mask alone says where documents are (as in eager attention)
     cu, flat = (dense_cu, True) if dense else (kwargs.get("cu_seq_lens_q"), False)
     position_ids = None if dense else kwargs.get("position_ids")
@@ -191,34 +193,6 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out, None
-
-
-@functools.lru_cache(maxsize=16)
-def _padding_plan(lengths: tuple, seq: int, device) -> tuple:
-    """Right-padded rows flattened: the indices of the real and of the pad tokens, the order that puts
-    ``cat([real, pad])`` back, and the int32 cu_seqlens of each row's real and pad tokens."""
-    lens = torch.tensor(lengths)
-    real = (torch.arange(seq)[None, :] < lens[:, None]).reshape(-1)
-    real_idx, pad_idx = real.nonzero().flatten(), (~real).nonzero().flatten()
-    order = torch.argsort(torch.cat([real_idx, pad_idx]))
-    cu_real, cu_pad = (torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (lens, seq - lens))
-    return tuple(t.to(device) for t in (real_idx, pad_idx, order, cu_real, cu_pad))
-
-
-def _right_padded(q, k, v, lengths, *, causal, **kw):
-    """Attention over right-padded rows (``[batch, seq, heads, dim]``; `lengths` real tokens per row) as eager
-    applies transformers' padding mask: real tokens among their row's real tokens (the layer's causal mask); every
-    pad token over all of its row's real tokens (causal & padding: they all precede it), and no token sees a pad.
-    Two varlen calls."""
-    batch, seq = q.shape[:2]
-    real, pad, order, cu_real, cu_pad = _padding_plan(lengths, seq, q.device)
-    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
-    kr, vr, n = k[real], v[real], max(lengths)
-    out_real = ndp.ops.attention(q[real], kr, vr, causal=causal, cu_seqlens_q=cu_real, cu_seqlens_k=cu_real,
-                                 max_seqlen_q=n, max_seqlen_k=n, **kw)
-    out_pad = ndp.ops.attention(q[pad], kr, vr, causal=False, cu_seqlens_q=cu_pad, cu_seqlens_k=cu_real,
-                                max_seqlen_q=seq - min(lengths), max_seqlen_k=n, **kw)
-    return torch.cat([out_real, out_pad])[order].reshape(batch, seq, *out_real.shape[1:])
 
 
 def _mask_of(attention_mask, batch, seq, sharded):

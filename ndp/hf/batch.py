@@ -111,7 +111,8 @@ def without_padding(tensors: dict) -> dict:
     mask = tensors.get("attention_mask")
     if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
         return tensors
-    lengths, right = padding_of(mask)
+    starts, lengths, one_run = padding_of(mask)
+    right = one_run and not any(starts)
     fix = "Pad on the right with labels -100 at every pad, or pack the documents (DataCollatorWithFlattening)."
     if not right:
         raise ValueError(f"context parallelism takes right padding only; the attention_mask has padding that is not "

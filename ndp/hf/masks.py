@@ -30,14 +30,16 @@ from .models import Unsupported
 class MaskSpec:
     """A mask ndp applies itself: ``causal``; ``window`` (transformers' sliding window: a query sees itself and
     the ``window - 1`` keys before it); ``chunk`` (queries see keys of their own ``chunk``-token block only);
-    ``packed`` (documents told apart by position_ids that do not continue); ``lengths``: the real tokens of each
-    row where transformers' 2-D padding mask masks something (read once per forward), else None; ``refused``: why this
-    batch cannot be attended exactly (a data-dependent refusal the attention raises on every rank), else None."""
+    ``packed`` (documents told apart by position_ids that do not continue); ``lengths`` / ``starts``: each row's
+    run of real tokens where transformers' 2-D padding mask masks something (read once per forward), else None;
+    ``refused``: why this batch cannot be attended exactly (a data-dependent refusal the attention raises on every
+    rank), else None."""
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     packed: bool = False
     lengths: tuple[int, ...] | None = None
+    starts: tuple[int, ...] | None = None
     refused: str | None = None
 
 
@@ -120,33 +122,34 @@ def describe(mask_function) -> MaskSpec:
     return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, refused=refused)
 
 
-_PAD_FIX = ("Pad on the right (tokenizer.padding_side = 'right'), or pack the documents (position_ids restarting "
-            "at 0, no attention_mask).")
+_PAD_FIX = ("Pad on one side (tokenizer.padding_side), or pack the documents (position_ids restarting at 0, no "
+            "attention_mask).")
 
 
-def padding_of(mask: torch.Tensor) -> tuple[list[int], bool]:
-    """(real tokens per row, whether every row's padding sits at its end) of a 2-D padding mask (1 = real token)."""
+def padding_of(mask: torch.Tensor) -> tuple[list[int], list[int], bool]:
+    """(first real token, real tokens) per row of a 2-D padding mask (1 = real token), and whether every row's real
+    tokens form one run (pads before and after it only; an empty row starts at 0)."""
     keep = mask.bool()
     lengths = keep.sum(1)
-    return lengths.tolist(), bool((keep == (torch.arange(keep.shape[1], device=keep.device) < lengths[:, None])).all())
+    starts = keep.int().argmax(1)
+    pos = torch.arange(keep.shape[1], device=keep.device)
+    one_run = (pos >= starts[:, None]) & (pos < (starts + lengths)[:, None])
+    return starts.tolist(), lengths.tolist(), bool((keep == one_run).all())
 
 
 def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
-    """`spec` for rows padded as the 2-D `mask` ([batch, seq], 1 = real token) says, when ndp can apply it exactly:
-    each row's real tokens first, then pads (right padding), with no window or chunk. Then every pad token sees
-    exactly its row's real tokens (``causal & padding``) and no real token sees a pad; left padding and gaps give
-    pad rows that see no key (what eager fills with an arbitrary average), so they are refused, as a window or chunk
-    with padding is (a pad row would see part of its row)."""
-    lengths, right = padding_of(mask)
-    spec = replace(spec, lengths=tuple(lengths))  # also where refused: CP refuses any padding first
-    if not right or min(spec.lengths) == 0:
-        why = "a row with no real token" if right else "padding that is not all at the end of each row"
-        return replace(spec, refused=f"ndp attention applies right padding only; the attention_mask has {why} "
-                                     f"(real tokens per row: {list(spec.lengths)}). {_PAD_FIX}")
-    if spec.window is not None or spec.chunk is not None:
-        what = f"sliding window of {spec.window}" if spec.window is not None else f"chunk of {spec.chunk}"
-        return replace(spec, refused=f"ndp attention cannot apply padding together with a {what} (a pad token "
-                                     f"would see part of its row). {_PAD_FIX}")
+    """`spec` for rows padded as the 2-D `mask` ([batch, seq], 1 = real token) says, when ndp can apply it exactly
+    (``ndp.hf.padded``): each row's real tokens one run, with pads before it (left padding, a causal mask) and
+    after it. Gaps inside a row and a row with no real token are refused."""
+    starts, lengths, one_run = padding_of(mask)
+    spec = replace(spec, lengths=tuple(lengths), starts=tuple(starts))  # also where refused: CP refuses any padding
+    if not one_run or min(lengths) == 0:
+        why = "a row with no real token" if one_run else "a gap (pads between real tokens)"
+        return replace(spec, refused=f"ndp attention applies padding before and after each row's real tokens; the "
+                                     f"attention_mask has {why} (real tokens per row: {lengths}). {_PAD_FIX}")
+    if not spec.causal and max(starts):
+        return replace(spec, refused=f"ndp attention applies left padding under a causal mask only; this mask is "
+                                     f"not causal (first real token per row: {starts}). {_PAD_FIX}")
     return spec
 
 

@@ -5,7 +5,7 @@ from transformers import masking_utils as mu
 
 from ndp.hf import Unsupported
 from ndp.hf.attention import ndp_attention_forward
-from ndp.hf.masks import MaskSpec, describe, marker
+from ndp.hf.masks import MaskSpec, describe, marker, with_padding
 
 
 def test_describe_reads_causal_window_chunk_and_packing():
@@ -45,6 +45,15 @@ def test_describe_refuses_what_it_cannot_apply():
         describe(mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv != 3))
     with pytest.raises(Unsupported, match="left padding"):
         describe(mu.chunked_causal_mask_function(16, torch.tensor([0, 2])))
+
+
+def test_with_padding_reads_each_rows_run_of_real_tokens():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 0], [1, 1, 1, 1, 1]])
+    spec = with_padding(MaskSpec(causal=True, window=3), mask)
+    assert spec == MaskSpec(causal=True, window=3, lengths=(3, 2, 5), starts=(0, 2, 0))
+    # a bidirectional mask lets a leading pad see the real tokens after it: ndp applies that nowhere
+    assert "under a causal mask only" in with_padding(MaskSpec(causal=False), mask).refused
+    assert with_padding(MaskSpec(causal=False), mask[[0, 2]]).refused is None
 
 
 def test_marker_refuses_arithmetic_and_indexing():

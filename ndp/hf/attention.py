@@ -153,7 +153,8 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     batch, seq = q.shape[0], q.shape[1]
     if spec is not None and spec.lengths is not None:  # padded rows, one process (refused under CP)
-        plan = padding_plan(spec.starts, spec.lengths, seq, causal, spec.window, spec.chunk, q.device)
+        plan = padding_plan(spec.starts, spec.lengths, (spec.q_offset, seq), (spec.kv_offset, k.shape[1]), causal,
+                            spec.window, spec.chunk, q.device)
         return padded_attention(q, k, v, plan, softmax_scale=scaling, sinks=sinks, softcap=softcap), None
     # with a dense mask the mask alone says where documents are (as in eager attention)
     cu, flat = (dense_cu, True) if dense else (kwargs.get("cu_seq_lens_q"), False)
@@ -228,10 +229,13 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
         return _PENDING.pop(id(ctx))
     if spec is None and attention_mask is not None and not bool(attention_mask.all()) or (
             ctx is not None and spec is not None and spec.lengths is not None):
-        where = "under context parallelism" if ctx is not None else "of this form"
+        where = "under context parallelism" if ctx is not None else (
+            f"of this form (shape {tuple(attention_mask.shape)} for {seq} queries: ndp reads a 2-D mask whose "
+            f"last position is the last query's and the last key's, e.g. not a static cache's)")
         return ValueError(f"ndp attention cannot honour an attention mask with masked positions (padding) {where}; "
                           f"pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q; "
-                          f"ndp.hf.shard_batch pads what CP needs itself).")
+                          f"ndp.hf.shard_batch pads what CP needs itself), or run this call with the model's own "
+                          f"attention (model.set_attn_implementation('sdpa')).")
     if spec is not None and spec.refused:
         return Unsupported(spec.refused)
     if dropout:
@@ -299,9 +303,11 @@ def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     # A padding mask of another form is passed on, for the attention to refuse instead of silently ignoring it.
     spec = describe(mask_function) if mask_function is not None else None
     if attention_mask is not None and not bool(attention_mask.all()):
-        if spec is None or attention_mask.dim() != 2 or attention_mask.shape[1] != q_length or q_offset or kv_offset:
+        # queries and keys (a KV cache's) up to the mask's last position: what generation and training give
+        q_offset, kv_offset, width = int(q_offset), int(kv_offset), attention_mask.shape[-1]
+        if spec is None or attention_mask.dim() != 2 or not width == q_offset + q_length == kv_offset + kv_length:
             return attention_mask
-        spec = with_padding(spec, attention_mask)
+        spec = with_padding(spec, attention_mask, q_offset, kv_offset)
     return None if spec is None else marker(spec, kwargs.get("device"))
 
 

@@ -32,6 +32,7 @@ class MaskSpec:
     the ``window - 1`` keys before it); ``chunk`` (queries see keys of their own ``chunk``-token block only);
     ``packed`` (documents told apart by position_ids that do not continue); ``lengths`` / ``starts``: each row's
     run of real tokens where transformers' 2-D padding mask masks something (read once per forward), else None;
+    ``q_offset`` / ``kv_offset``: the positions of the first query and key in that mask (a KV cache), else 0;
     ``refused``: why this batch cannot be attended exactly (a data-dependent refusal the attention raises on every
     rank), else None."""
     causal: bool = True
@@ -40,6 +41,8 @@ class MaskSpec:
     packed: bool = False
     lengths: tuple[int, ...] | None = None
     starts: tuple[int, ...] | None = None
+    q_offset: int = 0
+    kv_offset: int = 0
     refused: str | None = None
 
 
@@ -102,8 +105,9 @@ def describe(mask_function) -> MaskSpec:
             cl = _closure(piece)
             lp = cl.get("left_padding")
             if lp is not None and torch.is_tensor(lp) and bool((lp != 0).any()):
-                raise Unsupported("chunked attention with left padding: ndp attention has no padding; pack the "
-                                  "documents instead.")
+                raise Unsupported("chunked attention with left padding (generation's prompts): ndp applies chunks "
+                                  "with right padding only. Pad on the right or pack the documents; generate with "
+                                  "the model's own attention (model.set_attn_implementation('sdpa')).")
             chunk = int(cl["chunk_size"])
         elif code is _PACKED:
             packed = True
@@ -137,19 +141,24 @@ def padding_of(mask: torch.Tensor) -> tuple[list[int], list[int], bool]:
     return starts.tolist(), lengths.tolist(), bool((keep == one_run).all())
 
 
-def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
-    """`spec` for rows padded as the 2-D `mask` ([batch, seq], 1 = real token) says, when ndp can apply it exactly
-    (``ndp.hf.padded``): each row's real tokens one run, with pads before it (left padding, a causal mask) and
-    after it. Gaps inside a row and a row with no real token are refused."""
+def with_padding(spec: MaskSpec, mask: torch.Tensor, q_offset: int = 0, kv_offset: int = 0) -> MaskSpec:
+    """`spec` for rows padded as the 2-D `mask` ([batch, positions], 1 = real token) says, when ndp can apply it
+    exactly (``ndp.hf.padded``): each row's real tokens one run, with pads before it (left padding, a causal mask)
+    and after it; queries from `q_offset` and keys from `kv_offset` on (generation with a KV cache: both up to the
+    newest position). Gaps inside a row and a row with no real token are refused."""
     starts, lengths, one_run = padding_of(mask)
-    spec = replace(spec, lengths=tuple(lengths), starts=tuple(starts))  # also where refused: CP refuses any padding
+    spec = replace(spec, lengths=tuple(lengths), starts=tuple(starts), q_offset=q_offset, kv_offset=kv_offset)
     if not one_run or min(lengths) == 0:
         why = "a row with no real token" if one_run else "a gap (pads between real tokens)"
         return replace(spec, refused=f"ndp attention applies padding before and after each row's real tokens; the "
                                      f"attention_mask has {why} (real tokens per row: {lengths}). {_PAD_FIX}")
-    if not spec.causal and max(starts):
-        return replace(spec, refused=f"ndp attention applies left padding under a causal mask only; this mask is "
-                                     f"not causal (first real token per row: {starts}). {_PAD_FIX}")
+    if not spec.causal and (max(starts) or q_offset or kv_offset):
+        return replace(spec, refused=f"ndp attention applies left padding and a KV cache under a causal mask only; "
+                                     f"this mask is not causal (first real token per row: {starts}). {_PAD_FIX}")
+    if spec.chunk is not None and (q_offset or kv_offset):
+        return replace(spec, refused=f"ndp attention applies chunked attention ({spec.chunk}) with padding in "
+                                     f"training forwards only, not over a KV cache. Generate with the model's own "
+                                     f"attention (model.set_attn_implementation('sdpa')).")
     return spec
 
 

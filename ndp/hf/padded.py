@@ -23,21 +23,22 @@ import torch
 import ndp.ops
 
 
-def _pads_after(start, length, seq, window, chunk):
-    """The pads after a run that see a key: ``(count, queries in the call, first key, left window)``; a call's
-    queries past `count` are stand-ins (copies of the last pad, outputs dropped) that let rows share the window."""
-    end, pads = start + length, seq - start - length
+def _pads_after(start, end, first_pad, pads, first_key, window, chunk):
+    """The pads ``first_pad ..`` (`pads` of them) after a run ``[start, end)`` whose keys from `first_key` on are at
+    hand: ``(pads that see a key, queries in the call, first key, left window)``; a call's queries past the first
+    count are stand-ins (copies of the last pad, outputs dropped) that let rows share the window."""
     if chunk is not None:  # the last token's chunk (counted from the run's start, as transformers counts)
-        first = start + chunk * ((length - 1) // chunk)
-        seen = min(pads, first + chunk - end)
-        return seen, seen, first, -1
-    seen = pads if window is None else min(pads, window - 1)  # pad i sees keys from end + i - window + 1 on
-    if window is None or length + seen <= window:  # every pad's window reaches the run's first token
-        return seen, seen, start, -1
-    # bottom-right aligned, the left window w - 1 - queries puts each pad's window where its position does;
-    # rounding the queries up to a power of two lets rows share a call (at most twice the pads' queries)
-    queries = min(window - 1, 1 << (seen - 1).bit_length())
-    return seen, queries, start, window - 1 - queries
+        first = start + chunk * ((end - start - 1) // chunk)
+        seen = max(0, min(pads, first + chunk - first_pad))
+        return seen, seen, max(first, first_key), -1
+    # pad p sees keys from p - window + 1 on: the ones up to end + window - 2 see one
+    seen = pads if window is None else max(0, min(pads, end + window - 1 - first_pad))
+    if window is None or first_pad + seen - window <= first_key:  # every pad's window reaches the first key
+        return seen, seen, first_key, -1
+    # bottom-right aligned, the left window (w - 1 - queries) - (first_pad - end) puts each pad's window where its
+    # position does; rounding the queries up to a power of two lets rows share a call (< twice the pads' queries)
+    queries = min(window - 1 - (first_pad - end), 1 << (seen - 1).bit_length())
+    return seen, queries, first_key, window - 1 - queries - (first_pad - end)
 
 
 def _ranges(firsts, counts, real=None):
@@ -53,41 +54,49 @@ def _cu(counts):
 
 
 @functools.lru_cache(maxsize=16)
-def padding_plan(starts: tuple, lengths: tuple, seq: int, causal: bool, window: int | None, chunk: int | None,
-                 device) -> tuple:
-    """The calls of padded rows flattened to ``[batch * seq, ...]``: ``(calls, take)``; each call ``(q index,
-    k index, cu_q, cu_k, max_q, max_k, causal, window_size)``; `take` the row of ``cat(call outputs, one zero row)``
-    each token's output is (the zero row for a token that sees no key)."""
+def padding_plan(starts: tuple, lengths: tuple, q_span: tuple, k_span: tuple, causal: bool, window: int | None,
+                 chunk: int | None, device) -> tuple:
+    """The calls of padded rows whose queries sit at positions ``q_span = (offset, count)`` and keys at ``k_span``
+    (a KV cache: both end at the newest token; training: ``(0, seq)`` both), flattened to ``[batch * count, ...]``:
+    ``(calls, take)``; each call ``(q index, k index, cu_q, cu_k, max_q, max_k, causal, window_size)``; `take` the
+    row of ``cat(call outputs, one zero row)`` each query's output is (the zero row for one that sees no key)."""
+    (qo, nq_all), (ko, nk_all) = q_span, k_span
     real_win = (-1, -1) if window is None else (window - 1, 0 if causal else window - 1)
     groups = {}  # (window_size, causal) -> runs: (q first, q real, q in the call, k first, k count)
+
+    def add(key, row, q_first, q_real, q_call, k_first, k_end):
+        groups.setdefault(key, []).append((row * nq_all + q_first - qo, q_real, q_call, row * nk_all + k_first - ko,
+                                           k_end - k_first))
+
     for row, (start, length) in enumerate(zip(starts, lengths)):
-        at, end = row * seq + start, row * seq + start + length
+        end = start + length
         step = chunk or length
-        for s in range(0, length, step):
-            n = min(step, length - s)
-            groups.setdefault((real_win, causal), []).append((at + s, n, n, at + s, n))
-        seen, queries, first, left = _pads_after(start, length, seq, window, chunk)
+        for s in range(start, end, step):  # real queries: one causal document per run (per chunk)
+            q_first, k_first, stop = max(s, qo), max(s, ko), min(s + step, end)
+            if q_first < stop:
+                add((real_win, causal), row, q_first, stop - q_first, stop - q_first, k_first, stop)
+        first_pad = max(end, qo)
+        seen, queries, first_key, left = _pads_after(start, end, first_pad, qo + nq_all - first_pad, max(start, ko),
+                                                     window, chunk)
         if seen:
-            groups.setdefault(((left, -1), False), []).append((end, seen, queries, row * seq + first,
-                                                                 end - row * seq - first))
-    calls, take, done = [], torch.full((len(starts) * seq,), -1, dtype=torch.int64), 0
+            add(((left, -1), False), row, first_pad, seen, queries, first_key, end)
+    calls, take, done = [], torch.full((len(starts) * nq_all,), -1, dtype=torch.int64), 0
     for (win, is_causal), runs in groups.items():
         q0, real, nq, k0, nk = zip(*runs)
-        q_idx = _ranges(q0, nq, real)
         mine = _ranges([done + c for c in _cu(nq)[:-1].tolist()], real)  # the call's rows that are tokens' outputs
         take[_ranges(q0, real)] = mine
-        calls.append((q_idx.to(device), _ranges(k0, nk).to(device), _cu(nq).to(device), _cu(nk).to(device),
-                      max(nq), max(nk), is_causal, win))
+        calls.append((_ranges(q0, nq, real).to(device), _ranges(k0, nk).to(device), _cu(nq).to(device),
+                      _cu(nk).to(device), max(nq), max(nk), is_causal, win))
         done += sum(nq)
     return tuple(calls), take.masked_fill_(take < 0, done).to(device)
 
 
 def padded_attention(q, k, v, plan, **kw):
-    """`q`, `k`, `v` (``[batch, seq, heads, dim]``) attended as `plan` (:func:`padding_plan`) says; `kw` go to
-    every ``ndp.ops.attention`` call (scale, sinks, softcap)."""
+    """`q` (``[batch, seq_q, heads, dim]``), `k`, `v` (``[batch, seq_k, ...]``) attended as `plan`
+    (:func:`padding_plan`) says; `kw` go to every ``ndp.ops.attention`` call (scale, sinks, softcap)."""
     batch, seq = q.shape[:2]
     calls, take = plan
-    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
+    q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
     outs = [ndp.ops.attention(q[qi], k[ki], v[ki], causal=causal, window_size=win, cu_seqlens_q=cu_q,
                               cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, **kw)
             for qi, ki, cu_q, cu_k, mq, mk, causal, win in calls]

@@ -67,7 +67,7 @@ def test_padded_rows_match_dense_attention(case, extra):
     kw = dict(sinks=torch.randn(h, generator=g, dtype=torch.float64, requires_grad=True)) if extra == "sinks" else (
         dict(softcap=0.5) if extra == "softcap" else {})
     starts, lengths = tuple(a for a, _ in runs), tuple(n for _, n in runs)
-    plan = padding_plan(starts, lengths, SEQ, causal, window, chunk, q.device)
+    plan = padding_plan(starts, lengths, (0, SEQ), (0, SEQ), causal, window, chunk, q.device)
     got = padded_attention(q, k, v, plan, softmax_scale=0.3, **kw)
     want = _dense(q, k, v, _keep(runs, causal, window, chunk), 0.3, **kw)
     assert_close(got, want, torch.float64, "out", msg=case)
@@ -80,14 +80,14 @@ def test_padded_rows_match_dense_attention(case, extra):
 
 def test_plan_calls_few_and_no_per_token_work():
     # Mistral's window at its length reaches every pad: two calls, as without a window
-    calls, take = padding_plan((0, 0, 0), (4096, 100, 3000), 4096, True, 4096, None, "cpu")
+    calls, take = padding_plan((0, 0, 0), (4096, 100, 3000), (0, 4096), (0, 4096), True, 4096, None, "cpu")
     assert len(calls) == 2 and not bool((take == sum(len(c[0]) for c in calls)).any())  # no zero row
     # pads past a window of 8: 7 (the window's reach), 4 and 2 of them see a key; the other 47 pads are the zero row
-    calls, take = padding_plan((0, 0, 0, 0), (64, 10, 60, 62), 64, True, 8, None, "cpu")
+    calls, take = padding_plan((0, 0, 0, 0), (64, 10, 60, 62), (0, 64), (0, 64), True, 8, None, "cpu")
     assert [len(c[0]) for c in calls] == [64 + 10 + 60 + 62, 7, 4, 2] and int((take == 196 + 13).sum()) == 47
     # one call per power of two of pads that see a key, not one per row
     # (28, 31, 33, 37, 63, 63 pads see a key: 32, 32, then 63 queries, the window's reach)
-    calls, _ = padding_plan((0,) * 6, (100, 97, 95, 91, 60, 2), 128, True, 64, None, "cpu")
+    calls, _ = padding_plan((0,) * 6, (100, 97, 95, 91, 60, 2), (0, 128), (0, 128), True, 64, None, "cpu")
     assert [len(c[0]) for c in calls] == [445, 32 + 32, 63 * 4]
 
 
@@ -133,3 +133,37 @@ def test_padded_models_match_their_attention(family):
         assert (p.grad is None) == (pg.grad is None), name
         if p.grad is not None:
             assert _rel(pg.grad, p.grad) <= TOL, f"{family} {name}"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "gpt_oss"])
+def test_left_padded_generation_matches_the_models_attention(family):
+    """Batched greedy generation from left-padded prompts (what TRL's online trainers do with the model they
+    train): the prefill's padding, then every decoding step's queries over the KV cache (a sliding window's cache
+    drops old keys: windows of 8, 32 positions), equal sdpa's (eager's for gpt-oss, whose sinks sdpa lacks)."""
+    ref, model = tiny_model(family), tiny_model(family)
+    if family != "gpt_oss":  # eager turns a row with no key into NaN in float64
+        ref.set_attn_implementation("sdpa")
+    ndp.hf.register_attention()
+    model.set_attn_implementation("ndp_ring")
+    ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = _runs_mask([(0, 12), (5, 7), (11, 1)], 12)
+    kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, pad_token_id=0, use_cache=True)  # the tiny configs turn it off
+    want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(_rel(g, w) for g, w in zip(got.logits, want.logits)) <= TOL
+
+
+def test_padded_generation_ndp_cannot_apply_is_refused_by_name():
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=_runs_mask([(0, 12), (5, 7)], 12), max_new_tokens=3, do_sample=False, pad_token_id=0,
+              use_cache=True)
+    ndp.hf.register_attention()
+    static, chunked = tiny_model("llama"), tiny_model("llama4_text")
+    for model in (static, chunked):
+        model.set_attn_implementation("ndp_ring")
+    # a static cache's keys run past the mask (transformers pads it): the mask does not end where the keys do
+    with pytest.raises(ValueError, match=r"last position is the last query's and the last key's.*set_attn_impl"):
+        static.generate(ids, cache_implementation="static", **kw)
+    with pytest.raises(ndp.hf.Unsupported, match=r"chunked attention with left padding"):
+        chunked.generate(ids, **kw)

@@ -1,12 +1,15 @@
 """Padded rows (``ndp.hf.padded``): every token and gradient equal dense attention under ``causal & padding`` (& a
 window or chunk), with zeros where a row sees no key (sdpa's and flash-attention's answer); then whole models with
 left, right and two-sided padding, windows, chunks, sinks and soft-capping against their eager attention."""
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ndp.hf
 from ndp.hf.padded import padded_attention, padding_plan
-from ndp.testing import assert_close
+from ndp.testing import assert_close, assert_within_lowp_bound
 
 from _zoo import TOL, _rel, tiny_model
 
@@ -167,3 +170,36 @@ def test_padded_generation_ndp_cannot_apply_is_refused_by_name():
         static.generate(ids, cache_implementation="static", **kw)
     with pytest.raises(ndp.hf.Unsupported, match=r"chunked attention with left padding"):
         chunked.generate(ids, **kw)
+
+
+GPU = "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_padded_batches_and_generation_on_the_gpu(family):
+    """On the GPU's engines: a padded batch (left, right, both sides; windows of 8) in bf16 within the low-precision
+    bound of sdpa in bf16 against float64, and left-padded float32 generation over the KV cache against float64."""
+    ref = tiny_model(family)
+    ref.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    mask = _runs_mask([(6, 26), (0, 5), (3, 11), (0, 32)], 32)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        lowp = copy.deepcopy(ref).to(GPU, torch.bfloat16)
+        model = copy.deepcopy(lowp)
+        ndp.hf.register_attention()
+        model.set_attn_implementation("ndp_ring")
+        on = dict(input_ids=ids.to(GPU), attention_mask=mask.to(GPU))
+        assert_within_lowp_bound(model(**on).logits.cpu(), want, lowp(**on).logits.cpu(), torch.bfloat16)
+    # generation in float32 over the KV cache; each step's logits against float64 sdpa on the same tokens
+    prompt = _runs_mask([(0, 12), (5, 7), (11, 1), (2, 10)], 12)
+    model = copy.deepcopy(ref).to(GPU, torch.float32)
+    model.set_attn_implementation("ndp_ring")
+    out = model.generate(ids[:, :12].to(GPU), attention_mask=prompt.to(GPU), max_new_tokens=20, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, use_cache=True)
+    steps = len(out.logits)
+    with torch.no_grad():  # position 11 + t predicts token 12 + t
+        want = ref(out.sequences.cpu(), attention_mask=F.pad(prompt, (0, steps), value=1)).logits[:, 11:-1]
+    assert _rel(torch.stack(out.logits, 1).cpu().double(), want) <= 1e-4

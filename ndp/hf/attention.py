@@ -15,6 +15,7 @@ no copy (the kernels take strided inputs; the CP layer makes contiguous what it 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 from transformers import AttentionInterface
@@ -156,9 +157,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         plan = padding_plan(spec.starts, spec.lengths, (spec.q_offset, seq), (spec.kv_offset, k.shape[1]), causal,
                             spec.window, spec.chunk, q.device)
         return padded_attention(q, k, v, plan, softmax_scale=scaling, sinks=sinks, softcap=softcap), None
-    # with a dense mask the mask alone says where documents are (as in eager attention)
+    # with a dense mask the mask alone says where documents are (as in eager attention); with a 2-D one, the rows
+    # are rows (transformers finds packed documents from position_ids only when no mask is given)
     cu, flat = (dense_cu, True) if dense else (kwargs.get("cu_seq_lens_q"), False)
-    position_ids = None if dense else kwargs.get("position_ids")
+    position_ids = None if dense or (spec is not None and spec.mask_given) else kwargs.get("position_ids")
     chunk = spec.chunk if spec is not None else None
     # Under CP a rank's positions do not continue (zigzag) and transformers calls that packing: not a packed batch.
     if chunk is not None and (cu is not None or (spec.packed and not cp_on)):
@@ -302,6 +304,8 @@ def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     # (refused here, before any layer runs, when ndp cannot apply it) and the rows' padding, read once per forward.
     # A padding mask of another form is passed on, for the attention to refuse instead of silently ignoring it.
     spec = describe(mask_function) if mask_function is not None else None
+    if spec is not None and attention_mask is not None and attention_mask.dim() == 2:
+        spec = replace(spec, mask_given=True)  # as in transformers: position_ids then place RoPE only
     if attention_mask is not None and not bool(attention_mask.all()):
         # queries and keys (a KV cache's) up to the mask's last position: what generation and training give
         q_offset, kv_offset, width = int(q_offset), int(kv_offset), attention_mask.shape[-1]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import ndp.cp
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
-from ndp_kernels.segments import cu_from_starts, packed_rows_cu
+from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 
 from .masks import padding_of
 
@@ -98,6 +98,21 @@ def pad_rows(rows, multiple, pad_id=0):
     return out
 
 
+def _refuse_restarts(pos, mask) -> None:
+    """A batch with an attention_mask is rows, as transformers reads it (position_ids then place RoPE only): under
+    CP, positions that restart between real tokens would be sharded as packed documents, which they are not."""
+    if not torch.is_tensor(pos) or pos.shape != mask.shape:
+        return
+    keep = mask.bool()
+    inside = position_restarts(pos)[:, 1:] & keep[:, 1:] & keep[:, :-1]
+    if bool(inside.any()):
+        rows = sorted(set(inside.nonzero()[:, 0].tolist()))
+        raise ValueError(f"an attention_mask with position_ids that restart between real tokens (rows {rows}): "
+                         f"transformers then attends across the restarts (a 2-D mask given, position_ids place RoPE "
+                         f"only), which context parallelism cannot shard as rows. Drop the attention_mask to train the "
+                         f"documents apart (packed rows, what DataCollatorWithFlattening gives), or the position_ids.")
+
+
 def without_padding(tensors: dict) -> dict:
     """`tensors` with a right-padded batch's ``attention_mask`` made all ones, for context parallelism (which applies
     no padding mask): under a causal mask no real token sees a pad (pads come last), so every real token's output
@@ -106,10 +121,14 @@ def without_padding(tensors: dict) -> dict:
     the same way. Other tensors are returned as they are.
 
     Raises:
-        ValueError: padding that is not at the end of each row, a batch without labels, or a pad with a label.
+        ValueError: padding that is not at the end of each row, a batch without labels, a pad with a label, or
+            position_ids that restart between real tokens (with a mask they place RoPE only: rows, not documents).
     """
     mask = tensors.get("attention_mask")
-    if not torch.is_tensor(mask) or mask.dim() != 2 or bool(mask.all()):
+    if not torch.is_tensor(mask) or mask.dim() != 2:
+        return tensors
+    _refuse_restarts(tensors.get("position_ids"), mask)
+    if bool(mask.all()):
         return tensors
     starts, lengths, one_run = padding_of(mask)
     right = one_run and not any(starts)
@@ -198,7 +217,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         ValueError: the model was not parallelized by ndp; tensors of different shapes; a document table that does
             not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
             (pad=False) a length the layout cannot shard; under CP, an ``attention_mask`` with padding that
-            ``without_padding`` cannot drop exactly (not at the end of each row, or a pad with a label).
+            ``without_padding`` cannot drop exactly (not at the end of each row, a pad with a label, or position_ids
+            restarting between real tokens).
     """
     state, ctx = parallel_state(model, "shard_batch")
     rows = _rows(tensors)

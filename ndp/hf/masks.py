@@ -33,7 +33,8 @@ class MaskSpec:
     ``packed`` (documents told apart by position_ids that do not continue); ``lengths`` / ``starts``: each row's
     run of real tokens where transformers' 2-D padding mask masks something (read once per forward), else None;
     ``q_offset`` / ``kv_offset``: the positions of the first query and key in that mask (a KV cache), else 0;
-    ``refused``: why this batch cannot be attended exactly (a data-dependent refusal the attention raises on every
+    ``mask_given``: the batch came with a 2-D attention_mask, so position_ids place RoPE only (transformers then
+    reads no packed documents from them, all-ones mask included); ``refused``: why this batch cannot be attended exactly (a data-dependent refusal the attention raises on every
     rank), else None."""
     causal: bool = True
     window: int | None = None
@@ -43,6 +44,7 @@ class MaskSpec:
     starts: tuple[int, ...] | None = None
     q_offset: int = 0
     kv_offset: int = 0
+    mask_given: bool = False
     refused: str | None = None
 
 

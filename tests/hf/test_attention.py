@@ -89,8 +89,9 @@ def test_right_padding_matches_sdpa_at_every_position(name):
         assert (got[2:, 5:] - model(ids[2:]).logits[:, 5:]).abs().max() > 1e-3  # the pads saw no pad
         # with a mask transformers reads no packing from position_ids (they place RoPE only); nor does ndp
         pos = torch.cat([torch.arange(6), torch.arange(10)]).expand(3, 16)
-        assert_close(model(ids, attention_mask=mask, position_ids=pos).logits,
-                     ref(ids, attention_mask=mask, position_ids=pos).logits, torch.float32, "out")
+        for m in (mask, torch.ones_like(mask)):  # an all-ones mask too: then tokens see across the restart
+            assert_close(model(ids, attention_mask=m, position_ids=pos).logits,
+                         ref(ids, attention_mask=m, position_ids=pos).logits, torch.float32, "out")
 
 
 def test_padding_ndp_cannot_apply_is_refused_by_name():

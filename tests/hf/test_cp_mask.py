@@ -85,6 +85,10 @@ def _padded_body(rank, world, impl):
         ndp.hf.shard_batch(model, input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match=r"right padding only; .* \(real tokens per row: \[32, 21\]\)"):
         ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=mask.flip(1))
+    # a mask makes position_ids RoPE only (transformers attends across their restarts): not packed documents
+    pos = torch.cat([torch.arange(10), torch.arange(22)]).expand(2, -1)
+    with pytest.raises(ValueError, match=r"position_ids that restart between real tokens \(rows \[0, 1\]\)"):
+        ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=torch.ones_like(mask), position_ids=pos)
 
 
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])

@@ -34,8 +34,8 @@ class MaskSpec:
     run of real tokens where transformers' 2-D padding mask masks something (read once per forward), else None;
     ``q_offset`` / ``kv_offset``: the positions of the first query and key in that mask (a KV cache), else 0;
     ``mask_given``: the batch came with a 2-D attention_mask, so position_ids place RoPE only (transformers then
-    reads no packed documents from them, all-ones mask included); ``refused``: why this batch cannot be attended exactly (a data-dependent refusal the attention raises on every
-    rank), else None."""
+    reads no packed documents from them, all-ones mask included); ``refused``: why this batch cannot be attended
+    exactly (a data-dependent refusal the attention raises on every rank), else None."""
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
@@ -165,9 +165,9 @@ def with_padding(spec: MaskSpec, mask: torch.Tensor, q_offset: int = 0, kv_offse
 
 
 class _Marker(torch.Tensor):
-    """A one-element ``[1, 1, 1, 1]`` True tensor carrying a MaskSpec (a mask's rank, so that shape checks pass). A model that computes with its mask outside the attention call
-    (indexes it, adds it to scores: a sparse indexer, a learned mask) gets :class:`Unsupported`, not a broadcast
-    scalar."""
+    """A one-element ``[1, 1, 1, 1]`` True tensor carrying a MaskSpec (a mask's rank, so that shape checks pass).
+    A model that computes with its mask outside the attention call (indexes it, adds it to scores: a sparse
+    indexer, a learned mask) gets :class:`Unsupported`, not a broadcast scalar."""
     # What frameworks do to every tensor argument (FSDP's input casts, checkpointing, device moves): they keep the
     # spec; anything that reads the mask's values is refused.
     _ALLOWED = {"__get__", "__bool__", "all", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "detach",

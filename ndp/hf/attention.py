@@ -153,6 +153,8 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     batch, seq = q.shape[0], q.shape[1]
+    if spec is not None and spec.q_offset + seq - spec.kv_offset != k.shape[1]:
+        k, v = _written_keys(k, v, spec.q_offset + seq - spec.kv_offset, causal)
     if spec is not None and spec.lengths is not None:  # padded rows, one process (refused under CP)
         plan = padding_plan(spec.starts, spec.lengths, (spec.q_offset, seq), (spec.kv_offset, k.shape[1]), causal,
                             spec.window, spec.chunk, q.device)
@@ -198,6 +200,17 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     return out, None
 
 
+def _written_keys(k, v, used, causal):
+    """The first `used` keys and values (``[B, S, ...]``): those up to the newest query's position. A static cache
+    hands the attention all its slots, the later ones not written yet; the causal mask hides them from every query,
+    so dropping them leaves each query its keys, bottom-right aligned."""
+    if not causal or not 0 < used <= k.shape[1]:
+        raise Unsupported(f"ndp attention got {k.shape[1]} keys where the queries' positions ask for {used} under a "
+                          f"{'causal' if causal else 'bidirectional'} mask (a KV cache ndp cannot read). Generate with "
+                          f"the model's own attention (model.set_attn_implementation('sdpa')).")
+    return k[:, :used], v[:, :used]
+
+
 def _mask_of(attention_mask, batch, seq, sharded):
     """(spec, dense, cu): the MaskSpec that ndp's marker carries, or that of a dense 4-D mask (``dense``; ``cu``
     the int32 cu_seqlens of its packed documents, else None); spec None for no mask or a 2-D one."""
@@ -232,8 +245,8 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
     if spec is None and attention_mask is not None and not bool(attention_mask.all()) or (
             ctx is not None and spec is not None and spec.lengths is not None):
         where = "under context parallelism" if ctx is not None else (
-            f"of this form (shape {tuple(attention_mask.shape)} for {seq} queries: ndp reads a 2-D mask whose "
-            f"last position is the last query's and the last key's, e.g. not a static cache's)")
+            f"of this form (shape {tuple(attention_mask.shape)} for {seq} queries: ndp reads a 2-D mask over "
+            f"the positions up to the newest query's)")
         return ValueError(f"ndp attention cannot honour an attention mask with masked positions (padding) {where}; "
                           f"pack the documents instead (position_ids restarting at 0, or cu_seq_lens_q; "
                           f"ndp.hf.shard_batch pads what CP needs itself), or run this call with the model's own "
@@ -304,15 +317,18 @@ def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
     # (refused here, before any layer runs, when ndp cannot apply it) and the rows' padding, read once per forward.
     # A padding mask of another form is passed on, for the attention to refuse instead of silently ignoring it.
     spec = describe(mask_function) if mask_function is not None else None
-    if spec is not None and attention_mask is not None and attention_mask.dim() == 2:
-        spec = replace(spec, mask_given=True)  # as in transformers: position_ids then place RoPE only
-    if attention_mask is not None and not bool(attention_mask.all()):
-        # queries and keys (a KV cache's) up to the mask's last position: what generation and training give
-        q_offset, kv_offset, width = int(q_offset), int(kv_offset), attention_mask.shape[-1]
-        if spec is None or attention_mask.dim() != 2 or not width == q_offset + q_length == kv_offset + kv_length:
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if spec is None:
+        return attention_mask if padded else None
+    # where the queries and keys sit (a KV cache); with a 2-D mask, as in transformers, position_ids place RoPE only
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    spec = replace(spec, q_offset=q_offset, kv_offset=kv_offset,
+                   mask_given=attention_mask is not None and attention_mask.dim() == 2)
+    if padded:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != q_offset + q_length:
             return attention_mask
-        spec = with_padding(spec, attention_mask, q_offset, kv_offset)
-    return None if spec is None else marker(spec, kwargs.get("device"))
+        spec = with_padding(spec, attention_mask)
+    return marker(spec, kwargs.get("device"))
 
 
 def register_attention() -> dict[str, str]:

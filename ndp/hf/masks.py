@@ -143,13 +143,14 @@ def padding_of(mask: torch.Tensor) -> tuple[list[int], list[int], bool]:
     return starts.tolist(), lengths.tolist(), bool((keep == one_run).all())
 
 
-def with_padding(spec: MaskSpec, mask: torch.Tensor, q_offset: int = 0, kv_offset: int = 0) -> MaskSpec:
+def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
     """`spec` for rows padded as the 2-D `mask` ([batch, positions], 1 = real token) says, when ndp can apply it
     exactly (``ndp.hf.padded``): each row's real tokens one run, with pads before it (left padding, a causal mask)
-    and after it; queries from `q_offset` and keys from `kv_offset` on (generation with a KV cache: both up to the
-    newest position). Gaps inside a row and a row with no real token are refused."""
+    and after it; queries from ``spec.q_offset`` and keys from ``spec.kv_offset`` on (generation with a KV cache).
+    Gaps inside a row and a row with no real token are refused."""
     starts, lengths, one_run = padding_of(mask)
-    spec = replace(spec, lengths=tuple(lengths), starts=tuple(starts), q_offset=q_offset, kv_offset=kv_offset)
+    q_offset, kv_offset = spec.q_offset, spec.kv_offset
+    spec = replace(spec, lengths=tuple(lengths), starts=tuple(starts))
     if not one_run or min(lengths) == 0:
         why = "a row with no real token" if one_run else "a gap (pads between real tokens)"
         return replace(spec, refused=f"ndp attention applies padding before and after each row's real tokens; the "

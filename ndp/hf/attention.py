@@ -155,6 +155,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     batch, seq = q.shape[0], q.shape[1]
     if spec is not None and spec.q_offset + seq - spec.kv_offset != k.shape[1]:
         k, v = _written_keys(k, v, spec.q_offset + seq - spec.kv_offset, causal)
+    if spec is not None and spec.chunk is not None and spec.q_offset and spec.lengths is None:
+        # decoding with chunked attention: each query sees its own chunk's keys, as the padding plan cuts rows
+        spec = replace(spec, lengths=(spec.q_offset + seq,) * batch, starts=(0,) * batch)
     if spec is not None and spec.lengths is not None:  # padded rows, one process (refused under CP)
         plan = padding_plan(spec.starts, spec.lengths, (spec.q_offset, seq), (spec.kv_offset, k.shape[1]), causal,
                             spec.window, spec.chunk, q.device)

@@ -157,12 +157,17 @@ def test_left_padded_generation_matches_the_models_attention(family):
     assert max(_rel(g, w) for g, w in zip(got.logits, want.logits)) <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "llama4_text"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_static_cache_generation_matches_sdpa(family, padded):
-    """A static cache (compiled generation's) hands the attention all its slots, the later ones not written yet: ndp
-    attended them (a different token from the third step on, tiny-llama); now they are dropped, the causal mask's
-    answer. Prompts of 6 under a window of 8: the sliding layers' static cache fills during generation."""
+def test_cached_generation_matches_sdpa(family, cache, padded):
+    """Greedy generation over a KV cache, tokens and logits equal sdpa's. A static cache (compiled generation's)
+    hands the attention all its slots, the later ones not written yet, and Llama 4's chunked layers let a query see
+    its own chunk only: ndp attended every slot and every chunk (another token from the third step on, tiny-llama
+    and tiny-llama4); now the causal mask's and the chunks' answer. Prompts of 6, windows and chunks of 8: the
+    caches fill and the chunks turn during generation."""
+    if padded and family == "llama4_text":
+        pytest.skip("chunked attention with left padding is refused (test below)")
     ref, model = tiny_model(family), tiny_model(family)
     ref.set_attn_implementation("sdpa")
     ndp.hf.register_attention()
@@ -170,7 +175,7 @@ def test_static_cache_generation_matches_sdpa(family, padded):
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
     mask = _runs_mask([(0, 6), (2, 4) if padded else (0, 6)], 6)
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, output_logits=True,
-              return_dict_in_generate=True, pad_token_id=0, use_cache=True, cache_implementation="static")
+              return_dict_in_generate=True, pad_token_id=0, use_cache=True, cache_implementation=cache)
     want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert max(_rel(g, w) for g, w in zip(got.logits, want.logits)) <= TOL

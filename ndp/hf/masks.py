@@ -103,14 +103,8 @@ def describe(mask_function) -> MaskSpec:
         elif code is _WINDOW:
             w = int(_closure(piece)["sliding_window"])
             window = w if window is None else min(window, w)
-        elif code is _CHUNK:
-            cl = _closure(piece)
-            lp = cl.get("left_padding")
-            if lp is not None and torch.is_tensor(lp) and bool((lp != 0).any()):
-                raise Unsupported("chunked attention with left padding (generation's prompts): ndp applies chunks "
-                                  "with right padding only. Pad on the right or pack the documents; generate with "
-                                  "the model's own attention (model.set_attn_implementation('sdpa')).")
-            chunk = int(cl["chunk_size"])
+        elif code is _CHUNK:  # with left padding, chunks count from each row's first real token (with_padding)
+            chunk = int(_closure(piece)["chunk_size"])
         elif code is _PACKED:
             packed = True
         elif code is _BLOCKWISE:
@@ -158,10 +152,6 @@ def with_padding(spec: MaskSpec, mask: torch.Tensor) -> MaskSpec:
     if not spec.causal and (max(starts) or q_offset or kv_offset):
         return replace(spec, refused=f"ndp attention applies left padding and a KV cache under a causal mask only; "
                                      f"this mask is not causal (first real token per row: {starts}). {_PAD_FIX}")
-    if spec.chunk is not None and (q_offset or kv_offset):
-        return replace(spec, refused=f"ndp attention applies chunked attention ({spec.chunk}) with padding in "
-                                     f"training forwards only, not over a KV cache. Generate with the model's own "
-                                     f"attention (model.set_attn_implementation('sdpa')).")
     return spec
 
 

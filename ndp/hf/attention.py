@@ -153,8 +153,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     batch, seq = q.shape[0], q.shape[1]
-    if spec is not None and spec.q_offset + seq - spec.kv_offset != k.shape[1]:
-        k, v = _written_keys(k, v, spec.q_offset + seq - spec.kv_offset, causal)
+    used = None if spec is None else spec.q_offset + seq - spec.kv_offset  # keys up to the newest query's position
+    if used is not None and used != k.shape[1]:
+        k, v = _written_keys(k, v, used, causal)
     if spec is not None and spec.chunk is not None and spec.q_offset and spec.lengths is None:
         # decoding with chunked attention: each query sees its own chunk's keys, as the padding plan cuts rows
         spec = replace(spec, lengths=(spec.q_offset + seq,) * batch, starts=(0,) * batch)

@@ -83,9 +83,9 @@ def padding_plan(starts: tuple, lengths: tuple, q_span: tuple, k_span: tuple, ca
     calls, take, done = [], torch.full((len(starts) * nq_all,), -1, dtype=torch.int64), 0
     for (win, is_causal), runs in groups.items():
         q0, real, nq, k0, nk = zip(*runs)
-        mine = _ranges([done + c for c in _cu(nq)[:-1].tolist()], real)  # the call's rows that are tokens' outputs
-        take[_ranges(q0, real)] = mine
-        calls.append((_ranges(q0, nq, real).to(device), _ranges(k0, nk).to(device), _cu(nq).to(device),
+        cu_q = _cu(nq)
+        take[_ranges(q0, real)] = _ranges([done + c for c in cu_q[:-1].tolist()], real)  # rows that are outputs
+        calls.append((_ranges(q0, nq, real).to(device), _ranges(k0, nk).to(device), cu_q.to(device),
                       _cu(nk).to(device), max(nq), max(nk), is_causal, win))
         done += sum(nq)
     return tuple(calls), take.masked_fill_(take < 0, done).to(device)

@@ -210,3 +210,23 @@ def test_bench_memory_fused_loss_keeps_a_fraction_of_the_logits(tmp_path):
     rows = {row["loss"]: row for row in json.load(open(tmp_path / "memory.json"))["rows"]}
     assert rows["full"]["x_logits"] >= 1.5, rows
     assert rows["fused"]["peak_growth_bytes"] <= 0.25 * rows["full"]["peak_growth_bytes"], rows
+
+
+def test_gpu_report_names_the_failed_tests(tmp_path):
+    # The first H100 run's tests part failed with a tail of xdist warnings only: the report names what failed.
+    import gpu_report
+
+    base = tmp_path / "gpu"
+    (base / "tests").mkdir(parents=True)
+    warning = "PytestBenchmarkWarning: Benchmarks are automatically disabled because xdist plugin is active."
+    (base / "tests" / "output.txt").write_text("\n".join(
+        ["51 passed, 7 skipped, 1099 deselected in 35.81s", warning,
+         "FAILED tests/kernels/test_errors.py::test_device_mismatch[triton] - AssertionError: Regex pattern",
+         "ERROR tests/kernels/test_flash.py::test_fwd - RuntimeError: out of memory",
+         "2 failed, 247 passed, 3 skipped in 46.42s", warning]))
+    rec = dict(part="tests", status="failed (exit 1)", seconds=82.0, command="python -m pytest", tail=warning * 20)
+    md = open(gpu_report.write_report([rec], str(base), True, "H100")).read()
+    assert warning not in md
+    assert "51 passed, 7 skipped, 1099 deselected in 35.81s\n2 failed, 247 passed, 3 skipped in 46.42s" in md
+    assert "- FAILED tests/kernels/test_errors.py::test_device_mismatch[triton] - AssertionError" in md
+    assert "- ERROR tests/kernels/test_flash.py::test_fwd - RuntimeError: out of memory" in md

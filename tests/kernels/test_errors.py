@@ -55,7 +55,8 @@ def test_float64_needs_reference():
 @pytest.mark.parametrize("fwd", FWDS)
 def test_device_mismatch(fwd):
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="q, k, v must be on one device; got q=cpu, k=meta"):
+    # q's device is the test device: cpu, or cuda:0 with NDP_TEST_DEVICE=cuda (the GPU report's kernel tests)
+    with pytest.raises(ValueError, match=f"q, k, v must be on one device; got q={q.device}, k=meta"):
         fwd(q, k.to("meta"), v)
 
 

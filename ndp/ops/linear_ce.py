@@ -1,12 +1,16 @@
-"""Fused linear cross-entropy: the LM head and the token cross-entropy in one op, a chunk of logits at a time.
+"""Fused linear cross-entropy: the LM head and the token cross-entropy in one op, a block of logits at a time.
 
 ``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N])`` returns the summed cross-entropy of
-``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits: the forward walks the
-tokens in chunks (logits of one chunk, their log-sum-exp and the target's logit, in fp32 at least), keeping only the
-per-token log-sum-exp; the backward recomputes each chunk's logits and adds its share of the gradients of
-`hidden` and `weight`. Working memory beyond the inputs and the gradients (``ndp.plan.cost.fused_loss_bytes``):
-one ``[chunk, V]`` fp32 logits block, turned into its softmax in place (plus its 16-bit matmul output for 16-bit
-inputs, plus tanh when soft-capped), and the weight gradient's fp32 accumulator ``[V, H]`` in the backward.
+``hidden @ weight.T (+ bias)`` against `labels` without materialising the ``[N, V]`` logits. Both passes walk the
+vocabulary in blocks over a pass of tokens (every token, where a block of at least ``MIN_BLOCK_ROWS`` vocabulary
+rows fits ``chunk_bytes``; ``tiles``), so every matmul is wide, 16-bit on tensor cores for 16-bit inputs as the
+unfused path's. The forward folds each block's row statistics (max, sum of exponentials, target logit) into the
+per-token log-sum-exp, which is all it keeps; the backward recomputes each block's logits, and a block's weight
+gradient is one matmul over the pass's tokens, written once (no ``[V, H]`` fp32 accumulator for a single pass).
+Working memory beyond the inputs and the gradients (``ndp.plan.cost.fused_loss_bytes``): one fp32 logits block of
+``chunk_bytes``, turned into its softmax in place (plus its 16-bit matmul output and 16-bit copy for 16-bit
+inputs, plus tanh when soft-capped), and in the backward the pass's fp32 hidden-gradient accumulator (16-bit
+inputs), plus the weight gradient's fp32 accumulator where the tokens take more than one pass.
 A constant logit scale (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and soft-capped final logits
 (Gemma 2's ``final_logit_softcapping``: ``c * tanh(logits / c)``, after the scale) are honoured.
 """
@@ -21,17 +25,26 @@ import ndp_kernels
 
 __all__ = ["linear_cross_entropy", "CHUNK_BYTES"]
 
-# Logits bytes of one chunk (fp32): the op's working memory, beside the saved per-token log-sum-exp.
+# Logits bytes of one block (fp32): the op's working memory, beside the saved per-token log-sum-exp.
 CHUNK_BYTES = 64 * 2 ** 20
 
 
-def _chunk_rows(vocab: int, chunk_bytes: int) -> int:
-    return max(1, chunk_bytes // (4 * vocab))
+# Vocabulary blocks have at least this many rows (where the vocabulary has them): the matmuls stay wide. The first
+# H100 run timed the earlier token-chunked op (130-token chunks at vocab 128256, the weight gradient summed by an
+# fp32 matmul into an fp32 [V, H] buffer) at 7.6x the unfused loss's time.
+MIN_BLOCK_ROWS = 256
+
+
+def tiles(tokens: int, rows: int, chunk_bytes: int) -> tuple[int, int]:
+    """(tokens per pass, vocabulary rows per block): a ``[pass, block]`` fp32 logits block within `chunk_bytes`,
+    every token in one pass where a block of ``MIN_BLOCK_ROWS`` rows fits."""
+    per_pass = max(1, min(tokens, chunk_bytes // (4 * min(rows, MIN_BLOCK_ROWS))))
+    return per_pass, max(1, min(rows, chunk_bytes // (4 * per_pass)))
 
 
 def _logits(h, weight, bias, scale, softcap):
-    """fp32 (or fp64) logits of a chunk, scaled and soft-capped in place; also tanh for the backward when capped.
-    Working memory: one fp32 chunk (plus the es-byte matmul output when the inputs are 16-bit; plus tanh when
+    """fp32 (or fp64) logits of a block, scaled and soft-capped in place; also tanh for the backward when capped.
+    Working memory: one fp32 block (plus the es-byte matmul output when the inputs are 16-bit; plus tanh when
     capped)."""
     z = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
     z = z.to(torch.promote_types(h.dtype, torch.float32))
@@ -48,7 +61,7 @@ class _Options:
     ignore_index: int
     scale: float
     softcap: float
-    chunk: int          # tokens per chunk
+    chunk_bytes: int    # fp32 logits bytes of a block
     smoothing: float    # label smoothing epsilon
     z_loss: float       # weight of lse^2
     vocab: int          # the whole vocabulary (weight holds rows [start, start + weight rows) of it)
@@ -62,32 +75,53 @@ def _all_reduce(x, op, group):
     return x
 
 
-def _local_targets(y, keep, o: _Options, rows: int):
-    """Row of each label in this vocabulary shard, and whether it is here."""
-    here = keep & (y >= o.start) & (y < o.start + rows)
-    return torch.where(here, y - o.start, 0), here
+def _local_targets(y, keep, start: int, rows: int):
+    """Row of each label in the vocabulary rows ``[start, start + rows)`` held here, and whether it is here."""
+    here = keep & (y >= start) & (y < start + rows)
+    return torch.where(here, y - start, 0), here
+
+
+def _add_product(acc, a, b) -> None:
+    """``acc += a @ b`` in acc's dtype (a 16-bit product is rounded once, then added)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b
 
 
 def _use_kernels(z) -> bool:
-    """The Triton row kernels (``ndp_kernels.cross_entropy``) for fp32 chunks on CUDA; the torch ops elsewhere."""
+    """The Triton row kernels (``ndp_kernels.cross_entropy``) for fp32 blocks on CUDA; the torch ops elsewhere."""
     return z.is_cuda and z.dtype == torch.float32
 
 
-def _chunk_stats(z, idx, here, o: _Options, out) -> None:
-    """Per row of the chunk ``z`` (consumed): max, sum of exp(z - max), the target's logit, sum of the logits."""
+def _block_stats(z, idx, here, o: _Options):
+    """``[4, rows]``: per row of the block ``z`` (consumed) its max, sum of exp(z - max), the target's logit (0 where
+    the target is not in the block) and the sum of its logits (0 without label smoothing)."""
     if _use_kernels(z):
-        out.copy_(ndp_kernels.ce_stats(z, torch.where(here, idx, -1)))
-        return
+        return ndp_kernels.ce_stats(z, torch.where(here, idx, -1))
+    out = z.new_zeros(4, z.shape[0])
     m, se, tg, zs = out
     tg.copy_(z.gather(1, idx[:, None])[:, 0] * here)
     if o.smoothing:
         zs.copy_(z.sum(dim=-1))
     m.copy_(z.amax(dim=-1))
     se.copy_(z.sub_(m[:, None]).exp_().sum(dim=-1))
+    return out
 
 
-def _chunk_grad(z, t, s, idx, here, row_scale, o: _Options):
-    """The loss gradient with respect to the chunk's logits, over ``z``: softmax (times the z-loss factor) minus
+def _add_block_stats(stats, part) -> None:
+    """Folds a further vocabulary block's row statistics `part` into the running `stats` (same layout)."""
+    m, se, tg, zs = stats
+    pm, pse, ptg, pzs = part
+    peak = torch.maximum(m, pm)
+    se.mul_((m - peak).exp_()).add_(pse * (pm - peak).exp_())
+    m.copy_(peak)
+    tg.add_(ptg)
+    zs.add_(pzs)
+
+
+def _block_grad(z, t, s, idx, here, row_scale, o: _Options):
+    """The loss gradient with respect to the block's logits, over ``z``: softmax (times the z-loss factor) minus
     the smoothed target, by row, through the soft-cap and the scale."""
     coef = 1 + 2 * o.z_loss * s
     if _use_kernels(z):
@@ -112,15 +146,25 @@ class _LinearCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, o: _Options):
         n, rows = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
-        # per token, over this shard: max logit, sum of exp(z - max), target logit (0 elsewhere), sum of logits
+        # per token, over this shard: max logit, sum of exp(z - max), target logit (0 elsewhere), sum of logits;
+        # a pass of tokens at a time, over the vocabulary in blocks (as the backward walks it)
+        per_pass, block = tiles(n, rows, o.chunk_bytes)
         stats = torch.zeros(4, n, dtype=acc, device=hidden.device)
-        for a in range(0, n, o.chunk):
-            z, t = _logits(hidden[a:a + o.chunk], weight, bias, o.scale, o.softcap)
-            del t
-            y = labels[a:a + o.chunk]
-            idx, here = _local_targets(y, y != o.ignore_index, o, rows)
-            _chunk_stats(z, idx, here, o, stats[:, a:a + o.chunk])
-            del z
+        for a in range(0, n, per_pass):
+            h, y = hidden[a:a + per_pass], labels[a:a + per_pass]
+            keep = y != o.ignore_index
+            for c in range(0, rows, block):
+                w = weight[c:c + block]
+                z, t = _logits(h, w, None if bias is None else bias[c:c + block], o.scale, o.softcap)
+                del t
+                idx, here = _local_targets(y, keep, o.start + c, w.shape[0])
+                part = _block_stats(z, idx, here, o)
+                del z
+                if c:
+                    _add_block_stats(stats[:, a:a + per_pass], part)
+                else:
+                    stats[:, a:a + per_pass] = part
+                del part
         m, se, tg, zs = stats
         # one exchange per call over the vocabulary shards: the global max, then the rescaled sums
         peak = _all_reduce(m.clone(), dist.ReduceOp.MAX, o.group)
@@ -137,26 +181,39 @@ class _LinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        o = ctx.o
-        rows = weight.shape[0]
-        gh = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if ctx.needs_input_grad[1] else None
-        gb = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if ctx.needs_input_grad[2] else None
-        for a in range(0, hidden.shape[0], o.chunk):
-            h = hidden[a:a + o.chunk]
-            z, t = _logits(h, weight, bias, o.scale, o.softcap)
-            y = labels[a:a + o.chunk]
+        o, (n, rows), acc = ctx.o, (hidden.shape[0], weight.shape[0]), lse.dtype
+        per_pass, block = tiles(n, rows, o.chunk_bytes)
+        one_pass = per_pass >= n
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        gh = torch.empty_like(hidden) if need_h else None
+        # one pass: each block's weight gradient is written once, in the weight's dtype; more: summed in fp32
+        gw = None if not need_w else torch.empty_like(weight) if one_pass else weight.new_zeros(weight.shape, dtype=acc)
+        gb = bias.new_zeros(bias.shape, dtype=acc) if need_b else None
+        for a in range(0, n, per_pass):
+            h, y, s = hidden[a:a + per_pass], labels[a:a + per_pass], lse[a:a + per_pass]
             keep = y != o.ignore_index
-            idx, here = _local_targets(y, keep, o, rows)
-            d = _chunk_grad(z, t, lse[a:a + o.chunk], idx, here, keep * grad, o)
-            del t
-            if gh is not None:
-                gh[a:a + o.chunk] = d.to(weight.dtype) @ weight
-            if gw is not None:
-                gw.addmm_(d.T, h.to(d.dtype))
-            if gb is not None:
-                gb += d.sum(0)
-            del z, d
+            row_scale = keep * grad
+            gh_pass = None if gh is None else gh[a:a + per_pass].zero_() if gh.dtype == acc else \
+                torch.zeros(h.shape, dtype=acc, device=h.device)
+            for c in range(0, rows, block):
+                w = weight[c:c + block]
+                z, t = _logits(h, w, None if bias is None else bias[c:c + block], o.scale, o.softcap)
+                idx, here = _local_targets(y, keep, o.start + c, w.shape[0])
+                d = _block_grad(z, t, s, idx, here, row_scale, o)
+                del z, t
+                d16 = d.to(weight.dtype)  # 16-bit inputs: the matmuls on tensor cores, as the unfused path's
+                if gh_pass is not None:
+                    _add_product(gh_pass, d16, w)
+                if gw is not None and one_pass:
+                    torch.mm(d16.T, h, out=gw[c:c + block])
+                elif gw is not None:
+                    _add_product(gw[c:c + block], d16.T, h)
+                if gb is not None:
+                    gb[c:c + block] += d.sum(0)
+                del d, d16
+            if gh_pass is not None and gh_pass.dtype != gh.dtype:
+                gh[a:a + per_pass] = gh_pass
+            del gh_pass  # before the next pass allocates its own
         if gh is not None:
             _all_reduce(gh, dist.ReduceOp.SUM, o.group)  # every shard's share of the hidden states' gradient
         gw = gw.to(weight.dtype) if gw is not None else None
@@ -185,7 +242,7 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
             same `hidden` and `labels`, global token ids). The logits are never gathered: per call, the ranks
             exchange three per-token vectors in the forward and the hidden states' gradient in the backward. The
             loss and the hidden gradient are those of the whole head, on every rank; `weight`'s is its shard's.
-        chunk_bytes: fp32 logits bytes per chunk (the working memory).
+        chunk_bytes: fp32 logits bytes per block (the working memory).
     Returns:
         fp32 scalar (fp64 for fp64 inputs): the sum over labelled tokens; divide by their count for the mean.
     Raises:
@@ -213,10 +270,9 @@ def linear_cross_entropy(hidden, weight, labels, *, bias=None, ignore_index: int
     if bool(bad.any()):
         raise ValueError(f"linear_cross_entropy: labels must be in [0, {vocab}) or {ignore_index}; got "
                          f"{flat[bad][:4].tolist()}")
-    chunk = _chunk_rows(weight.shape[0], chunk_bytes)
     if not 0.0 <= label_smoothing <= 1.0 or z_loss < 0:
         raise ValueError(f"linear_cross_entropy needs label_smoothing in [0, 1] and z_loss >= 0; got "
                          f"label_smoothing={label_smoothing}, z_loss={z_loss}")
-    o = _Options(ignore_index, float(scale), float(softcap or 0.0), chunk, float(label_smoothing), float(z_loss),
-                 vocab, vocab_start, vocab_group)
+    o = _Options(ignore_index, float(scale), float(softcap or 0.0), int(chunk_bytes), float(label_smoothing),
+                 float(z_loss), vocab, vocab_start, vocab_group)
     return _LinearCE.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, o)

@@ -38,6 +38,7 @@ MEM_TERMS = ("params", "grads", "optimizer", "fsdp_buffers", "grad_accum", "acti
 AC_MODES = ("none", "full", "selective")  # ndp.parallel.AC_MODES
 LOSSES = ("fused", "full")                # ndp.train.config.LOSSES
 LOSS_CHUNK_BYTES = 64 * 2**20             # ndp.ops.linear_ce.CHUNK_BYTES (tests/plan checks they agree)
+LOSS_MIN_BLOCK_ROWS = 256                 # ndp.ops.linear_ce.MIN_BLOCK_ROWS (likewise)
 
 
 # ---------------------------------------------------------------------------------------------- parameters
@@ -108,16 +109,23 @@ def selective_layer_bytes(spec: ModelSpec, tp: int, es: int) -> float:
 def fused_loss_bytes(spec: ModelSpec, tokens: float, es: int, chunk_bytes: int = LOSS_CHUNK_BYTES,
                      vocab_shards: int = 1) -> float:
     """Peak bytes of ndp's fused linear cross-entropy (``ndp.ops.linear_cross_entropy``) beyond its inputs and
-    the gradients it returns, in its backward (the larger pass): the fp32 logits chunk, turned into its softmax in
-    place (x1.5 for 16-bit inputs: their matmul output, then the softmax's 16-bit copy for the hidden gradient),
-    the fp32 weight-gradient accumulator beyond the es-byte gradient it becomes, and the per-token fp32
-    log-sum-exp it saved. ``vocab_shards``: loss parallel over that many TP ranks (each holds
-    vocab / vocab_shards rows). Exact against the tensors the op allocates (bench/plan_vs_measured.py)."""
+    the gradients it returns, in its backward (the larger pass), which walks the vocabulary in blocks over passes of
+    tokens (``ndp.ops.linear_ce.tiles``): the fp32 logits block, turned into its softmax in place (x1.5 for
+    16-bit inputs: their matmul output, then the softmax's 16-bit copy); for 16-bit inputs the pass's fp32
+    hidden-gradient accumulator and its 16-bit product, and where the tokens take more than one pass the fp32
+    weight-gradient accumulator beyond the es-byte gradient it becomes; the pass's per-token vectors (label masks,
+    target rows, row scales: 31 bytes a token at the fp32 peak, 14 at the 16-bit one) and the per-token fp32
+    log-sum-exp it saved. ``vocab_shards``: loss parallel over that many TP ranks (each holds vocab / vocab_shards
+    rows). Exact against the tensors the op allocates (bench/plan_vs_measured.py)."""
     v, h = -(-spec.vocab_size // vocab_shards), spec.hidden_size  # the largest shard
-    chunk = 4 * min(tokens, max(1, chunk_bytes // (4 * v))) * v
+    per_pass = max(1, min(tokens, chunk_bytes // (4 * min(v, LOSS_MIN_BLOCK_ROWS))))
+    block = 4 * per_pass * max(1, min(v, chunk_bytes // (4 * per_pass)))
     if es == 4:
-        return chunk + 4 * tokens
-    return max((4 - es) * v * h + 1.5 * chunk, 4 * v * h) + 4 * tokens
+        return block + 31 * per_pass + 4 * tokens
+    work = 1.5 * block + (4 + es) * per_pass * h + 14 * per_pass
+    if per_pass < tokens:
+        work = max((4 - es) * v * h + work, 4 * v * h)
+    return work + 4 * tokens
 
 
 def logits_bytes(spec: ModelSpec, es: int) -> float:

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ndp.ops.linear_ce import linear_cross_entropy
+import ndp.ops.linear_ce as lce
+from ndp.ops.linear_ce import tiles, linear_cross_entropy
 
 
 def _case(n=37, h=16, v=53, dtype=torch.float64, seed=0):
@@ -22,7 +23,7 @@ def _reference(hidden, weight, labels, softcap=None, bias=None, scale=1.0):
     return F.cross_entropy(z.float() if z.dtype != torch.float64 else z, labels, ignore_index=-100, reduction="sum")
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])  # passes of 1, 7, every token
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_loss_and_grads_equal_full_logits_fp64(chunk_rows, softcap):
     hidden, weight, labels = _case()
@@ -78,6 +79,45 @@ def test_bf16_within_the_error_of_the_unfused_bf16_path():
     unfused = _reference(h16, w16, labels)
     assert abs(fused.item() - exact.item()) <= 2 * abs(unfused.item() - exact.item()) + 1e-3 * abs(exact.item())
     assert fused.dtype == torch.float32
+
+
+def test_tiles():
+    # Llama-3's head at 8192 tokens (the H100 run's case): one pass over every token, blocks of 2048 vocabulary rows
+    assert tiles(8192, 128256, 64 * 2 ** 20) == (8192, 2048)
+    # 1M tokens: passes of 65536 tokens, blocks of MIN_BLOCK_ROWS; a small vocabulary: one block
+    assert tiles(2 ** 20, 128256, 64 * 2 ** 20) == (65536, 256)
+    assert tiles(37, 53, 4 * 53 * 7) == (7, 53)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 * 8 * 37, 4 * 8 * 10])  # one pass of 37 tokens / 4 passes; blocks of 8
+def test_vocabulary_blocks_and_passes_equal_full_logits_fp64(chunk_bytes, monkeypatch):
+    monkeypatch.setattr(lce, "MIN_BLOCK_ROWS", 8)
+    hidden, weight, labels = _case()
+    assert tiles(37, 53, chunk_bytes)[1] == 8
+    bias = torch.randn(53, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    got = linear_cross_entropy(hidden, weight, labels, bias=bias, softcap=3.0, label_smoothing=0.1, z_loss=1e-3,
+                               chunk_bytes=chunk_bytes)
+    z = 3.0 * torch.tanh((hidden @ weight.T + bias) / 3.0)
+    keep = labels != -100
+    want = F.cross_entropy(z, labels, ignore_index=-100, reduction="sum", label_smoothing=0.1)
+    want = want + 1e-3 * (torch.logsumexp(z, -1)[keep] ** 2).sum()
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight, bias)) + (got,),
+                    torch.autograd.grad(want, (hidden, weight, bias)) + (want,)):
+        assert float((a - b).detach().abs().max() / b.detach().abs().max()) <= 1e-12
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 * 32 * 64, 4 * 32 * 16])  # one pass / 4 passes; blocks of 32 rows
+def test_bf16_gradients_within_the_error_of_the_unfused_bf16_path(chunk_bytes, monkeypatch):
+    monkeypatch.setattr(lce, "MIN_BLOCK_ROWS", 32)
+    hidden, weight, labels = _case(n=64, h=32, v=100, dtype=torch.float32, seed=2)
+    exact = torch.autograd.grad(_reference(hidden.double(), weight.double(), labels), (hidden, weight))
+    h16, w16 = hidden.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_()
+    fused = torch.autograd.grad(linear_cross_entropy(h16, w16, labels, chunk_bytes=chunk_bytes), (h16, w16))
+    unfused = torch.autograd.grad(_reference(h16, w16, labels), (h16, w16))
+    for f, u, e in zip(fused, unfused, exact):
+        assert f.dtype == torch.bfloat16
+        err_f, err_u = ((x.double() - e.double()).abs().max().item() for x in (f, u))
+        assert err_f <= 2 * err_u, (err_f, err_u)
 
 
 @pytest.mark.parametrize("args, match", [

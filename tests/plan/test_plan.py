@@ -375,11 +375,12 @@ def test_memory_options_bring_llama3_8b_long_context_onto_fewer_h100s():
 
 def test_memory_option_constants_are_ndps():
     import ndp.parallel
-    from ndp.ops.linear_ce import CHUNK_BYTES
+    from ndp.ops.linear_ce import CHUNK_BYTES, MIN_BLOCK_ROWS
     from ndp.plan import cost
     from ndp.train.config import LOSSES
 
-    assert cost.LOSS_CHUNK_BYTES == CHUNK_BYTES and cost.LOSSES == LOSSES and cost.AC_MODES == ndp.parallel.AC_MODES
+    assert cost.LOSS_CHUNK_BYTES == CHUNK_BYTES and cost.LOSS_MIN_BLOCK_ROWS == MIN_BLOCK_ROWS
+    assert cost.LOSSES == LOSSES and cost.AC_MODES == ndp.parallel.AC_MODES
 
 
 def test_fused_loss_and_selective_bytes_equal_measured(tmp_path):

@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -46,6 +47,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records)
+from ndp_kernels import tuning  # noqa: E402
 
 PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
 GPU_BUDGET_S = 540  # the whole run on a GPU, seconds: 10 minutes less the build and the start of the machine
@@ -111,6 +113,17 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: fl
     command = " ; ".join(" ".join([f"{k}={v}" for k, v in extra.items()] + ["python"] + a) for a, extra in runs)
     return dict(part=part, status=status, seconds=round(time.perf_counter() - t0, 1), command=command,
                 tail=tail[-1500:])
+
+
+def copy_tuning_tables(base: str) -> list[str]:
+    """The tuning tables in ``ndp_kernels.tuning.tuning_dir()`` (what the parts measured on this GPU, the kernels' and
+    the engines'), copied into ``<base>/tuning/`` so that the report's archive carries them off the machine."""
+    src = tuning.tuning_dir()
+    names = sorted(p.name for p in src.glob("*.json")) if src.is_dir() else []
+    for name in names:
+        os.makedirs(os.path.join(base, "tuning"), exist_ok=True)
+        shutil.copy2(src / name, os.path.join(base, "tuning", name))
+    return names
 
 
 def _text(x) -> str:
@@ -285,7 +298,8 @@ def main(argv=None) -> int:
         records.append(run_part(part, gpu, os.path.join(base, part), args.limit_s, left))
         print(f"gpu-report: {part}: {records[-1]['status']} ({records[-1]['seconds']} s)", flush=True)
         path = write_report(records, base, gpu, device)
-    print(f"report: {path}")
+    tables = copy_tuning_tables(base)
+    print(f"report: {path}" + (f"; tuning tables: {', '.join(tables)} (in tuning/)" if tables else ""))
     if args.archive:
         with tarfile.open(args.archive, "w:gz") as tar:
             tar.add(base, arcname=os.path.basename(base))

@@ -230,3 +230,20 @@ def test_gpu_report_names_the_failed_tests(tmp_path):
     assert "51 passed, 7 skipped, 1099 deselected in 35.81s\n2 failed, 247 passed, 3 skipped in 46.42s" in md
     assert "- FAILED tests/kernels/test_errors.py::test_device_mismatch[triton] - AssertionError" in md
     assert "- ERROR tests/kernels/test_flash.py::test_fwd - RuntimeError: out of memory" in md
+
+
+def test_gpu_report_carries_the_tuning_tables(tmp_path, monkeypatch):
+    # the tables the parts measured on the GPU leave the machine in the report's archive
+    import gpu_report
+
+    tables = tmp_path / "tuning"
+    tables.mkdir()
+    (tables / "kernels-NVIDIA_H100_80GB_HBM3.json").write_text('{"fwd": {}}')
+    (tables / "engines-NVIDIA_H100_80GB_HBM3.json").write_text('{"rows": 1}')
+    (tables / "kernels.lock").write_text("")
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tables))
+    assert gpu_report.copy_tuning_tables(str(tmp_path / "gpu")) == ["engines-NVIDIA_H100_80GB_HBM3.json",
+                                                                    "kernels-NVIDIA_H100_80GB_HBM3.json"]
+    assert (tmp_path / "gpu" / "tuning" / "engines-NVIDIA_H100_80GB_HBM3.json").read_text() == '{"rows": 1}'
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path / "none"))
+    assert gpu_report.copy_tuning_tables(str(tmp_path / "gpu2")) == [] and not (tmp_path / "gpu2").exists()

@@ -172,8 +172,8 @@ class _Layout:
 
 
 def _attention_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None,
-                  sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float,
-                  softcap: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+                    sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float,
+                    softcap: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
     lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
     q4, k4, v4 = lay.block(q), lay.block(k), lay.block(v)
     # Refuse an engine that cannot run this block before any work (forward and backward alike).
@@ -193,10 +193,10 @@ def _attention_fake(q, k, v, cu_q, cu_k, pos, sinks, causal, left, right, max_q,
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_q is not None), dtype=acc_dtype(q.dtype))
 
 
-def _attention_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor | None,
-                      cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None, causal: bool, left: int,
-                      right: int, max_q: int, max_k: int, scale: float, softcap: float, backend: str,
-                      deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attention_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None,
+                        causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
+                        backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
     dout4, q4, k4, v4, out4 = (lay.block(x) for x in (dout.contiguous(), q, k, v, out))
     lse4 = lay.block_lse(lse)

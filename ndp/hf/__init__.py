@@ -214,13 +214,13 @@ def loss(logits, labels, model, *, ignore_index: int = -100, num_tokens=None, re
 def lm_loss(model, labels, *, ignore_index: int = -100, num_tokens=None, return_mean: bool = False,
             chunk_bytes: int = CHUNK_BYTES, **inputs):
     """:func:`loss` of ``model(**inputs)`` without the logits: the model runs to its hidden states and its LM head
-    and the token cross-entropy run fused, a chunk of tokens at a time (``ndp.hf.head.head_loss``), so that no
+    and the token cross-entropy run fused, a block of logits at a time (``ndp.hf.head.head_loss``), so that no
     ``[batch, local_seq, vocab]`` tensor is ever allocated. Same value, gradients and normalisation as
     ``loss(model(**inputs).logits, labels, model, ...)``.
 
     Args:
         model, labels, ignore_index, num_tokens, return_mean: as :func:`loss`.
-        chunk_bytes: the fused op's working memory (fp32 logits of one chunk of tokens).
+        chunk_bytes: the fused op's working memory (fp32 logits of one block, ``ndp.ops.linear_ce.tiles``).
         inputs: the model's forward arguments from ``shard_batch`` (input_ids, position_ids, ...; not labels).
     Returns:
         as :func:`loss`.

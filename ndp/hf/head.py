@@ -173,7 +173,7 @@ def head_loss(model: nn.Module, labels: torch.Tensor, *, ignore_index: int = -10
     Args:
         model: a transformers causal LM (parallelized by ndp or not).
         labels: ``[batch, seq]`` targets already aligned with the positions (shifted; `ignore_index` for none).
-        chunk_bytes: the fused op's working memory (fp32 logits of one chunk of tokens).
+        chunk_bytes: the fused op's working memory (fp32 logits of one block, ``ndp.ops.linear_ce.tiles``).
         inputs: the model's forward arguments (input_ids, position_ids, ...; not labels).
     Returns:
         fp32 (fp64) scalar: this rank's sum over labelled tokens, equal to ``cross_entropy(logits, labels,

@@ -120,8 +120,9 @@ def copy_tuning_tables(base: str) -> list[str]:
     the engines'), copied into ``<base>/tuning/`` so that the report's archive carries them off the machine."""
     src = tuning.tuning_dir()
     names = sorted(p.name for p in src.glob("*.json")) if src.is_dir() else []
-    for name in names:
+    if names:
         os.makedirs(os.path.join(base, "tuning"), exist_ok=True)
+    for name in names:
         shutil.copy2(src / name, os.path.join(base, "tuning", name))
     return names
 

@@ -298,7 +298,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     check_sinks(sinks, q.shape[-2], q.device)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
             _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend, bool(deterministic))
-    run = _EagerAttention.apply if _eager(*args[:7]) else torch.ops.ndp.attention
+    run = _EagerAttention.apply if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks) else \
+        torch.ops.ndp.attention
     out, lse = run(*args)
     return (out, lse) if return_lse else out
 

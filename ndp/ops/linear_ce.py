@@ -81,6 +81,15 @@ def _local_targets(y, keep, start: int, rows: int):
     return torch.where(here, y - start, 0), here
 
 
+def _block(h, y, keep, weight, bias, c: int, block: int, o: _Options):
+    """Vocabulary rows ``[c, c + block)`` for a pass of tokens `h` with labels `y`: the rows of the weight, their
+    logits and tanh (``_logits``), and each token's target row in the block and whether it is there."""
+    w = weight[c:c + block]
+    z, t = _logits(h, w, None if bias is None else bias[c:c + block], o.scale, o.softcap)
+    idx, here = _local_targets(y, keep, o.start + c, w.shape[0])
+    return w, z, t, idx, here
+
+
 def _add_product(acc, a, b) -> None:
     """``acc += a @ b`` in acc's dtype (a 16-bit product is rounded once, then added)."""
     if a.dtype == acc.dtype:
@@ -154,10 +163,8 @@ class _LinearCE(torch.autograd.Function):
             h, y = hidden[a:a + per_pass], labels[a:a + per_pass]
             keep = y != o.ignore_index
             for c in range(0, rows, block):
-                w = weight[c:c + block]
-                z, t = _logits(h, w, None if bias is None else bias[c:c + block], o.scale, o.softcap)
+                _, z, t, idx, here = _block(h, y, keep, weight, bias, c, block, o)
                 del t
-                idx, here = _local_targets(y, keep, o.start + c, w.shape[0])
                 part = _block_stats(z, idx, here, o)
                 del z
                 if c:
@@ -196,9 +203,7 @@ class _LinearCE(torch.autograd.Function):
             gh_pass = None if gh is None else gh[a:a + per_pass].zero_() if gh.dtype == acc else \
                 torch.zeros(h.shape, dtype=acc, device=h.device)
             for c in range(0, rows, block):
-                w = weight[c:c + block]
-                z, t = _logits(h, w, None if bias is None else bias[c:c + block], o.scale, o.softcap)
-                idx, here = _local_targets(y, keep, o.start + c, w.shape[0])
+                w, z, t, idx, here = _block(h, y, keep, weight, bias, c, block, o)
                 d = _block_grad(z, t, s, idx, here, row_scale, o)
                 del z, t
                 d16 = d.to(weight.dtype)  # 16-bit inputs: the matmuls on tensor cores, as the unfused path's

@@ -12,6 +12,8 @@ Triton is imported on first use of a kernel, so `ndp_kernels.reference` and the 
 import importlib
 import os
 
+import torch
+
 from . import reference
 from .segments import NO_LIMIT, Segments, acc_dtype
 
@@ -25,12 +27,23 @@ _LAZY = {
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn_func", "merge_attn_states_", "ce_stats", "ce_grad_",
            "reference",
-           "Segments", "NO_LIMIT", "acc_dtype", "interpreter_active", "triton_available"]
+           "Segments", "NO_LIMIT", "acc_dtype", "interpreter_active", "interpreter_refuses", "triton_available"]
 
 
 def interpreter_active() -> bool:
     """True when Triton kernels run on CPU tensors under its interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_refuses(dtype) -> str:
+    """Why the kernels cannot run `dtype` here ("" when they can): Triton's interpreter multiplies the raw bit
+    patterns of bfloat16 operands in ``tl.dot`` (values ~1e10 out of [-2, 2] inputs), so every bf16 result would
+    be garbage; on a GPU bf16 runs normally."""
+    if dtype == torch.bfloat16 and interpreter_active():
+        return ("Triton's interpreter (TRITON_INTERPRET=1) computes a bfloat16 tl.dot on the raw bit patterns, so "
+                "the kernels would return garbage. Under the interpreter use float16 or float32 inputs, or another "
+                "engine (ndp.ops backend='sdpa' or 'torch'); on a GPU bfloat16 runs normally")
+    return ""
 
 
 def triton_available() -> tuple[bool, str]:

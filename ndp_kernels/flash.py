@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreter_active, segments
+from . import interpreter_active, interpreter_refuses, segments
 from .configs import (block_d, bwd_config, bwd_dkdv_config, bwd_dq_config, bwd_impl, current_arch,
                       fwd_config, head_splits, launch_device, measure_ahead, merge_config, tma_applies,
                       tma_here, with_softcap)
@@ -801,6 +801,9 @@ def _check_runnable(t: torch.Tensor) -> None:
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32 inputs; got {t.dtype}. "
                         f"Use ndp_kernels.reference (ndp.ops backend='torch') for {t.dtype}.")
+    why = interpreter_refuses(t.dtype)
+    if why:
+        raise TypeError(why + ".")
     if t.device.type != "cuda" and not interpreter_active():
         raise RuntimeError(
             f"Triton kernels need a CUDA tensor or TRITON_INTERPRET=1 set before triton is imported; "

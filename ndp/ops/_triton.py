@@ -33,6 +33,9 @@ def _has_deterministic() -> bool:
 def capable(segs, q4, k4, *, deterministic=False) -> tuple[bool, str]:
     if q4.dtype == torch.float64:
         return False, "triton has no float64 kernels"
+    why = ndp_kernels.interpreter_refuses(q4.dtype)
+    if why:
+        return False, why
     if deterministic and not _has_deterministic():
         return False, "this build's Triton backward has no deterministic mode"
     return True, ""

@@ -52,6 +52,19 @@ def test_float64_needs_reference():
         flash.flash_attn_fwd(q, k, v)
 
 
+def test_bf16_refused_under_the_interpreter(monkeypatch):
+    """Triton's interpreter multiplies bf16 bit patterns in tl.dot: the launchers refuse bf16 there, before any
+    launch, rather than return garbage (on a GPU, NDP_TEST_DEVICE=cuda, the same call under the env var)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    match = r"Triton's interpreter \(TRITON_INTERPRET=1\) computes a bfloat16 tl.dot on the raw bit patterns"
+    with pytest.raises(TypeError, match=match):
+        flash.flash_attn_fwd(q, k, v)
+    out, lse = reference.flash_attn_fwd_ref(q, k, v)
+    with pytest.raises(TypeError, match=match):
+        flash.flash_attn_bwd(torch.ones_like(out), q, k, v, out, lse)
+
+
 @pytest.mark.parametrize("fwd", FWDS)
 def test_device_mismatch(fwd):
     q, k, v = _qkv()

@@ -126,6 +126,23 @@ def test_triton_backend_under_interpreter_matches_torch():
         assert_close(a, b, torch.float32, "grad")
 
 
+def test_bf16_under_interpreter_refused_by_triton_and_routed_around(monkeypatch):
+    """The interpreter multiplies bf16 bit patterns in tl.dot (outputs ~1e8 off): the triton engine refuses bf16
+    there by name, and auto (softcap: triton or torch only) takes the reference instead, matching it bitwise."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = (x.detach().to(torch.bfloat16) for x in _qkv(1, 16, 16, 4, 2, 16))
+    with pytest.raises(ValueError, match=r"backend 'triton' cannot run this causal attention block \(torch.bfloat16, "
+                                         r"head_dim 16, softcap 30\): Triton's interpreter .* bfloat16 .*Engines "
+                                         r"that can here: \['torch'\]"):
+        ndp.ops.attention(q, k, v, causal=True, backend="triton", softcap=30.0)
+    auto = ndp.ops.attention(q, k, v, causal=True, softcap=30.0)
+    assert torch.equal(auto, ndp.ops.attention(q, k, v, causal=True, backend="torch", softcap=30.0))
+    ok, why = ndp.ops.engines.capable("triton", Segments.dense(16, 16, causal=True), q, k)
+    assert not ok and "interpreter" in why
+    assert ndp.ops.engines.capable("triton", Segments.dense(16, 16, causal=True), q.half(), k.half()) == (True, "")
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
 def test_bad_softmax_scale_refused(scale):
     # Used to return finite, wrong output (issue 11): refused by the shared check before any backend runs.

@@ -22,7 +22,7 @@ import torch
 from ndp_kernels.segments import acc_dtype
 
 from . import _sdpa_cuda
-from ._pieces import Call, heads_first, pieces_of, run_pieces_bwd, run_pieces_fwd
+from ._pieces import Call, as_dtype, heads_first, pieces_of, rows, run_pieces_bwd, run_pieces_fwd
 
 __all__ = ["SOFTCAP", "available", "capable", "fwd", "bwd", "pieces_of"]
 
@@ -72,9 +72,9 @@ def _kernel_dtype(x, accumulate: bool):
 
 
 def _piece_args(piece, q4, k4, v4):
-    q = heads_first(q4[:, piece.q0:piece.q1])
-    k = heads_first(k4[:, piece.k0:piece.k1])
-    v = heads_first(v4[:, piece.k0:piece.k1])
+    q = heads_first(rows(q4, piece.q0, piece.q1))
+    k = heads_first(rows(k4, piece.k0, piece.k1))
+    v = heads_first(rows(v4, piece.k0, piece.k1))
     mask = _mask(piece, q4.dtype, q4.device) if piece.kind == "mask" else None
     return q, k, v, piece.kind == "causal", mask
 
@@ -89,9 +89,9 @@ def _cpu_fwd(piece, q4, k4, v4, scale):
 
 def _cpu_bwd(piece, do4, q4, k4, v4, o4, lse3, scale):
     q, k, v, causal, mask = _piece_args(piece, q4, k4, v4)
-    do = heads_first(do4[:, piece.q0:piece.q1])
-    o = heads_first(o4[:, piece.q0:piece.q1])
-    grads = _BWD(do, q, k, v, o, lse3[:, :, piece.q0:piece.q1].contiguous(), 0.0, causal, attn_mask=mask,
+    do = heads_first(rows(do4, piece.q0, piece.q1))
+    o = heads_first(rows(o4, piece.q0, piece.q1))
+    grads = _BWD(do, q, k, v, o, rows(lse3, piece.q0, piece.q1, 2).contiguous(), 0.0, causal, attn_mask=mask,
                  scale=scale)
     return tuple(g.transpose(1, 2) for g in grads)
 
@@ -120,7 +120,7 @@ def fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None):
     q4, k4, v4 = (_kernel_dtype(x, out_acc is not None) for x in (q4, k4, v4))
     out, lse = run_pieces_fwd(_calls(segs, q4, k4), q4, k4, v4, softmax_scale, out_acc, lse_acc)
     if out_acc is None:
-        return out.to(dtype), lse.to(acc_dtype(dtype))
+        return as_dtype(out, dtype), as_dtype(lse, acc_dtype(dtype))
     return out, lse
 
 
@@ -134,9 +134,9 @@ def bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_a
     dtype = q4.dtype
     dout4, q4, k4, v4, out4 = (_kernel_dtype(x, dq_acc is not None) for x in (dout4, q4, k4, v4, out4))
     if q4.device.type != "cpu":
-        dout4, out4 = dout4.to(q4.dtype), out4.to(q4.dtype)
+        dout4, out4 = as_dtype(dout4, q4.dtype), as_dtype(out4, q4.dtype)
     grads = run_pieces_bwd(_calls(segs, q4, k4, deterministic), dout4, q4, k4, v4, out4, lse3, softmax_scale,
                            dq_acc, dk_acc, dv_acc)
     if dq_acc is None:
-        return tuple(g.to(dtype) for g in grads)
+        return tuple(as_dtype(g, dtype) for g in grads)
     return grads

@@ -44,7 +44,7 @@ from ndp_kernels import Segments
 
 from . import _flash_attn
 from ._check import compare_to_reference
-from ._pieces import Call, Piece, heads_first, pieces_of, run_pieces_bwd, run_pieces_fwd
+from ._pieces import Call, Piece, as_dtype, heads_first, pieces_of, rows, run_pieces_bwd, run_pieces_fwd
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,9 @@ def kernel_reason(kernel: str, f: dict, dtype, head_dim: int, heads: int, kv_hea
 
 # ----------------------------------------------------------------------------------------------- the kernels
 
-def _rows(x, a, b):
-    return x[:, a:b]
-
-
 def _flash_fwd(window, cu, piece, q4, k4, v4, scale):
     left, right = window
-    q, k, v = _rows(q4, piece.q0, piece.q1), _rows(k4, piece.k0, piece.k1), _rows(v4, piece.k0, piece.k1)
+    q, k, v = rows(q4, piece.q0, piece.q1), rows(k4, piece.k0, piece.k1), rows(v4, piece.k0, piece.k1)
     if cu is None:
         res = ATEN._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, right == 0, False,
                                             scale=scale, window_size_left=left, window_size_right=right)
@@ -152,9 +148,9 @@ def _flash_fwd(window, cu, piece, q4, k4, v4, scale):
 
 def _flash_bwd(window, cu, piece, do4, q4, k4, v4, o4, lse3, scale):
     left, right = window
-    q, k, v = _rows(q4, piece.q0, piece.q1), _rows(k4, piece.k0, piece.k1), _rows(v4, piece.k0, piece.k1)
-    do, o = _rows(do4, piece.q0, piece.q1), _rows(o4, piece.q0, piece.q1)
-    lse = lse3[:, :, piece.q0:piece.q1].float()
+    q, k, v = rows(q4, piece.q0, piece.q1), rows(k4, piece.k0, piece.k1), rows(v4, piece.k0, piece.k1)
+    do, o = rows(do4, piece.q0, piece.q1), rows(o4, piece.q0, piece.q1)
+    lse = as_dtype(rows(lse3, piece.q0, piece.q1, 2), torch.float32)
     seed, offset = _forward_layout("flash", q4.device)["rng"]
     if cu is None:
         return ATEN._flash_attention_backward(do, q, k, v, o, lse.contiguous(), None, None, q.shape[1], k.shape[1],
@@ -168,23 +164,23 @@ def _flash_bwd(window, cu, piece, do4, q4, k4, v4, o4, lse3, scale):
 
 
 def _cudnn_fwd(causal, piece, q4, k4, v4, scale):
-    q = heads_first(_rows(q4, piece.q0, piece.q1))
-    k, v = (heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
+    q = heads_first(rows(q4, piece.q0, piece.q1))
+    k, v = (heads_first(rows(x, piece.k0, piece.k1)) for x in (k4, v4))
     res = ATEN._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     b, h, n = q.shape[:3]
     return res[0].transpose(1, 2), res[1].reshape(b, h, n)
 
 
 def _cudnn_bwd(causal, piece, do4, q4, k4, v4, o4, lse3, scale):
-    q = heads_first(_rows(q4, piece.q0, piece.q1))
-    k, v = (heads_first(_rows(x, piece.k0, piece.k1)) for x in (k4, v4))
+    q = heads_first(rows(q4, piece.q0, piece.q1))
+    k, v = (heads_first(rows(x, piece.k0, piece.k1)) for x in (k4, v4))
     # cuDNN's backward wants dO with exactly O's strides: where they differ, dO is copied into O's layout.
-    do, o = (heads_first(_rows(x, piece.q0, piece.q1)) for x in (do4, o4))
+    do, o = (heads_first(rows(x, piece.q0, piece.q1)) for x in (do4, o4))
     if do.stride() != o.stride():
         o = o.contiguous()
         do = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(do)
     layout = _forward_layout("cudnn", q4.device)
-    lse = lse3[:, :, piece.q0:piece.q1].float().contiguous()
+    lse = as_dtype(rows(lse3, piece.q0, piece.q1, 2), torch.float32).contiguous()
     if layout["lse_trailing_one"]:
         lse = lse.unsqueeze(-1)
     seed, offset = layout["rng"]
@@ -194,19 +190,19 @@ def _cudnn_bwd(causal, piece, do4, q4, k4, v4, o4, lse3, scale):
 
 
 def _efficient_fwd(causal, piece, q4, k4, v4, scale):
-    q, k, v = _rows(q4, piece.q0, piece.q1), _rows(k4, piece.k0, piece.k1), _rows(v4, piece.k0, piece.k1)
+    q, k, v = rows(q4, piece.q0, piece.q1), rows(k4, piece.k0, piece.k1), rows(v4, piece.k0, piece.k1)
     res = ATEN._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.0, int(causal), True,
                                             scale=scale)
     return res[0], res[1][..., :q.shape[1]]
 
 
 def _efficient_bwd(causal, piece, do4, q4, k4, v4, o4, lse3, scale):
-    q, k, v = _rows(q4, piece.q0, piece.q1), _rows(k4, piece.k0, piece.k1), _rows(v4, piece.k0, piece.k1)
-    do, o = _rows(do4, piece.q0, piece.q1), _rows(o4, piece.q0, piece.q1)
+    q, k, v = rows(q4, piece.q0, piece.q1), rows(k4, piece.k0, piece.k1), rows(v4, piece.k0, piece.k1)
+    do, o = rows(do4, piece.q0, piece.q1), rows(o4, piece.q0, piece.q1)
     layout = _forward_layout("efficient", q4.device)
     n, align = q.shape[1], layout["lse_align"]
     lse = torch.full((*lse3.shape[:2], -(-n // align) * align), math.inf, dtype=torch.float32, device=q.device)
-    lse[..., :n] = lse3[:, :, piece.q0:piece.q1]
+    lse[..., :n] = rows(lse3, piece.q0, piece.q1, 2)
     seed, offset = layout["rng"]
     grads = ATEN._efficient_attention_backward(do, q, k, v, None, o, None, None, n, k.shape[1], lse, 0.0, seed,
                                                offset, int(causal), False, scale=scale)

@@ -74,7 +74,8 @@ def engine_for(backend, segs, q4, k4, *, deterministic=False, softcap=0.0) -> st
     return backend
 
 
-def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto", softcap=0.0):
+def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto", softcap=0.0,
+                  checked=False):
     """Segment-level forward of one block (what a ring step calls).
 
     Args:
@@ -82,12 +83,13 @@ def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None
         out_acc: optional fp32 ``[B, Sq, H, D]``; lse_acc: optional fp32 ``[B, H, Sq]``; merged into in place.
         backend: "auto" (per-block measured choice) or one engine of ``ENGINES``.
         softcap: logit soft-cap c > 0 (scores c * tanh(scores / c)), 0 = off (``SOFTCAP_ENGINES`` only).
+        checked: `backend` is an engine ``engine_for`` already chose or checked for this block (not checked again).
     Returns:
         (out, lse) or (out_acc, lse_acc).
     Raises:
         ValueError / RuntimeError for an unknown or unavailable backend, or one that cannot run the block.
     """
-    be = engine_for(backend, segs, q4, k4, softcap=softcap)
+    be = backend if checked else engine_for(backend, segs, q4, k4, softcap=softcap)
     kw = dict(softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
     if softcap:  # only the engines of SOFTCAP_ENGINES get here with it
         kw["softcap"] = softcap
@@ -171,17 +173,24 @@ class _Layout:
         return lse[0] if self.packed else lse
 
 
+def _forward(lay, q, k, v, sinks, scale, softcap, backend, deterministic):
+    """(out, lse) of the op's forward on `lay`'s blocks, in the caller's layout (may be views of fresh tensors)."""
+    q4, k4, v4 = lay.block(q), lay.block(k), lay.block(v)
+    # Refuse an engine that cannot run this block before any work (forward and backward alike); without
+    # `deterministic` the engine that passes is the forward's own.
+    be = engine_for(backend, lay.segs, q4, k4, deterministic=deterministic, softcap=softcap)
+    out, lse = attention_fwd(q4, k4, v4, lay.segs, softmax_scale=scale, backend=backend if deterministic else be,
+                             softcap=softcap, checked=not deterministic)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks, q.dtype)
+    return lay.outside(out), lay.outside_lse(lse)
+
+
 def _attention_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None,
                     sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float,
                     softcap: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
     lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
-    q4, k4, v4 = lay.block(q), lay.block(k), lay.block(v)
-    # Refuse an engine that cannot run this block before any work (forward and backward alike).
-    engine_for(backend, lay.segs, q4, k4, deterministic=deterministic, softcap=softcap)
-    out, lse = attention_fwd(q4, k4, v4, lay.segs, softmax_scale=scale, backend=backend, softcap=softcap)
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks, q.dtype)
-    return distinct_outputs((lay.outside(out), lay.outside_lse(lse)), (q, k, v, sinks))
+    return distinct_outputs(_forward(lay, q, k, v, sinks, scale, softcap, backend, deterministic), (q, k, v, sinks))
 
 
 _attention_op = torch.library.custom_op("ndp::attention", mutates_args=())(_attention_impl)
@@ -193,17 +202,23 @@ def _attention_fake(q, k, v, cu_q, cu_k, pos, sinks, causal, left, right, max_q,
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_q is not None), dtype=acc_dtype(q.dtype))
 
 
-def _attention_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None,
-                        causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
-                        backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+def _backward(lay, dout, q, k, v, out, lse, sinks, scale, softcap, backend, deterministic):
+    """(dq, dk, dv, dsinks) of the op on `lay`'s blocks, in the caller's layout (dsinks empty without sinks)."""
     dout4, q4, k4, v4, out4 = (lay.block(x) for x in (dout.contiguous(), q, k, v, out))
     lse4 = lay.block_lse(lse)
     dq, dk, dv = attention_bwd(dout4, q4, k4, v4, out4, lse4, lay.segs, softmax_scale=scale, backend=backend,
                                deterministic=deterministic, softcap=softcap)
     dsinks = q.new_empty(0) if sinks is None else sinks_grad(dout4, out4, lse4, sinks)
-    return distinct_outputs([lay.outside(x) for x in (dq, dk, dv)] + [dsinks], (dout, q, k, v, out, lse, sinks))
+    return [lay.outside(x) for x in (dq, dk, dv)] + [dsinks]
+
+
+def _attention_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None,
+                        causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
+                        backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+    return distinct_outputs(_backward(lay, dout, q, k, v, out, lse, sinks, scale, softcap, backend, deterministic),
+                            (dout, q, k, v, out, lse, sinks))
 
 
 _attention_bwd_op = torch.library.custom_op("ndp::attention_backward", mutates_args=())(_attention_bwd_impl)
@@ -222,14 +237,10 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _grads(ctx, dout, backward):
-    q, k, v, out, lse, cu_q, cu_k, pos, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = backward(dout, q, k, v, out, lse, cu_q, cu_k, pos, sinks, *ctx.rest)
-    return dq, dk, dv, None, None, None, None if sinks is None else dsinks, *([None] * len(ctx.rest))
-
-
 def _attention_grad(ctx, dout, _dlse):
-    return _grads(ctx, dout, torch.ops.ndp.attention_backward)
+    q, k, v, out, lse, cu_q, cu_k, pos, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ndp.attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, pos, sinks, *ctx.rest)
+    return dq, dk, dv, None, None, None, None if sinks is None else dsinks, *([None] * len(ctx.rest))
 
 
 torch.library.register_autograd("ndp::attention", _attention_grad, setup_context=_setup_context)
@@ -238,18 +249,28 @@ torch.library.register_autograd("ndp::attention", _attention_grad, setup_context
 class _EagerAttention(torch.autograd.Function):
     """The op's body and backward without the custom-op dispatch, for eager calls: that dispatch costs about
     0.25 ms of host time each way per call (CPU-measured; the H100 run showed ~0.8 ms per forward+backward over SDPA
-    at short blocks). Compiled callers, dispatch modes (fake tensors, selective checkpointing) and tensor
+    at short blocks). The backward reuses the forward's layout and segment table; the forward's outputs are fresh
+    tensors, so they skip the op's no-alias check (torch.library's rule; the gradients keep it: dK and dV may be
+    views of one buffer). Compiled callers, dispatch modes (fake tensors, selective checkpointing) and tensor
     subclasses get the op."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        out, lse = _attention_impl(*inputs)
-        _setup_context(ctx, inputs, (out, lse))
+    def forward(ctx, q, k, v, cu_q, cu_k, pos, sinks, opts):
+        causal, left, right, max_q, max_k, scale, softcap, backend, deterministic = opts
+        ctx.lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+        out, lse = _forward(ctx.lay, q, k, v, sinks, scale, softcap, backend, deterministic)
+        out, lse = out.contiguous(), lse.contiguous()
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.opts = (scale, softcap, backend, deterministic)
+        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        return _grads(ctx, dout, _attention_bwd_impl)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = distinct_outputs(_backward(ctx.lay, dout, q, k, v, out, lse, sinks, *ctx.opts),
+                                              (dout, q, k, v, out, lse, sinks))
+        return dq, dk, dv, None, None, None, None if sinks is None else dsinks, None
 
 
 def _eager(*tensors) -> bool:
@@ -298,9 +319,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     check_sinks(sinks, q.shape[-2], q.device)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
             _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend, bool(deterministic))
-    run = _EagerAttention.apply if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks) else \
-        torch.ops.ndp.attention
-    out, lse = run(*args)
+    if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks):
+        out, lse = _EagerAttention.apply(*args[:7], args[7:])  # one options tuple: Function.apply walks each argument
+    else:
+        out, lse = torch.ops.ndp.attention(*args)
     return (out, lse) if return_lse else out
 
 

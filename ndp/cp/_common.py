@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ndp.ops.attention import engine_for
 from ndp.ops.sinks import add_sinks, check_sinks, sinks_grad
 from ndp_kernels.segments import Segments, acc_dtype, check_softcap
 
@@ -15,7 +16,7 @@ from .schedule import Mask, Placement, Step
 from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
 
-__all__ = ["Call", "LocalEngine", "prepare_call", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring",
+__all__ = ["Call", "LocalEngine", "prepare_call", "check_blocks", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring",
            "acc_dtype", "stacked_kv_function"]
 
 
@@ -48,11 +49,12 @@ class Call:
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
                  deterministic=False, sinks=None, chunk_size=None, softcap=0.0, extra=None,
-                 pre_check=None) -> Call:
+                 pre_check=None, blocks=None) -> Call:
     """Validates a public CP call on this rank, then agrees with the other ranks (one small all-gather).
 
     A local failure does not raise before the exchange: the rank reports it there, so that every rank
-    of the group raises instead of one raising and the others waiting in a transfer.
+    of the group raises instead of one raising and the others waiting in a transfer. `blocks(call)` yields the
+    blocks this rank will compute (see ``check_blocks``): an engine that cannot run one is such a failure.
 
     Raises:
         ValueError / TypeError naming the constraint, values and fix (on every rank of the group);
@@ -63,7 +65,7 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
 
     pg, world, rank = resolve_group_or_input_error(group, lambda: check_common(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, cu_seqlens=cu_seqlens))
-    fields, error, engine = None, None, None
+    fields, error, call = None, None, None
     try:
         window, scale, packed = check_common(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                              window_size=window_size, cu_seqlens=cu_seqlens)
@@ -75,11 +77,38 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
             pre_check(world)
         placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens, chunk_size)
         fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra, sinks, chunk_size)
+        call = Call(pg, world, rank, layout, Mask(causal, tuple(window)), scale, engine, packed, placement, batch,
+                    q.shape[-2], k.shape[-2], q.shape[-1])
+        if blocks is not None:
+            check_blocks(blocks(call), q, engine)
     except (ValueError, TypeError, RuntimeError) as e:
         error = e
     agree([(pg, world)], fields, q if torch.is_tensor(q) else None, impl, error)
-    return Call(pg, world, rank, layout, Mask(causal, tuple(window)), scale, engine, packed, placement, batch,
-                q.shape[-2], k.shape[-2], q.shape[-1])
+    return call
+
+
+def check_blocks(blocks, like, engine: LocalEngine) -> None:
+    """Raises where `engine` cannot run one of this rank's blocks: `blocks` yields (Step, q shape, k shape) as the
+    call's steps will run them (forward, and the backward when deterministic). A CP call checks them before its
+    validity exchange, so a forced engine that cannot run a block (a dtype, a layout, a head ratio) is refused on
+    every rank before any transfer, not inside a step with transfers in flight that leaves the others waiting.
+
+    Raises:
+        ValueError / TypeError: a forced engine cannot run a block (``ndp.ops.engine_for``'s message);
+        RuntimeError: no engine of ``auto`` can.
+    """
+    for step, q_shape, k_shape in blocks:
+        if not step.empty:
+            _check_step(step.passes, tuple(q_shape), tuple(k_shape), like.dtype, like.device, engine)
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_step(passes, q_shape, k_shape, dtype, device, engine: LocalEngine) -> None:
+    # Zero-stride stand-ins: the engines' checks read shapes, dtype and device only. Cached when they pass.
+    q4, k4 = (torch.empty((), dtype=dtype, device=device).expand(shape) for shape in (q_shape, k_shape))
+    for rows in passes:
+        for det in {False, engine.deterministic}:
+            engine_for(engine.backend, _segs_of_pass(rows), q4, k4, deterministic=det, softcap=engine.softcap)
 
 
 def local_engine(backend, deterministic, softcap=0.0) -> LocalEngine:

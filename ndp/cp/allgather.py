@@ -83,6 +83,14 @@ def _allgather_plan(call):
     return AllGatherPlan(call.group, call.world, call.rank, hit[1], call.scale, call.backend)
 
 
+def _blocks(call):
+    """The blocks _allgather_fwd / _bwd run (check_blocks): each head slice's queries against every key."""
+    a, b = _head_slices(call.kv_heads)[0]
+    counts, g = call.placement.counts, call.heads // call.kv_heads
+    yield (_allgather_plan(call).step, (call.batch, counts[call.rank], (b - a) * g, call.head_dim),
+           (call.batch, sum(counts), b - a, call.head_dim))
+
+
 def _head_slices(kv_heads):
     n = max(p for p in range(1, _MAX_HEAD_SLICES + 1) if kv_heads % p == 0)
     w = kv_heads // n
@@ -219,7 +227,7 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
 def _prepare(q, k, v, groups, need_lse=True, **kw):
     """AllGatherAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan (its forward
     always returns the lse: need_lse is for the interface)."""
-    call = prepare_call("allgather_attention", q, k, v, group=groups[0], **kw)
+    call = prepare_call("allgather_attention", q, k, v, group=groups[0], **kw, blocks=_blocks)
     return kw["sinks"], _allgather_plan(call), call.packed
 
 

@@ -60,6 +60,14 @@ def ring_schedule(placement, mask) -> RingSchedule:
     return sch
 
 
+def ring_blocks(schedule, rank: int, world: int, batch: int, heads: int, kv_heads: int, head_dim: int):
+    """(Step, q shape, k shape) of each ring step of `rank`: the blocks ring_fwd and ring_bwd run (check_blocks)."""
+    counts = schedule.placement.counts
+    for j in range(world):
+        yield (schedule.step(rank, j), (batch, counts[rank], heads, head_dim),
+               (batch, counts[j], kv_heads, head_dim))
+
+
 def _kv_shape(kv: torch.Tensor, count: int):
     shape = list(kv.shape)
     shape[2] = count
@@ -173,7 +181,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
 def _prepare(q, k, v, groups, need_lse=True, **kw):
     """RingAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan (its forward
     always returns the lse: need_lse is for the interface)."""
-    call = prepare_call("ring_attention", q, k, v, group=groups[0], **kw)
+    call = prepare_call("ring_attention", q, k, v, group=groups[0], **kw, blocks=lambda c: ring_blocks(
+        ring_schedule(c.placement, c.mask), c.rank, c.world, c.batch, c.heads, c.kv_heads, c.head_dim))
     plan = RingPlan(call.group, call.world, call.rank, ring_schedule(call.placement, call.mask), call.scale,
                     call.backend)
     return kw["sinks"], plan, call.packed

@@ -165,6 +165,13 @@ def _ulysses_plan(call, rep):
     return UlyssesPlan(A2APlan(call.group, call.world, call.rank, order), step, rep, call.scale, call.backend)
 
 
+def _blocks(call, rep):
+    """The block _ulysses_fwd / _bwd run (check_blocks): every token, this rank's share of the heads."""
+    t, n = sum(call.placement.counts), call.world
+    yield (_ulysses_plan(call, rep).step, (call.batch, t, call.heads // n, call.head_dim),
+           (call.batch, t, call.kv_heads * rep // n, call.head_dim))
+
+
 def _expand_kv(k4, rep):
     return k4 if rep == 1 else k4.repeat_interleave(rep, dim=2)
 
@@ -294,7 +301,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
 def _prepare(q, k, v, groups, need_lse=True, **kw):
     """UlyssesAttnFunction's arguments after q, k, v: validation, the validity exchange, the plan."""
     call = prepare_call("ulysses_attention", q, k, v, group=groups[0], **kw,
-                        pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n))
+                        pre_check=lambda n: check_heads("ulysses_attention", q.shape[-2], k.shape[-2], n),
+                        blocks=lambda c: _blocks(c, check_heads("ulysses_attention", c.heads, c.kv_heads, c.world)))
     rep = check_heads("ulysses_attention", q.shape[-2], k.shape[-2], call.world)
     return kw["sinks"], _ulysses_plan(call, rep), call.packed, need_lse
 

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from ndp.ops.sinks import add_sinks, check_sinks
 from ndp_kernels.segments import any_value_head
 
-from ._common import acc_dtype, call_fields, local_engine, placement_for
+from ._common import acc_dtype, call_fields, check_blocks, local_engine, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
                         resolve_group_or_input_error)
 from .compiled import CpImpl, dispatch, register
-from .ring import RingPlan, ring_bwd, ring_fwd
+from .ring import RingPlan, ring_blocks, ring_bwd, ring_fwd
 from .schedule import Mask, Placement, RingSchedule
 from .sharding import _require_ops
 from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, heads_of, lse_to_head, lse_to_seq,
@@ -205,7 +205,7 @@ def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_
 
     ug, u_size, u = resolve_group_or_input_error(ulysses_group, local)
     rg, r_size, g = resolve_group_or_input_error(ring_group, local)
-    fields, error, engine = None, None, None
+    fields, error, plan = None, None, None
     try:
         window, scale, packed = local()
         layout = check_layout(layout)
@@ -214,14 +214,16 @@ def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_
         check_sinks(sinks, q.shape[-2], q.device)
         rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
         n, c = u_size * r_size, g * u_size + u
-        placement, cu_desc, _ = placement_for("usp_attention", q, n, c, layout, cu_seqlens, chunk_size)
+        placement, cu_desc, batch = placement_for("usp_attention", q, n, c, layout, cu_seqlens, chunk_size)
         fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine,
                              (u_size, r_size), sinks, chunk_size)
+        plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
+        check_blocks(ring_blocks(plan.ring.schedule, g, r_size, batch, q.shape[-2] // u_size,
+                                 k.shape[-2] * rep // u_size, q.shape[-1]), q, engine)
     except (ValueError, TypeError, RuntimeError) as e:
         error = e
     # Ulysses group first, then the ring group: an error seen in one Ulysses group reaches every rank.
     agree([(ug, u_size), (rg, r_size)], fields, q if torch.is_tensor(q) else None, "usp_attention", error)
-    plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
     return sinks, plan, packed, need_lse
 
 

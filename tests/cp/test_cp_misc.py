@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from _cp_checks import cu_of, make_inputs, run_case
 from dist import spawn
-from ndp.cp import (allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
+from ndp.cp import (CommStats, allgather_attention, gather_sequence, ring_attention, shard_packed, shard_sequence,
                     split_cp_group, ulysses_attention, usp_attention)
 from ndp.testing import tol
 
@@ -81,6 +81,15 @@ def _errors_body(rank, world):
     ug, rg = split_cp_group(None, 2)
     with pytest.raises(ValueError, match="heads % ulysses degree"):
         usp_attention(*_qkv((1, 8, 3, 16), (1, 8, 1, 16)), ulysses_group=ug, ring_group=rg)
+    # A forced engine that cannot run this rank's blocks (sdpa has no soft-capping) is refused in the validity
+    # exchange, before any transfer: raised inside a ring step, it left transfers in flight and the next
+    # collective waited forever.
+    for fn, groups in ((ring_attention, {}), (allgather_attention, {}), (ulysses_attention, {}),
+                       (usp_attention, dict(ulysses_group=ug, ring_group=rg))):
+        with CommStats() as st, pytest.raises(ValueError, match=r"backend 'sdpa' cannot run this \w+ attention block "
+                                                                 r".*sdpa has no logit soft-capping"):
+            fn(q, k, v, backend="sdpa", softcap=30.0, **groups)
+        assert st.bytes_sent == st.bytes_received == 0, fn.__name__
     # after all those errors the group still works
     out = ring_attention(q, k, v)
     assert out.shape == q.shape

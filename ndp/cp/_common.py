@@ -16,8 +16,8 @@ from .schedule import Mask, Placement, Step
 from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
 
-__all__ = ["Call", "LocalEngine", "prepare_call", "check_blocks", "to_segments", "run_fwd_step", "run_bwd_step", "p2p_ring",
-           "acc_dtype", "stacked_kv_function"]
+__all__ = ["Call", "LocalEngine", "prepare_call", "check_blocks", "to_segments", "run_fwd_step", "run_bwd_step",
+           "p2p_ring", "acc_dtype", "stacked_kv_function"]
 
 
 @dataclass(frozen=True)

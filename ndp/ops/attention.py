@@ -74,8 +74,7 @@ def engine_for(backend, segs, q4, k4, *, deterministic=False, softcap=0.0) -> st
     return backend
 
 
-def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto", softcap=0.0,
-                  checked=False):
+def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, backend="auto", softcap=0.0):
     """Segment-level forward of one block (what a ring step calls).
 
     Args:
@@ -83,17 +82,21 @@ def attention_fwd(q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None
         out_acc: optional fp32 ``[B, Sq, H, D]``; lse_acc: optional fp32 ``[B, H, Sq]``; merged into in place.
         backend: "auto" (per-block measured choice) or one engine of ``ENGINES``.
         softcap: logit soft-cap c > 0 (scores c * tanh(scores / c)), 0 = off (``SOFTCAP_ENGINES`` only).
-        checked: `backend` is an engine ``engine_for`` already chose or checked for this block (not checked again).
     Returns:
         (out, lse) or (out_acc, lse_acc).
     Raises:
         ValueError / RuntimeError for an unknown or unavailable backend, or one that cannot run the block.
     """
-    be = backend if checked else engine_for(backend, segs, q4, k4, softcap=softcap)
+    return _engine_fwd(engine_for(backend, segs, q4, k4, softcap=softcap), q4, k4, v4, segs,
+                       softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc, softcap=softcap)
+
+
+def _engine_fwd(engine, q4, k4, v4, segs, *, softmax_scale, out_acc=None, lse_acc=None, softcap=0.0):
+    """attention_fwd on `engine`, which ``engine_for`` chose or checked for this block."""
     kw = dict(softmax_scale=softmax_scale, out_acc=out_acc, lse_acc=lse_acc)
     if softcap:  # only the engines of SOFTCAP_ENGINES get here with it
         kw["softcap"] = softcap
-    return engine_module(be).fwd(q4, k4, v4, segs, **kw)
+    return engine_module(engine).fwd(q4, k4, v4, segs, **kw)
 
 
 def attention_bwd(dout4, q4, k4, v4, out4, lse3, segs, *, softmax_scale, dq_acc=None, dk_acc=None, dv_acc=None,
@@ -176,11 +179,11 @@ class _Layout:
 def _forward(lay, q, k, v, sinks, scale, softcap, backend, deterministic):
     """(out, lse) of the op's forward on `lay`'s blocks, in the caller's layout (may be views of fresh tensors)."""
     q4, k4, v4 = lay.block(q), lay.block(k), lay.block(v)
-    # Refuse an engine that cannot run this block before any work (forward and backward alike); without
-    # `deterministic` the engine that passes is the forward's own.
+    # Refuse an engine that cannot run this block before any work (forward and backward alike).
     be = engine_for(backend, lay.segs, q4, k4, deterministic=deterministic, softcap=softcap)
-    out, lse = attention_fwd(q4, k4, v4, lay.segs, softmax_scale=scale, backend=backend if deterministic else be,
-                             softcap=softcap, checked=not deterministic)
+    if deterministic:  # that was the backward's engine: the forward picks its own
+        be = engine_for(backend, lay.segs, q4, k4, softcap=softcap)
+    out, lse = _engine_fwd(be, q4, k4, v4, lay.segs, softmax_scale=scale, softcap=softcap)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks, q.dtype)
     return lay.outside(out), lay.outside_lse(lse)

@@ -102,7 +102,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["ndp", "ndp.*", "ndp_kernels", "ndp_kernels.*"]),
     package_data={"ndp.train": ["assets/*.txt", "assets/*.py", "assets/*.json"], "ndp.ops": ["tables/*.json"],
-                  "ndp.plan": ["data/*.json"]},
+                  "ndp.plan": ["data/*.json"], "ndp_kernels": ["tables/*.json"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=[

@@ -1,7 +1,7 @@
 """Launch configurations (block sizes, warps, pipeline stages) of the Triton attention kernels.
 
 A table measured on the user's GPU (``python -m ndp_kernels.tune``, written to the tuning cache, see
-``ndp_kernels.tuning``) is read first; a ``with override(kind, cfg)`` block forces one configuration (what
+``ndp_kernels.tuning``) is read first, over the one shipped for that GPU model (``SHIPPED_DIR``); a ``with override(kind, cfg)`` block forces one configuration (what
 the tuner uses to time candidates). Otherwise the shipped static tables below apply, except for the
 choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split backward, ``PROBE_ALTERNATES``): where
 the table has no row for them, the first launch measures them once (``AUTO_PROBE``, ``tune.probe``) and adds
@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from pathlib import Path
 
 import torch
 import triton
@@ -33,8 +34,8 @@ log = logging.getLogger("ndp_kernels")
 
 __all__ = ["KernelConfig", "ARCHS", "kernel_bucket", "block_d", "current_arch", "fwd_config",
            "adopt_rows", "measure_first_use", "bwd_config", "bwd_dkdv_config", "bwd_dq_config", "bwd_impl",
-           "merge_config",
-           "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits", "sm_count"]
+           "merge_config", "launch_device", "override", "no_probe", "tma_here", "AUTO_PROBE", "head_splits",
+           "sm_count", "SHIPPED_DIR"]
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -274,6 +275,9 @@ def tma_here(kind: str, dtype: torch.dtype, device: torch.device | None, head_di
 _SCOPE = {"cfg": {}}
 _SCOPE_LOCK = threading.Lock()
 _TUNED: dict = {}
+# Kernel tables measured by ndp's developers (``make gpu-report`` copies the measured rows under tuning/), shipped
+# as package data: ``kernels-<device key>.json``. On that GPU model the first call measures nothing they settle.
+SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
 
 
 def tuned_key(kind: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
@@ -282,27 +286,36 @@ def tuned_key(kind: str, arch: str, head_dim: int, dtype: torch.dtype) -> str:
 
 
 def tuned_table(device: torch.device | None, *, reload: bool = False) -> dict:
-    """Rows of the tuned table of `device`'s model from the tuning cache ({} when there is none).
+    """Rows of the tuned table of `device`'s model ({} when there is none): the table shipped in the package
+    (SHIPPED_DIR, measured on that GPU model by ``make gpu-report``) under the user's (the tuning cache), whose rows
+    win; a first-use measurement of another head_dim or dtype adds a user row and keeps the shipped ones.
 
     Raises:
-        RuntimeError: the table exists but cannot be read (names the file and how to rebuild it).
+        RuntimeError: a table exists but cannot be read (names the file and how to rebuild it).
     """
     if device is None:
         return {}
     key = tuning.device_key(device)
     if reload or key not in _TUNED:
-        path = tuning.table_path("kernels", key)
-        data = tuning.load_json(path) or {}
-        rows = data.get("rows", {}) if isinstance(data, dict) else None
-        if not isinstance(rows, dict):
-            raise RuntimeError(f"kernel tuning table {path} is malformed; delete it or re-run `python -m "
-                               f"ndp_kernels.tune`")
-        if not tuning.for_these_kernels(data):
-            log.warning("ndp_kernels: %s was measured for other kernels (an earlier ndp); ignoring it (static tables "
-                        "and first-use measurement apply; `python -m ndp_kernels.tune` measures a new one)", path)
-            rows = {}
+        rows = {}
+        for path in (tuning.table_path("kernels", key, SHIPPED_DIR), tuning.table_path("kernels", key)):
+            rows.update(_file_rows(path))
         _TUNED[key] = rows
     return _TUNED[key]
+
+
+def _file_rows(path) -> dict:
+    """The rows of the kernel table at `path` ({} when it is missing or was measured for other kernels)."""
+    data = tuning.load_json(path) or {}
+    rows = data.get("rows", {}) if isinstance(data, dict) else None
+    if not isinstance(rows, dict):
+        raise RuntimeError(f"kernel tuning table {path} is malformed; delete it or re-run `python -m "
+                           f"ndp_kernels.tune`")
+    if not tuning.for_these_kernels(data):
+        log.warning("ndp_kernels: %s was measured for other kernels (an earlier ndp); ignoring it (static tables "
+                    "and first-use measurement apply; `python -m ndp_kernels.tune` measures a new one)", path)
+        return {}
+    return rows
 
 
 def adopt_rows(device: torch.device, rows: dict) -> None:

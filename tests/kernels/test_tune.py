@@ -456,3 +456,51 @@ def test_the_kernel_digest_covers_every_source_the_kernels_depend_on(tmp_path, m
     monkeypatch.undo()
     tuning.kernels_fingerprint.cache_clear()
     assert tuning.kernels_fingerprint() == base
+
+
+def test_shipped_kernel_tables_are_for_these_kernels():
+    """Each table shipped in the package names tiles these kernels take, and its digest is these kernels' (a table
+    measured for other kernels is ignored, so a kernel change that forgets it would silently drop it)."""
+    tables = sorted(configs.SHIPPED_DIR.glob("kernels-*.json"))
+    assert tables, f"no kernel table shipped in {configs.SHIPPED_DIR}"
+    for path in tables:
+        data = json.loads(path.read_text())
+        assert tuning.for_these_kernels(data), (
+            f"{path.name} was measured for other kernels ({data.get('kernels')} != {tuning.kernels_fingerprint()}): "
+            f"measure it again on that GPU (make gpu-report copies the rows under tuning/), or, where the change "
+            f"touched neither a kernel nor a tile, set its 'kernels' field to the new digest")
+        for key, row in data["rows"].items():
+            kind, arch, bucket, dtype = key.split("/")
+            assert arch in configs.ARCHS and int(bucket) == configs.kernel_bucket(int(bucket))
+            assert isinstance(getattr(torch, dtype), torch.dtype)
+            if kind == "bwd_impl":
+                assert row["impl"] in configs.IMPLS
+            else:
+                assert kind in configs.KINDS and KernelConfig(*row["config"]).block_m > 0
+
+
+def test_shipped_rows_serve_their_gpu_under_the_users_rows(tmp_path, monkeypatch):
+    """On the GPU model of a shipped table (here the H100's, read through a stand-in device key) its rows decide
+    without a measurement; a user's row of the same key wins, and the user's other rows add to the shipped ones."""
+    h100 = "NVIDIA_H100_80GB_HBM3"
+    shipped = json.loads((configs.SHIPPED_DIR / f"kernels-{h100}.json").read_text())["rows"]
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "device_key", lambda device: h100)
+    try:
+        assert configs.tuned_table(CPU, reload=True) == shipped
+        want = KernelConfig(*shipped["fwd/sm_90/128/bfloat16"]["config"])
+        assert configs.fwd_config("sm_90", 128, CPU, torch.bfloat16) == want
+        assert configs.bwd_impl("sm_90", 128, torch.bfloat16, device=CPU) == shipped["bwd_impl/sm_90/128/bfloat16"][
+            "impl"]
+        user = {"fwd/sm_90/128/bfloat16": {"config": [64, 64, 4, 2], "ms": 1.0},
+                "fwd/sm_90/256/bfloat16": {"config": [64, 32, 8, 2], "ms": 1.0}}
+        (tmp_path / f"kernels-{h100}.json").write_text(json.dumps({"rows": user}))
+        rows = configs.tuned_table(CPU, reload=True)
+        assert rows == {**shipped, **user}
+        assert configs.fwd_config("sm_90", 128, CPU, torch.bfloat16) == KernelConfig(64, 64, 4, 2)
+        # a user table measured for other kernels is ignored; the shipped rows stay
+        (tmp_path / f"kernels-{h100}.json").write_text(json.dumps({"kernels": "0" * 16, "rows": user}))
+        assert configs.tuned_table(CPU, reload=True) == shipped
+    finally:
+        monkeypatch.undo()
+        configs.tuned_table(CPU, reload=True)

@@ -21,7 +21,7 @@ import torch
 
 from ndp_kernels import NO_LIMIT
 
-from ._pieces import Call, Piece, run_pieces_bwd, run_pieces_fwd
+from ._pieces import Call, Piece, lse_for_flash, lse_from_flash, run_pieces_bwd, run_pieces_fwd
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _flat(x):
 
 def _calls(q4, k4, segs, version, deterministic=False):
     """The block as one call of the pieces runner (``_pieces.run_pieces_fwd/run_pieces_bwd``: it merges into the fp32
-    accumulators and hands the backward lse +inf for rows that see no key, which is flash-attn's convention)."""
+    accumulators); its rows may see no key (``lse_for_flash``)."""
     args = _varlen_args(q4, k4, segs)
     assert args is not None, "engines.capable admits only flash-attn expressible blocks"
     every = Piece("full", 0, q4.shape[1], 0, k4.shape[1])
@@ -144,14 +144,10 @@ def _fwd(args, version, piece, q4, k4, v4, softmax_scale):
         out, lse, _ = flash_attn_varlen_func(_flat(q4), _flat(k4), _flat(v4), cu_q, cu_k, mq, mk,
                                              softmax_scale=softmax_scale, causal=causal,
                                              window_size=(left, right), return_attn_probs=True)
-    # flash-attn writes lse = +inf for a row that sees no key; ndp's contract (and the merge) needs -inf.
-    lse = lse.masked_fill(lse == float("inf"), float("-inf"))
-    return out.unsqueeze(0), lse.unsqueeze(0)  # [1, T, H, D], [1, H, T]
+    return out.unsqueeze(0), lse_from_flash(lse).unsqueeze(0)  # [1, T, H, D], [1, H, T]
 
 
 def _bwd(args, version, deterministic, piece, dout4, q4, k4, v4, out4, lse3, softmax_scale):
-    # lse3 has +inf for rows without keys (run_pieces_bwd): flash-attn's backward takes P = exp(s - lse), so those rows
-    # get P = 0 (zero gradients), where ndp's -inf would give exp(+inf - inf) = NaN.
     cu_q, cu_k, mq, mk, causal, window = args
     dq, dk, dv = (torch.empty_like(_flat(x)) for x in (q4, k4, v4))
     if version == 3:
@@ -161,7 +157,7 @@ def _bwd(args, version, deterministic, piece, dout4, q4, k4, v4, out4, lse3, sof
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward as fn
         name = "flash_attn.flash_attn_interface._flash_attn_varlen_backward"
     _call(fn, name, dout=_flat(dout4), q=_flat(q4), k=_flat(k4), v=_flat(v4), out=_flat(out4),
-          softmax_lse=lse3[0].contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+          softmax_lse=lse_for_flash(lse3[0]).contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
           max_seqlen_q=mq, max_seqlen_k=mk, softmax_scale=softmax_scale, causal=causal, window=window,
           deterministic=deterministic)
     return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)

@@ -28,7 +28,7 @@ from ndp import _ops
 from ndp_kernels.segments import NO_LIMIT, acc_dtype
 
 __all__ = ["Piece", "Call", "plan_pieces", "pieces_of", "run_pieces_fwd", "run_pieces_bwd", "MASK_TILE_ROWS", "rows",
-           "as_dtype"]
+           "as_dtype", "lse_from_flash", "lse_for_flash"]
 
 # Rows per masked piece: bounds a mask to MASK_TILE_ROWS x (MASK_TILE_ROWS + window) entries.
 MASK_TILE_ROWS = 1024
@@ -168,6 +168,19 @@ def as_dtype(x, dtype):
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def lse_from_flash(lse):
+    """A flash kernel's lse in ndp's convention: flash writes +inf for a row that sees no key, ndp (and the merge)
+    has -inf there."""
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def lse_for_flash(lse):
+    """ndp's lse as a flash kernel's backward takes it: one flash call runs a whole block, whose rows may see no
+    key (lse -inf); flash takes P = exp(s - lse), so +inf there makes their probabilities exact zeros where -inf
+    would give NaN. (The other kernels run pieces, whose rows all see a key: their lse is finite.)"""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
 def heads_first(x):
     """[B, S, H, D] -> [B, H, S, D] view (no copy): the layout torch's SDPA kernels take."""
     return x.transpose(1, 2)
@@ -195,22 +208,20 @@ def run_pieces_fwd(calls, q4, k4, v4, scale, out_acc=None, lse_acc=None):
 
 def run_pieces_bwd(calls, do4, q4, k4, v4, o4, lse3, scale, dq_acc=None, dk_acc=None, dv_acc=None):
     """Backward of a block as `calls` given the rows' final out and lse. Returns (dq, dk, dv) in the inputs'
-    dtype, or the accumulators with every piece's gradients added."""
-    # lse = -inf marks a row with no key at all: +inf turns its probabilities into exact zeros.
-    lse_safe = lse3.masked_fill(lse3 == float("-inf"), float("inf"))
-    if q4.dtype == torch.float64:
-        lse_safe = lse_safe.double()
+    dtype, or the accumulators with every piece's gradients added. Every row of a piece sees a key, so its lse is
+    finite (a flash call over a whole block, whose rows may see none, converts it: ``lse_for_flash``)."""
+    lse3 = lse3.double() if q4.dtype == torch.float64 else lse3
     own = dq_acc is None
     if own and len(calls) == 1 and _covers(calls[0].piece, q4.shape[1], k4.shape[1]):
         c = calls[0]
-        return tuple(as_dtype(g, x.dtype) for g, x in zip(c.bwd(c.piece, do4, q4, k4, v4, o4, lse_safe, scale),
+        return tuple(as_dtype(g, x.dtype) for g, x in zip(c.bwd(c.piece, do4, q4, k4, v4, o4, lse3, scale),
                                                            (q4, k4, v4)))
     if own:
         adt = acc_dtype(q4.dtype)
         dq_acc, dk_acc, dv_acc = (torch.zeros(x.shape, dtype=adt, device=x.device) for x in (q4, k4, v4))
     for c in calls:
         p = c.piece
-        dq, dk, dv = c.bwd(p, do4, q4, k4, v4, o4, lse_safe, scale)
+        dq, dk, dv = c.bwd(p, do4, q4, k4, v4, o4, lse3, scale)
         dq_acc[:, p.q0:p.q1] += dq
         dk_acc[:, p.k0:p.k1] += dk
         dv_acc[:, p.k0:p.k1] += dv

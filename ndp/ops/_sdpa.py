@@ -9,8 +9,7 @@ the precision of the Triton path.
 
 Backward of a piece uses the rows' FINAL out and lse (flash-style recomputation: ``P = exp(S - lse)``,
 ``delta = rowsum(dO * O)``), so pieces and ring steps add their gradients independently. A row that
-sees no key anywhere has ``lse = -inf``; it is passed as ``+inf`` so its probabilities are exactly 0
-(``exp(S - inf)``) instead of NaN.
+sees no key is in no piece (its out 0, lse -inf), so every lse a piece reads is finite.
 
 On CUDA the same piece plan runs on torch's cuDNN, built-in FlashAttention-2 or memory-efficient kernels
 (``_sdpa_cuda.py``), each checked against the float64 reference on this machine before its first use.

@@ -21,7 +21,8 @@ disabled with ``torch.backends.cuda.enable_{cudnn,flash,mem_efficient}_sdp(False
 whole block needs flash anyway, it is one flash call.
 
 Backward, as on CPU, takes the rows' final out and lse (flash-style recomputation), so pieces and ring steps
-add gradients independently; rows with no key get lse = +inf (zero probabilities). The backward ops also take
+add gradients independently; a flash call over a whole block gets lse = +inf for its rows with no key (zero
+probabilities; the other kernels' pieces hold only rows that see one). The backward ops also take
 the forward's RNG tensors and its lse layout (cuDNN's ``[B, H, S, 1]``, the efficient kernel's rows padded to
 a multiple of 32): ndp runs each kernel's forward once per process on a tiny input and passes tensors of
 exactly the layout the forward returns (dropout is 0, so the RNG values are never read).
@@ -40,11 +41,12 @@ import math
 
 import torch
 
-from ndp_kernels import Segments
+from ndp_kernels import Segments, tuning
 
 from . import _flash_attn
 from ._check import compare_to_reference
-from ._pieces import Call, Piece, as_dtype, heads_first, pieces_of, rows, run_pieces_bwd, run_pieces_fwd
+from ._pieces import (Call, Piece, as_dtype, heads_first, lse_for_flash, lse_from_flash, pieces_of, rows, run_pieces_bwd,
+                      run_pieces_fwd)
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +61,19 @@ _SWITCH = {"cudnn": "enable_cudnn_sdp", "flash": "enable_flash_sdp", "efficient"
 
 
 def facts(device) -> dict:
-    """What this torch and GPU offer: compute capability and, per kernel, whether it is built and enabled."""
+    """What this torch and GPU offer: compute capability and, per kernel, whether it is built and enabled (the
+    switches read on every call: a user may flip them between calls)."""
     cuda = torch.backends.cuda
-    return {
-        "capability": torch.cuda.get_device_capability(device),
-        "cudnn": torch.backends.cudnn.is_available() and cuda.cudnn_sdp_enabled(),
-        "flash": cuda.is_flash_attention_available() and cuda.flash_sdp_enabled(),
-        "efficient": cuda.mem_efficient_sdp_enabled(),
-    }
+    props = tuning.device_properties(device)  # queried once per device: about 20 us of host time otherwise
+    cudnn, flash = _built()
+    return {"capability": (props.major, props.minor), "cudnn": cudnn and cuda.cudnn_sdp_enabled(),
+            "flash": flash and cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled()}
+
+
+@functools.cache
+def _built() -> tuple:
+    """(cuDNN built, FlashAttention built) into this torch: fixed for the process."""
+    return torch.backends.cudnn.is_available(), torch.backends.cuda.is_flash_attention_available()
 
 
 def available(device) -> tuple[bool, str]:
@@ -142,15 +149,14 @@ def _flash_fwd(window, cu, piece, q4, k4, v4, scale):
         res = ATEN._flash_attention_forward(q[0], k[0], v[0], cu_q, cu_k, mq, mk, 0.0, right == 0, False,
                                             scale=scale, window_size_left=left, window_size_right=right)
         out, lse = res[0].unsqueeze(0), res[1].unsqueeze(0)
-    # flash writes +inf for a row that sees no key; ndp's contract (and the merge) has -inf there.
-    return out, lse.masked_fill(lse == math.inf, -math.inf)
+    return out, lse_from_flash(lse)
 
 
 def _flash_bwd(window, cu, piece, do4, q4, k4, v4, o4, lse3, scale):
     left, right = window
     q, k, v = rows(q4, piece.q0, piece.q1), rows(k4, piece.k0, piece.k1), rows(v4, piece.k0, piece.k1)
     do, o = rows(do4, piece.q0, piece.q1), rows(o4, piece.q0, piece.q1)
-    lse = as_dtype(rows(lse3, piece.q0, piece.q1, 2), torch.float32)
+    lse = lse_for_flash(as_dtype(rows(lse3, piece.q0, piece.q1, 2), torch.float32))
     seed, offset = _forward_layout("flash", q4.device)["rng"]
     if cu is None:
         return ATEN._flash_attention_backward(do, q, k, v, o, lse.contiguous(), None, None, q.shape[1], k.shape[1],

@@ -266,6 +266,7 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.opts = (scale, softcap, backend, deterministic)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient stays None (not a zeros tensor and its fill kernel per call)
         return out, lse
 
     @staticmethod

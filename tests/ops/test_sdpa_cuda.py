@@ -74,6 +74,7 @@ class FakeAten:
     def _scaled_dot_product_cudnn_attention_backward(self, do, q, k, v, out, lse, seed, offset, attn_bias, cum_q,
                                                      cum_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
         assert lse.shape == (*q.shape[:3], 1) and seed.dtype == torch.int64 and attn_bias is None
+        assert torch.isfinite(lse).all(), "a cuDNN piece holds only rows that see a key"
         assert do.stride() == out.stride(), "cuDNN's backward needs dO laid out like O"
         vis = window_mask(q.shape[2], k.shape[2], -1, 0 if is_causal else -1, True)
         g = attend_bwd(*(x.transpose(1, 2) for x in (do, q, k, v, out)), lse[..., 0], vis, scale)
@@ -99,6 +100,7 @@ class FakeAten:
                                       num_splits_key=None, window_size=None, shared_storage_dqdkdv=False):
         n = q.shape[1]
         assert lse.shape == (q.shape[0], q.shape[2], -(-n // 32) * 32) and max_q == n and max_k == k.shape[1]
+        assert torch.isfinite(lse[..., :n]).all(), "a memory-efficient piece holds only rows that see a key"
         vis = window_mask(n, k.shape[1], -1, 0 if custom_mask_type == 1 else -1, True)
         return attend_bwd(do, q, k, v, out, lse[..., :n], vis, scale) + (None,)
 

@@ -126,7 +126,9 @@ def _engine_report(device: str) -> dict:
                 rows["/".join(str(x) for x in key)] = {
                     "auto": avail[0] if avail else None, "order": row["order"], "ms": row.get("ms", {}),
                     "why": ("no measured engine is available here" if not avail else
-                            "fastest exact engine measured" + (" (on first use)" if row.get("probed") else ""))}
+                            "fastest exact engine measured" + (" (shipped with ndp for this GPU model)"
+                                                               if key in table.shipped else
+                                                               " (on first use)" if row.get("probed") else ""))}
         dev_type = _t.device(device).type
         default = list(engines.DEFAULT_ORDER.get(dev_type, ()))
         probe = ("; on this device auto measures a missing row once on first use "

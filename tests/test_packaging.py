@@ -51,7 +51,8 @@ def test_wheel_builds_installs_and_imports_in_fresh_venv(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("ndp/_C") and n.endswith(".so") for n in names), names
     for must in ("ndp/__init__.py", "ndp/_ops.py", "ndp/info.py", "ndp_kernels/__init__.py",
-                 "ndp/ops/tables/engines-cpu.json", "ndp_kernels/tables/kernels-NVIDIA_H100_80GB_HBM3.json",
+                 "ndp/ops/tables/engines-cpu.json", "ndp/ops/tables/engines-NVIDIA_H100_80GB_HBM3.json",
+                 "ndp_kernels/tables/kernels-NVIDIA_H100_80GB_HBM3.json",
                  "ndp/plan/data/gpus.json", "ndp/train/assets/models.json"):
         assert must in names, f"{must} missing from the wheel"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -22,7 +22,7 @@ for a block no other engine here can run exactly (a soft-capped block on CPU), w
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -139,6 +139,7 @@ class EngineTable:
     source: str                      # path of the file, or "none"
     rows: dict
     meta: dict
+    shipped: set = field(default_factory=set)  # keys of the rows read from the package's table (not the user's)
 
     def row(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
         """The row measured for exactly this block (its head kind's, else one for both layouts), or None."""
@@ -191,18 +192,37 @@ _TABLES: dict = {}
 
 
 def engine_table(device, *, reload: bool = False) -> EngineTable:
-    """The engine table in use for `device`: the user's tuned table, else the shipped one, else an empty table."""
+    """The engine table in use for `device`: the one shipped in the package for its model (SHIPPED_DIR) under the
+    user's tuned table, whose rows win (a row measured here for another block keeps the shipped ones); an empty
+    table where neither exists."""
     key = tuning.device_key(device)
     if not reload and key in _TABLES:
         return _TABLES[key]
     table = EngineTable(key, "none", {}, {})
-    for path in (tuning.table_path("engines", key), tuning.table_path("engines", key, SHIPPED_DIR)):
+    for path, shipped in ((tuning.table_path("engines", key, SHIPPED_DIR), True), (tuning.table_path("engines", key),
+                                                                                   False)):
         data = tuning.load_json(path)
         if data is not None:
-            table = parse_table(data, str(path))
-            break
+            part = parse_table(data, str(path))
+            table.rows.update(part.rows)
+            table.shipped = set(part.rows) if shipped else table.shipped - set(part.rows)
+            table.source, table.meta = part.source, part.meta
     _TABLES[key] = table
     return table
+
+
+def _measured_here(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> bool:
+    """Whether `table` decides this block on `device` without a measurement: it has a row measured for exactly it,
+    unless that row shipped with ndp and an engine auto may run here was not installed where it was measured
+    (``"engines"`` of the row; e.g. the H100 rows, measured without flash-attn, on a machine with it): that row is
+    measured here, where measuring is allowed."""
+    key = next((k for k in (row_key(cls, dtype, bucket, kind), row_key(cls, dtype, bucket)) if k in table.rows), None)
+    if key is None:
+        return False
+    if key not in table.shipped:
+        return True
+    installed = table.rows[key].get("engines", ())
+    return all(e in installed or not engine_available(e, device)[0] for e in AUTO_ENGINES)
 
 
 # Device types on which auto measures a missing table row on first use (``ndp.ops.tune.probe_row``) instead of
@@ -231,7 +251,7 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) 
     key = row_key(cls, dtype, bucket, kind)
     if (table.device_key,) + key in _PROBE_FAILED:
         return table.order(cls, dtype, bucket, kind)[0]
-    log.info("auto: no measured engine row for %s on %s; measuring it once (python -m ndp.ops.tune measures the "
+    log.info("auto: no engine row measured here for %s on %s; measuring it once (python -m ndp.ops.tune measures the "
              "whole table)", "/".join(map(str, key)), table.device_key)
     try:
         return _measure(table, cls, dtype, bucket, kind, device)
@@ -246,6 +266,7 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) 
 def _measure(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
     row = _TUNER.probe_row(device, cls, dtype, bucket, kind)
     table.rows[row_key(cls, dtype, bucket, kind)] = row
+    table.shipped.discard(row_key(cls, dtype, bucket, kind))
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
     return tuple(row["order"])
@@ -255,7 +276,7 @@ def measure_first_use(cls: str, dtype: torch.dtype, head_dim: int, kind: str, de
     """Measures now the row (cls, dtype, head_dim bucket, head kind) that auto's first block of that kind on
     `device` would (no measured row, measurement allowed here); a failure raises (``ndp.warmup`` reports it)."""
     table, bucket = engine_table(device), head_dim_bucket(head_dim)
-    if table.order(cls, dtype, bucket, kind)[1] != "measured" and _may_probe(device):
+    if not _measured_here(table, cls, dtype, bucket, kind, device) and _may_probe(device):
         _measure(table, cls, dtype, bucket, kind, device)
 
 
@@ -270,7 +291,9 @@ def adopt_rows(device, rows: dict) -> None:
     if not rows:
         return
     table = engine_table(device)
-    table.rows.update(parse_table({"device_key": table.device_key, "rows": rows}, "rows adopted").rows)
+    adopted = parse_table({"device_key": table.device_key, "rows": rows}, "rows adopted").rows
+    table.rows.update(adopted)
+    table.shipped -= set(adopted)
     path = tuning.table_path("engines", table.device_key)
     tuning.merge_rows(path, rows, lambda: {"device_key": table.device_key}, replace=True)
     if table.source == "none":
@@ -306,8 +329,8 @@ def choose(segs, q4, k4, *, deterministic: bool = False, softcap: float = 0.0) -
     cls = block_class(segs, sq, sk)
     table = engine_table(q4.device)
     bucket = head_dim_bucket(q4.shape[-1])
-    order, how = table.order(cls, q4.dtype, bucket, kind)
-    if how != "measured" and _may_probe(q4.device):
+    order, _ = table.order(cls, q4.dtype, bucket, kind)
+    if not _measured_here(table, cls, q4.dtype, bucket, kind, q4.device) and _may_probe(q4.device):
         order = _probe(table, cls, q4.dtype, bucket, kind, q4.device)
     fallback = DEFAULT_ORDER.get(q4.device.type, ("triton",))
     reasons = dict(table.rejected(cls, q4.dtype, bucket, kind))  # failed their measurement here: never run by auto

@@ -110,7 +110,8 @@ TIME_HEADS = {"mha": (8, 8), "gqa": (8, 2)}
 
 def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True, kind="gqa") -> dict:
     """One table row: every engine available and exact here for a block of class `cls`, checked against the
-    float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "rejected"}``.
+    float64 reference and then timed; ``{"order": fastest first (auto's engines only), "ms": ..., "engines": auto's
+    engines installed here, "rejected"}``.
     An engine that differs from the reference or raises is named in ``rejected`` and never in ``order``
     (``engines.choose`` skips it, its default order included). kind: the head layout of the blocks."""
     segs, sq, sk = class_block(cls, 8)
@@ -139,7 +140,8 @@ def measure_row(device, cls, dtype, head_dim, *, s, iters, with_reference=True, 
             log.warning("ndp.ops.tune: engine %r failed on a %s block (%s, head_dim %d) on %s and is left out of "
                         "auto's order (%s)", e, cls, dtype, head_dim, device, rejected[e])
     order = sorted((e for e in ms if e in AUTO_ENGINES), key=ms.get)
-    return {"order": order, "ms": ms, **({"rejected": rejected} if rejected else {})}
+    installed = [e for e in AUTO_ENGINES if engine_available(e, device)[0]]  # what a shipped row is valid for
+    return {"order": order, "ms": ms, "engines": installed, **({"rejected": rejected} if rejected else {})}
 
 
 def _row_key(cls, dtype, head_dim, kind) -> str:

@@ -210,6 +210,48 @@ def test_auto_measures_a_missing_row_once_and_saves_it(probing, tmp_path):
         (tmp_path / "engines-cpu.json").read_text())["rows"]
 
 
+def test_a_shipped_row_measured_without_an_engine_installed_here_is_measured_again(probing, tmp_path, monkeypatch):
+    """A row shipped in the package counts only where every engine auto may run here was installed when it was
+    measured; once measured here, the user's row wins over it in every later process, other shipped rows stay."""
+    (tmp_path / "shipped").mkdir()
+    causal, full = "causal/float32/64/mha", "full/float32/64/mha"
+    rows = {causal: {"order": ["sdpa"], "ms": {"sdpa": 1.0}, "engines": ["sdpa"]},
+            full: {"order": ["sdpa"], "ms": {"sdpa": 1.0}, "engines": ["sdpa", "triton"]}}
+    (tmp_path / "shipped" / "engines-cpu.json").write_text(json.dumps({"device_key": "cpu", "rows": rows}))
+    monkeypatch.setattr(engines, "engine_available", lambda e, d: (e in ("sdpa", "triton"), "a stand-in"))
+    q = torch.zeros(1, 28, 2, 64)  # a size no other test's choice is memoised for
+    assert engines.choose(Segments.dense(28, 28, causal=True), q, q) == "sdpa"
+    assert len(probing) == 1 and probing[0][:2] == ("sdpa", "causal")        # triton was not installed there
+    assert engines.choose(Segments.dense(28, 28, causal=False), q, q) == "sdpa" and len(probing) == 1  # full: it was
+    table = engines.engine_table("cpu")
+    assert table.shipped == {("full", "float32", 64, "mha")} and table.rows[("causal", "float32", 64, "mha")]["probed"]
+    engines._TABLES.clear()                                                      # as in a new process
+    table = engines.engine_table("cpu")
+    assert set(table.rows) == {("causal", "float32", 64, "mha"), ("full", "float32", 64, "mha")}
+    assert table.shipped == {("full", "float32", 64, "mha")} and table.source == str(tmp_path / "engines-cpu.json")
+    assert engines.choose(Segments.dense(28, 28, causal=True), q, q) == "sdpa" and len(probing) == 1
+
+
+def test_the_shipped_h100_rows_decide_where_no_other_engine_is_installed(tmp_path, monkeypatch):
+    """The H100 table ships its measured rows (read through a stand-in device key): they decide auto's order without a
+    measurement where only the engines it was measured with are installed, and not where flash-attn is."""
+    h100 = "NVIDIA_H100_80GB_HBM3"
+    data = json.loads((engines.SHIPPED_DIR / f"engines-{h100}.json").read_text())
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(engines, "_TABLES", {})
+    monkeypatch.setattr(tuning, "device_key", lambda device: h100)
+    table = engines.engine_table("cpu")
+    assert len(table.rows) == len(data["rows"]) and table.shipped == set(table.rows)
+    assert all(row["engines"] == ["sdpa", "triton"] for row in data["rows"].values())
+    assert table.order("causal", torch.bfloat16, 128, "gqa") == (("sdpa", "triton"), "measured")
+    installed = {"sdpa", "triton"}
+    monkeypatch.setattr(engines, "engine_available", lambda e, d: (e in installed, "a stand-in"))
+    assert engines._measured_here(table, "causal", torch.bfloat16, 128, "gqa", "cpu")
+    installed.add("flash_attn")
+    assert not engines._measured_here(table, "causal", torch.bfloat16, 128, "gqa", "cpu")
+    assert not engines._measured_here(table, "full", torch.bfloat16, 128, "gqa", "cpu")   # no such row
+
+
 def test_a_cache_that_cannot_be_written_keeps_the_measured_row_for_this_process(probing, tmp_path, monkeypatch,
                                                                                 caplog):
     def read_only(path, data):
@@ -271,6 +313,7 @@ def test_no_probe_while_compiling_or_capturing(monkeypatch):
 
 def test_a_tuned_table_in_the_cache_dir_takes_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    monkeypatch.setattr(engines, "SHIPPED_DIR", tmp_path / "shipped")  # the user's rows alone (nearest-row lookup)
     path = tmp_path / "engines-cpu.json"
     path.write_text(json.dumps({"device_key": "cpu", "rows": {"causal/float32/64": {"order": ["triton", "sdpa"],
                                                                                     "ms": {}}}}))
@@ -290,7 +333,7 @@ def test_a_tuned_table_in_the_cache_dir_takes_precedence(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="malformed.*python -m ndp.ops.tune"):
             engines.engine_table("cpu", reload=True)
     finally:
-        monkeypatch.delenv("NDP_TUNING_DIR")
+        monkeypatch.undo()
         engines.engine_table("cpu", reload=True)
 
 

@@ -1,11 +1,11 @@
 """Launch configurations (block sizes, warps, pipeline stages) of the Triton attention kernels.
 
 A table measured on the user's GPU (``python -m ndp_kernels.tune``, written to the tuning cache, see
-``ndp_kernels.tuning``) is read first, over the one shipped for that GPU model (``SHIPPED_DIR``); a ``with override(kind, cfg)`` block forces one configuration (what
-the tuner uses to time candidates). Otherwise the shipped static tables below apply, except for the
-choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split backward, ``PROBE_ALTERNATES``): where
-the table has no row for them, the first launch measures them once (``AUTO_PROBE``, ``tune.probe``) and adds
-the rows.
+``ndp_kernels.tuning``) is read first, over the one shipped for that GPU model (``SHIPPED_DIR``); a ``with
+override(kind, cfg)`` block forces one configuration (what the tuner uses to time candidates). Otherwise the shipped
+static tables below apply, except for the choices they leave unmeasured on a GPU (TMA K/V loads, atomic vs split
+backward, ``PROBE_ALTERNATES``): where the table has no row for them, the first launch measures them once
+(``AUTO_PROBE``, ``tune.probe``) and adds the rows.
 
 One static table per architecture family and head_dim bucket. The values are chosen so that the
 ahead-of-time compiles (``python -m ndp_kernels.aot``) have no register spills and fit the

@@ -45,8 +45,8 @@ from ndp_kernels import Segments, tuning
 
 from . import _flash_attn
 from ._check import compare_to_reference
-from ._pieces import (Call, Piece, as_dtype, heads_first, lse_for_flash, lse_from_flash, pieces_of, rows, run_pieces_bwd,
-                      run_pieces_fwd)
+from ._pieces import (Call, Piece, as_dtype, heads_first, lse_for_flash, lse_from_flash, pieces_of, rows,
+                      run_pieces_bwd, run_pieces_fwd)
 
 log = logging.getLogger(__name__)
 

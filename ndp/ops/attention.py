@@ -250,12 +250,12 @@ torch.library.register_autograd("ndp::attention", _attention_grad, setup_context
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The op's body and backward without the custom-op dispatch, for eager calls: that dispatch costs about
-    0.25 ms of host time each way per call (CPU-measured; on an H100 short calls went from ~0.8 to 0.3-0.5 ms per
-    forward+backward over SDPA with this path, docs/gpu-h100.md). The backward reuses the forward's layout and segment table; the forward's outputs are fresh
-    tensors, so they skip the op's no-alias check (torch.library's rule; the gradients keep it: dK and dV may be
-    views of one buffer). Compiled callers, dispatch modes (fake tensors, selective checkpointing) and tensor
-    subclasses get the op."""
+    """The op's body and backward without the custom-op dispatch, for eager calls: that dispatch costs about 0.25 ms of
+    host time each way per call (CPU-measured; on an H100 short calls went from ~0.8 to 0.3-0.5 ms per
+    forward+backward over SDPA with this path, docs/gpu-h100.md). The backward reuses the forward's layout and
+    segment table; the forward's outputs are fresh tensors, so they skip the op's no-alias check (torch.library's
+    rule; the gradients keep it: dK and dV may be views of one buffer). Compiled callers, dispatch modes (fake
+    tensors, selective checkpointing) and tensor subclasses get the op."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, pos, sinks, opts):

@@ -7,6 +7,8 @@
 1. single: one process, forward+backward of ``ndp.ops.attention`` per engine (auto, sdpa, the torch
    reference; triton on CUDA) against ``torch.nn.functional.scaled_dot_product_attention`` with autograd,
    causal and full, B=1 H=8 D=64, fp32 on CPU (bf16 on CUDA). Ratio = ndp time / SDPA time.
+   host (``--only host``): the same causal calls (auto and SDPA), the host's time per call with the device not
+   waited for: what a model step hides on a GPU, and what a synchronised short call shows.
 2. ring (CPU, gloo): 2 processes, zigzag ring attention forward+backward, causal, B=1 H=8 D=64 fp32, one
    thread per rank: ``ndp.ring_attention(backend="auto")`` against torch's own context-parallel ring
    (``torch.distributed.tensor.experimental``'s load-balanced templated ring over the CPU flash kernel,
@@ -83,46 +85,85 @@ def _interleaved(providers, dev, iters, warmup=1):
     return times
 
 
-def single(seqlens, dev, iters, engines=None):
+def _case(s, causal, dev, dtype, engines):
+    """(shape, {provider: fn}, {provider: max error}) of one single-process case: torch SDPA with autograd and
+    ndp.ops.attention per engine, forward+backward, each ndp provider checked against SDPA's output first."""
     import ndp.ops
 
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    engines = engines or (["auto", "sdpa", "triton"] if dev.type == "cuda" else ["auto", "sdpa", "torch"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, s, 8, 64, generator=g).to(dev, dtype) for _ in range(4))
+    shape = f"B=1 S={s} H=8 D=64 {str(dtype)[6:]} {'causal' if causal else 'full'}"
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        out.backward(dout.transpose(1, 2))
+        return out
+
+    want = sdpa().transpose(1, 2).detach()
+    providers, errs = {"torch SDPA": sdpa}, {}
+    for e in engines:
+        if e != "auto" and not ndp.ops.available_backends(dev)[e][0]:
+            continue
+        if e == "torch" and s > 4096:
+            continue  # the materialising reference holds S x S per head
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+
+        def run(qq=qq, kk=kk, vv=vv, e=e):
+            out = ndp.ops.attention(qq, kk, vv, causal=causal, backend=e)
+            out.backward(dout)
+            return out
+
+        errs[f"ndp {e}"] = _check(f"ndp {e} {shape}", run().detach(), want, dtype)
+        providers[f"ndp {e}"] = run
+    return shape, providers, errs
+
+
+def _engines(dev, engines):
+    return engines or (["auto", "sdpa", "triton"] if dev.type == "cuda" else ["auto", "sdpa", "torch"])
+
+
+def _dtype(dev):
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def single(seqlens, dev, iters, engines=None):
     rows = []
     for s in seqlens:
         for causal in (True, False):
-            g = torch.Generator().manual_seed(0)
-            q, k, v, dout = (torch.randn(1, s, 8, 64, generator=g).to(dev, dtype) for _ in range(4))
-            shape = f"B=1 S={s} H=8 D=64 {str(dtype)[6:]} {'causal' if causal else 'full'}"
-            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-
-            def sdpa():
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                out.backward(dout.transpose(1, 2))
-                return out
-
-            want = sdpa().transpose(1, 2).detach()
-            providers, errs = {"torch SDPA": sdpa}, {}
-            for e in engines:
-                if e != "auto" and not ndp.ops.available_backends(dev)[e][0]:
-                    continue
-                if e == "torch" and s > 4096:
-                    continue  # the materialising reference holds S x S per head
-                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-
-                def run(qq=qq, kk=kk, vv=vv, e=e):
-                    out = ndp.ops.attention(qq, kk, vv, causal=causal, backend=e)
-                    out.backward(dout)
-                    return out
-
-                errs[f"ndp {e}"] = _check(f"ndp {e} {shape}", run().detach(), want, dtype)
-                providers[f"ndp {e}"] = run
+            shape, providers, errs = _case(s, causal, dev, _dtype(dev), _engines(dev, engines))
             times = _interleaved(providers, dev, iters)
             base = _stats(times["torch SDPA"])["ms"]
             for name, t in times.items():
                 st = _stats(t)
                 rows.append(dict(part="single", provider=name, shape=shape, ratio=st["ms"] / base,
                                  ref_err=errs.get(name, 0.0), **st))
+    return rows
+
+
+def host(seqlens, dev, iters):
+    """The host's time per forward+backward, the device not waited for (what the GPU hides inside a model step
+    and shows when each call is synchronised, as in ``single``): per round 50 calls back to back, then one
+    synchronisation; causal, SDPA and ndp's auto. On CPU the host does the work too (one call per round)."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    calls = 50 if dev.type == "cuda" else 1
+    rows = []
+    for s in seqlens:
+        shape, providers, errs = _case(s, True, dev, _dtype(dev), ["auto"])
+        times = {name: [] for name in providers}
+        for _ in range(iters):
+            for name, fn in providers.items():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / calls)
+                sync()
+        base = _stats(times["torch SDPA"])["ms"]
+        for name, t in times.items():
+            st = _stats(t)
+            rows.append(dict(part="host", provider=name, shape=shape + " host", ratio=st["ms"] / base,
+                             ref_err=errs.get(name, 0.0), **st))
     return rows
 
 
@@ -290,7 +331,7 @@ def hf(seqlen, steps, dev):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--only", choices=["single", "ring", "hf"], action="append")
+    ap.add_argument("--only", choices=["single", "host", "ring", "hf"], action="append")
     ap.add_argument("--hf-seqlen", type=int, default=2048)
     ap.add_argument("--hf-steps", type=int, default=5)
     ap.add_argument("--seqlens", default="1024,4096")
@@ -299,7 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--with-reference-engine", action="store_true",
                     help="also time the ring on the materialising torch engine (slow: ~20 s per step at S=8192)")
     args = ap.parse_args(argv)
-    parts = set(args.only or ["single", "ring", "hf"])
+    parts = set(args.only or ["single", "host", "ring", "hf"])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
                 cpus=os.cpu_count(), threads=torch.get_num_threads(), git_sha=bench_cp._git_sha(),
@@ -308,6 +349,8 @@ def main(argv=None) -> int:
     rows = []
     if "single" in parts:
         rows += single([int(x) for x in args.seqlens.split(",")], dev, args.iters)
+    if "host" in parts:
+        rows += host([int(x) for x in args.seqlens.split(",")], dev, args.iters)
     if "ring" in parts:
         rows += ring(args.ring_seqlen, args.iters, args.with_reference_engine)
     if "hf" in parts:

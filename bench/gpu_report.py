@@ -6,7 +6,8 @@ Parts, each a fresh process with its own time limit, run in this order (``--part
   the kernels on the device).
 - ``kernels``: ``bench_kernels.py`` with every provider (ndp, its forced backwards, TMA, torch SDPA default /
   cuDNN / flash, flash-attn): TFLOP/s by sequence length, forward, backward, forward+backward, plus its PNG.
-- ``engines``: ``bench_engines.py --only single``: ``ndp.ops.attention`` per engine against SDPA.
+- ``engines``: ``bench_engines.py --only single --only host``: ``ndp.ops.attention`` per engine against SDPA, and
+  the host's time per call (auto against SDPA, the device not waited for).
 - ``hf``: ``bench_engines.py --only hf``: a Hugging Face Llama trained with ndp's attention against
   ``attn_implementation="sdpa"``, tokens/s, losses compared.
 - ``memory``: ``bench_memory.py`` on the device: peak memory and time of the token loss, full logits against the
@@ -64,8 +65,9 @@ COMMANDS = {
     "tests": (PYTEST + ["-m", "gpu", "tests"], None, 330),
     "kernels": (["bench/bench_kernels.py", "--seqlens", "1024,4096,16384", "--head-dims", "128"],
                 ["bench/bench_kernels.py", "--smoke", "--no-static-report"], 120),
-    "engines": (["bench/bench_engines.py", "--only", "single", "--seqlens", "1024,4096,16384"],
-                ["bench/bench_engines.py", "--only", "single", "--seqlens", "128", "--iters", "2"], 60),
+    "engines": (["bench/bench_engines.py", "--only", "single", "--only", "host", "--seqlens", "1024,4096,16384"],
+                ["bench/bench_engines.py", "--only", "single", "--only", "host", "--seqlens", "128", "--iters", "2"],
+                60),
     "hf": (["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "4096", "--hf-steps", "5"],
            ["bench/bench_engines.py", "--only", "hf", "--hf-seqlen", "128", "--hf-steps", "2"], 60),
     "memory": (["bench/bench_memory.py", "--device", "cuda", "--seqlens", "8192", "--vocabs", "128256", "--hidden",

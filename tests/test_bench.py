@@ -91,7 +91,8 @@ def test_bench_engines_cpu_mode_runs_and_checks(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench_engines.json"))["rows"]
     providers = {(r["part"], r["provider"]) for r in rows}
-    assert {("single", "torch SDPA"), ("single", "ndp auto"), ("ring", "ndp ring auto"),
+    assert {("single", "torch SDPA"), ("single", "ndp auto"), ("host", "torch SDPA"), ("host", "ndp auto"),
+            ("ring", "ndp ring auto"),
             ("ring", "torch context-parallel ring"), ("hf", "HF ndp_ring (auto)")} <= providers
     assert all(r["ms"] > 0 for r in rows)
     assert "reference check" in out.stdout and "MISMATCH" not in out.stdout

@@ -72,17 +72,26 @@ def _check(name, got, want, dtype):
 
 # ---------------------------------------------------------------------------------------------- single process
 
-def _interleaved(providers, dev, iters, warmup=1):
+def _interleaved(providers, dev, iters, warmup=1, sample=None):
     """Times {name: fn} round by round (every provider once per round), so that load from elsewhere on
-    the machine hits all providers alike. Returns {name: [seconds]}."""
+    the machine hits all providers alike. sample(fn): the seconds of one round's run (default: one call,
+    ``bench_cp._samples``). Returns {name: [seconds]}."""
+    sample = sample or (lambda fn: bench_cp._samples(fn, dev, warmup=0, iters=1))
     for fn in providers.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in providers}
     for _ in range(iters):
         for name, fn in providers.items():
-            times[name] += bench_cp._samples(fn, dev, warmup=0, iters=1)
+            times[name] += sample(fn)
     return times
+
+
+def _rows(part, shape, times, errs):
+    """One result row per provider of `times`, its ratio to torch SDPA's median."""
+    base = _stats(times["torch SDPA"])["ms"]
+    return [dict(part=part, provider=name, shape=shape, ratio=_stats(t)["ms"] / base, ref_err=errs.get(name, 0.0),
+                 **_stats(t)) for name, t in times.items()]
 
 
 def _case(s, causal, dev, dtype, engines):
@@ -132,12 +141,7 @@ def single(seqlens, dev, iters, engines=None):
     for s in seqlens:
         for causal in (True, False):
             shape, providers, errs = _case(s, causal, dev, _dtype(dev), _engines(dev, engines))
-            times = _interleaved(providers, dev, iters)
-            base = _stats(times["torch SDPA"])["ms"]
-            for name, t in times.items():
-                st = _stats(t)
-                rows.append(dict(part="single", provider=name, shape=shape, ratio=st["ms"] / base,
-                                 ref_err=errs.get(name, 0.0), **st))
+            rows += _rows("single", shape, _interleaved(providers, dev, iters), errs)
     return rows
 
 
@@ -147,23 +151,20 @@ def host(seqlens, dev, iters):
     synchronisation; causal, SDPA and ndp's auto. On CPU the host does the work too (one call per round)."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     calls = 50 if dev.type == "cuda" else 1
+
+    def issued(fn):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        seconds = (time.perf_counter() - t0) / calls
+        sync()
+        return [seconds]
+
     rows = []
     for s in seqlens:
         shape, providers, errs = _case(s, True, dev, _dtype(dev), ["auto"])
-        times = {name: [] for name in providers}
-        for _ in range(iters):
-            for name, fn in providers.items():
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append((time.perf_counter() - t0) / calls)
-                sync()
-        base = _stats(times["torch SDPA"])["ms"]
-        for name, t in times.items():
-            st = _stats(t)
-            rows.append(dict(part="host", provider=name, shape=shape + " host", ratio=st["ms"] / base,
-                             ref_err=errs.get(name, 0.0), **st))
+        rows += _rows("host", shape + " host", _interleaved(providers, dev, iters, warmup=0, sample=issued), errs)
     return rows
 
 

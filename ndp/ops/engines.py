@@ -141,9 +141,16 @@ class EngineTable:
     meta: dict
     shipped: set = field(default_factory=set)  # keys of the rows read from the package's table (not the user's)
 
+    def row_of(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
+        """The key of the row measured for exactly this block (its head kind's, else one for both layouts), or
+        None."""
+        return next((k for k in (row_key(cls, dtype, bucket, kind), row_key(cls, dtype, bucket)) if k in self.rows),
+                    None)
+
     def row(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
-        """The row measured for exactly this block (its head kind's, else one for both layouts), or None."""
-        return self.rows.get(row_key(cls, dtype, bucket, kind)) or self.rows.get(row_key(cls, dtype, bucket))
+        """The row measured for exactly this block (``row_of``), or None."""
+        key = self.row_of(cls, dtype, bucket, kind)
+        return None if key is None else self.rows[key]
 
     def order(self, cls: str, dtype: torch.dtype, bucket: int, kind: str | None = None):
         """(engine order, how it was found) for a block; order is () when no row applies."""
@@ -216,7 +223,7 @@ def _measured_here(table: EngineTable, cls: str, dtype, bucket: int, kind: str, 
     unless that row shipped with ndp and an engine auto may run here was not installed where it was measured
     (``"engines"`` of the row; e.g. the H100 rows, measured without flash-attn, on a machine with it): that row is
     measured here, where measuring is allowed."""
-    key = next((k for k in (row_key(cls, dtype, bucket, kind), row_key(cls, dtype, bucket)) if k in table.rows), None)
+    key = table.row_of(cls, dtype, bucket, kind)
     if key is None:
         return False
     if key not in table.shipped:
@@ -264,9 +271,9 @@ def _probe(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) 
 
 
 def _measure(table: EngineTable, cls: str, dtype, bucket: int, kind: str, device) -> tuple:
-    row = _TUNER.probe_row(device, cls, dtype, bucket, kind)
-    table.rows[row_key(cls, dtype, bucket, kind)] = row
-    table.shipped.discard(row_key(cls, dtype, bucket, kind))
+    row, key = _TUNER.probe_row(device, cls, dtype, bucket, kind), row_key(cls, dtype, bucket, kind)
+    table.rows[key] = row
+    table.shipped.discard(key)
     if table.source == "none":
         table.source = str(tuning.table_path("engines", table.device_key))
     return tuple(row["order"])

@@ -51,7 +51,8 @@ bench: build
 	$(VPY) bench/bench_cp.py --out bench/results/
 
 # The GPU measurement in one command (bench/gpu_report.py): GPU tests, kernels, engines, HF A/B, first call;
-# report under bench/results/<gpu>/. PARTS=kernels,hf picks parts, BUDGET_S the whole run's seconds (540 on a GPU),
+# report under bench/results/<gpu>/. PARTS=kernels,hf picks parts (PARTS=tune,kernels: tune the kernels' tiles at
+# head_dim 128 bf16 first, then time them), BUDGET_S the whole run's seconds (540 on a GPU),
 # ARCHIVE=FILE.tar.gz packs the report folder. Without a GPU: the smoke mode (seconds).
 # On a machine with its own CUDA torch: pip install --no-build-isolation -e . && make gpu-report GPU_PY=python3
 GPU_PY ?= $(VPY)

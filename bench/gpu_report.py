@@ -15,6 +15,11 @@ Parts, each a fresh process with its own time limit, run in this order (``--part
 - ``first_call``: ``first_call.py`` in a fresh process with empty Triton and tuning caches (cold), then again
   with the caches it filled (warm): the first forward+backward and the steady state.
 
+Asked for by name only (``PARTS=tune,kernels``; not in the 10-minute run): ``tune``: ``python -m ndp_kernels.tune``
+at head_dim 128, bf16, within the part's time (the tiles nearest the ones that run now first), into the user's
+tuning table, where the parts after it (and ``tuning/`` of the report) find the rows; the report lists each kernel's
+best tile against the static and the shipped table's.
+
 Every part writes JSON under ``<out>/<gpu>/<part>/``; the report is ``<out>/<gpu>/report.md`` (figures from this
 run only, the part's command and its status: a part that fails or runs past its limit is reported as such and the
 others still run), rewritten after every part, so a run stopped from outside still leaves the parts it finished.
@@ -51,6 +56,7 @@ import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records
 from ndp_kernels import tuning  # noqa: E402
 
 PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
+EXTRA_PARTS = ("tune",)  # run only when named: they do not fit the 10-minute run beside the others
 GPU_BUDGET_S = 540  # the whole run on a GPU, seconds: 10 minutes less the build and the start of the machine
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 # The tests part's second run: the kernel tests compiled on the device (NDP_TEST_DEVICE=cuda: tests/conftest.py puts
@@ -75,7 +81,13 @@ COMMANDS = {
                ["bench/bench_memory.py", "--seqlens", "256", "--vocabs", "1024", "--hidden", "32"], 90),
     "first_call": (["bench/first_call.py", "--shape", "2,4096,32,8,128", "--dtype", "bfloat16"],
                    ["bench/first_call.py", "--shape", "1,128,4,2,64", "--dtype", "float32"], 120),
+    "tune": (["-m", "ndp_kernels.tune", "--head-dims", "128", "--dtypes", "bfloat16"], None, 360),
 }
+# Why a part with no smoke-mode command is skipped without a GPU.
+NO_SMOKE = {"tests": "no CUDA device: the GPU tests need one",
+            "tune": "no CUDA device: tuning times the kernels on the GPU they run on"}
+# Seconds a part that keeps to a budget of its own (``--budget-s``) leaves for starting and writing its results.
+TUNE_MARGIN_S = 30
 
 
 def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: float | None = None) -> dict:
@@ -83,7 +95,7 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: fl
     (status, seconds, command, output tail)."""
     args = COMMANDS[part][0 if gpu else 1]
     if args is None:
-        return dict(part=part, status="skipped", reason="no CUDA device: the GPU tests need one", seconds=0.0)
+        return dict(part=part, status="skipped", reason=NO_SMOKE[part], seconds=0.0)
     limit = limit_s or (COMMANDS[part][2] if gpu else 300)
     if budget_s is not None and budget_s < 1:
         return dict(part=part, status="not run", reason="the run's time budget (--budget-s) was spent", seconds=0.0)
@@ -96,6 +108,8 @@ def run_part(part: str, gpu: bool, out: str, limit_s: float | None, budget_s: fl
         runs = [(args + ["--label", label, "--out", out], {}) for label in ("cold", "warm")]
     elif part == "tests":
         runs = [(args, {}), (KERNEL_TESTS, {"NDP_TEST_DEVICE": "cuda"})]
+    elif part == "tune":  # into the user's tuning table (the later parts read it), within the part's time
+        runs = [(args + ["--budget-s", str(round(max(limit - TUNE_MARGIN_S, 1)))], {})]
     else:
         runs = [(args + ["--out", out], {})]
     t0, tail, status = time.perf_counter(), "", "ok"
@@ -212,7 +226,17 @@ def memory_section(d: str) -> list[str]:
     return lines
 
 
-SECTIONS = {"kernels": kernels_section, "engines": engines_section, "hf": engines_section,
+def tune_section(d: str) -> list[str]:
+    """The tuner's line per kernel (best tile, its time, the static and the table's tiles against it)."""
+    try:
+        with open(os.path.join(d, "output.txt")) as f:
+            found = [x.strip() for x in f if ": best " in x or x.startswith("wrote ")]
+    except OSError:
+        return ["no tuning output was written"]
+    return [f"- {x}" for x in found] or ["no kernel was tuned"]
+
+
+SECTIONS = {"tune": tune_section, "kernels": kernels_section, "engines": engines_section, "hf": engines_section,
             "memory": memory_section, "first_call": first_call_section}
 
 
@@ -277,7 +301,9 @@ def _version(mod: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated, run in the order given: {','.join(PARTS)} (default: all of them), and "
+                         f"when named {','.join(EXTRA_PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="the CPU smoke mode even where a GPU is present")
     ap.add_argument("--limit-s", type=float, default=None, help="time limit per part (default: per part)")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -285,11 +311,12 @@ def main(argv=None) -> int:
     ap.add_argument("--archive", default=None, help="also pack the report folder into this .tar.gz file")
     args = ap.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(parts) - set(PARTS))
+    known = PARTS + EXTRA_PARTS
+    unknown = sorted(set(parts) - set(known))
     if not parts:
-        ap.error(f"--parts names no part; choose from {','.join(PARTS)}")
+        ap.error(f"--parts names no part; choose from {','.join(known)}")
     if unknown:
-        ap.error(f"unknown parts {unknown}; choose from {','.join(PARTS)}")
+        ap.error(f"unknown parts {unknown}; choose from {','.join(known)}")
     gpu = torch.cuda.is_available() and not args.smoke
     device = torch.cuda.get_device_name(0) if gpu else "cpu (smoke mode)"
     base = os.path.join(args.out, re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_"))

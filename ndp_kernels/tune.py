@@ -2,12 +2,15 @@
 
     python -m ndp_kernels.tune                               # fwd, bwd, split bwd; head_dim 64,128; bf16, fp16
     python -m ndp_kernels.tune --kinds fwd --head-dims 128 --dtypes bfloat16 --quick
+    python -m ndp_kernels.tune --head-dims 128 --dtypes bfloat16 --budget-s 300   # make gpu-report PARTS=tune
 
-For each (kernel, arch, head_dim bucket, dtype) it runs every candidate configuration of a grid (for the
-forward on sm_90+ in fp16/bf16, each tile also with K/V read by TMA) through the public launchers
-(``configs.override``), checks each candidate against the float64 reference on a small causal block before
-timing it (a wrong or failing candidate is dropped, never timed), times the survivors with
-``triton.testing.do_bench`` on a large causal block (and a full one), and keeps the fastest. It then times the
+For each (kernel, arch, head_dim bucket, dtype) it runs the static configuration, the one a tuned table (shipped
+for this GPU model, or the user's) names, the first-use probe's variants, then every configuration of a grid (for
+the kernels that walk key blocks on sm_90+ in fp16/bf16, each tile also with K/V read by TMA) through the public
+launchers (``configs.override``), checks each candidate against the float64 reference on a small causal block
+before timing it (a wrong or failing candidate is dropped, never timed), times the survivors with
+``triton.testing.do_bench`` on a large causal block and a full one (each recorded), and keeps the fastest
+(``--budget-s``: the grid candidates a row's share of the time does not reach are listed as not timed). It then times the
 two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
 ``deterministic=False``. The table goes to ``<tuning dir>/kernels-<GPU name>.json`` (``$NDP_TUNING_DIR``,
 default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
@@ -43,10 +46,10 @@ __all__ = ["candidates", "check_candidate", "tune_kind", "tune_head_dim", "probe
 # Candidate grids per kernel: (block_m, block_n, num_warps, num_stages). Candidates that cannot compile
 # or launch on this GPU (registers, shared memory) fail and are skipped.
 _GRID = {
-    "fwd": dict(m=(64, 128), n=(32, 64, 128), w=(4, 8), s=(2, 3, 4)),
-    "bwd": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3)),
-    "bwd_dkdv": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3)),
-    "bwd_dq": dict(m=(64, 128), n=(16, 32, 64), w=(4, 8), s=(1, 2, 3)),
+    "fwd": dict(m=(64, 128), n=(32, 64, 128), w=(4, 8), s=(2, 3, 4, 5)),
+    "bwd": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3, 4)),
+    "bwd_dkdv": dict(m=(16, 32, 64), n=(64, 128), w=(4, 8), s=(1, 2, 3, 4)),
+    "bwd_dq": dict(m=(64, 128), n=(16, 32, 64), w=(4, 8), s=(1, 2, 3, 4)),
 }
 _QUICK = {
     "fwd": dict(m=(128,), n=(64, 128), w=(8,), s=(2, 3)),
@@ -130,66 +133,108 @@ def _bench(fn, device):
     return (time.perf_counter() - t0) * 1e3
 
 
+def _table_config(kind, dtype, head_dim, device) -> KernelConfig | None:
+    """The configuration the launchers take now from a tuned table (shipped for this GPU model or the user's), or
+    None where no table has a row: the baseline a new measurement is compared with."""
+    row = configs.tuned_table(device).get(tuned_key(kind, current_arch(device), head_dim, dtype))
+    return KernelConfig(*row["config"]) if row and row.get("config") else None
+
+
+def ordered_candidates(kind, dtype, head_dim, device, quick=False) -> tuple[list[KernelConfig], KernelConfig, int]:
+    """(candidates, static, kept): the static configuration, the tuned table's, the first-use probe's variants
+    (``configs.probe_variants``), then the grid, each once. The first `kept` (the static and the table's) are timed
+    whatever the time budget: a new table never does worse than the tiles that run now."""
+    static = static_config(kind, current_arch(device), head_dim, dtype, device)
+    table = _table_config(kind, dtype, head_dim, device)
+    first = [static] + ([table] if table is not None and table != static else [])
+    grid = sorted(candidates(kind, quick, tma=tma_here(kind, dtype, device, head_dim)),
+                  key=lambda c: _distance(c, first[-1]))
+    rest = probe_variants(kind, current_arch(device), head_dim, dtype, device) + grid
+    return list(dict.fromkeys(first + rest)), static, len(first)
+
+
+def _distance(a: KernelConfig, b: KernelConfig) -> float:
+    """How far tile `a` is from `b` (powers of two of the blocks and warps, stages, TMA): a time budget reaches the
+    neighbours of the configuration that runs now first (stable sort: ties keep the grid's order)."""
+    log2 = lambda x: x.bit_length()  # noqa: E731 - the block sizes and warps are powers of two
+    return (abs(log2(a.block_m) - log2(b.block_m)) + abs(log2(a.block_n) - log2(b.block_n))
+            + abs(log2(a.num_warps) - log2(b.num_warps)) + abs(a.num_stages - b.num_stages) / 2 + (a.tma != b.tma) / 2)
+
+
 def tune_kind(kind, dtype, head_dim, device, *, seqlen=8192, batch=2, heads=16, kv_heads=16, quick=False,
-              cands=None, fixed=None, log=print) -> dict:
+              cands=None, fixed=None, deadline=None, log=print) -> dict:
     """Tunes one (kind, dtype, head_dim) row on `device` (``fixed``: configs of other kinds held during it,
-    e.g. the best dK/dV tiles while the dQ kernel of the same split backward is tuned).
+    e.g. the best dK/dV tiles while the dQ kernel of the same split backward is tuned). ``deadline``
+    (``time.perf_counter()`` value): candidates not reached by then are listed as not timed, except the static and
+    the tuned table's configuration, which are always timed (``ordered_candidates``).
 
     Returns:
-        ``{"config": [m, n, w, s], "ms": best, "candidates": {str(cfg): ms or reason}}``; ``config`` is None
-        when no candidate passed its check.
+        ``{"config": [m, n, w, s], "ms": best, "candidates": {str(cfg): ms or reason}, "masks": {str(cfg):
+        [causal ms, full ms]}, ...}`` (``static`` / ``table``: the static and the table's configuration and their
+        times); ``config`` is None when no candidate passed its check.
     """
     q, k, v, dout = _inputs(batch, seqlen, heads, kv_heads, head_dim, dtype, device)
     out = lse = None
     if kind != "fwd":
         out, lse = flash.flash_attn_fwd(q, k, v, causal=True)
-    results, best = {}, None
-    static = None
+    results, masks, best = {}, {}, None
+    static = table = None
+    kept = len(cands or ())
     if cands is None:
-        # The shipped configuration is always a candidate: a tuned table never does worse than no table.
-        static = static_config(kind, current_arch(device), head_dim, dtype, device)
-        tma = tma_here(kind, dtype, device, head_dim)
-        cands = [static] + [c for c in candidates(kind, quick, tma=tma) if c != static]
-    for cfg in cands:
+        cands, static, kept = ordered_candidates(kind, dtype, head_dim, device, quick)
+        table = _table_config(kind, dtype, head_dim, device)
+    for i, cfg in enumerate(cands):
+        if i >= kept and deadline is not None and time.perf_counter() > deadline:
+            results[str(cfg)] = "not timed (the time budget was spent)"
+            continue
         ok, err = check_candidate(kind, cfg, dtype, head_dim, device, fixed=fixed)
         if not ok:
             results[str(cfg)] = "failed to launch" if err == float("inf") else f"wrong (max error {err:.2e})"
             continue
         with _overrides({**(fixed or {}), kind: cfg}):
             try:
-                ms = sum(_bench(lambda c=c: _run(kind, q, k, v, dout, c, out, lse), device) for c in (True, False))
+                by_mask = [_bench(lambda c=c: _run(kind, q, k, v, dout, c, out, lse), device) for c in (True, False)]
             except LAUNCH_FAILURES as e:  # e.g. out of memory at the large shape
                 results[str(cfg)] = f"failed at the timing shape ({type(e).__name__})"
                 continue
-        results[str(cfg)] = round(ms, 4)
+        ms = sum(by_mask)
+        results[str(cfg)], masks[str(cfg)] = round(ms, 4), [round(t, 4) for t in by_mask]
         if best is None or ms < best[1]:
             best = (cfg, ms)
     row = {"config": None if best is None else best[0].as_row(),
-           "ms": None if best is None else round(best[1], 4), "candidates": results,
+           "ms": None if best is None else round(best[1], 4), "candidates": results, "masks": masks,
            "shape": f"B={batch} S={seqlen} H={heads} Hkv={kv_heads} causal+full"}
     vs = ""
-    if static is not None:
-        # The shipped configuration's time (or why it failed here): what the table gains over no table.
-        row["static"] = {"config": static.as_row(),
-                         "ms": results.get(str(static))}
-        if isinstance(row["static"]["ms"], float) and best is not None:
-            vs = f", shipped {static} {row['static']['ms']} ms ({row['static']['ms'] / best[1]:.2f}x)"
+    for name, cfg in (("static", static), ("table", table)):
+        if cfg is None:
+            continue
+        # what the new row gains over the static tiles and over the table's row that runs now
+        row[name] = {"config": cfg.as_row(), "ms": results.get(str(cfg))}
+        if isinstance(row[name]["ms"], float) and best is not None:
+            vs += f", {name} {cfg} {row[name]['ms']} ms ({row[name]['ms'] / best[1]:.2f}x)"
+    untimed = sum(str(r).startswith("not timed") for r in results.values())
     log(f"{kind:9s} {str(dtype)[6:]:9s} d={head_dim:3d}: best {best[0] if best else None} "
-        f"({row['ms']} ms) of {len(results)} candidates{vs}")
+        f"({row['ms']} ms) of {len(results) - untimed} timed candidates{vs}"
+        + (f"; {untimed} not timed (budget)" if untimed else ""))
     return row
 
 
-def tune_head_dim(kinds, dtype, head_dim, device, *, cands_for=None, failed=None, log=print, **kw) -> dict:
+def tune_head_dim(kinds, dtype, head_dim, device, *, cands_for=None, failed=None, budget_s=None, log=print,
+                  **kw) -> dict:
     """Rows of `kinds` (KINDS order) at (dtype, head_dim) on `device`, and which backward serves
     deterministic=False (``bwd_impl``): the dK/dV kernel is tuned before the dQ kernel, whose timing (the whole
     split backward) runs with the best dK/dV tiles; the faster of the two backwards, each with its best tiles,
-    serves. `cands_for(kind)` gives each kind's candidates (default: the grid); a kind none of whose candidates
-    passed gets no row (its candidates and why go into `failed` when given); `kw` goes to ``tune_kind``."""
+    serves. `cands_for(kind)` gives each kind's candidates (default: ``ordered_candidates``); a kind none of whose
+    candidates passed gets no row (its candidates and why go into `failed` when given); ``budget_s``: seconds for
+    all of them, shared equally by the kinds still to tune; `kw` goes to ``tune_kind``."""
     arch = current_arch(device)
     rows, fixed = {}, {}
-    for kind in sorted(kinds, key=KINDS.index):
+    order = sorted(kinds, key=KINDS.index)
+    t_end = None if budget_s is None else time.perf_counter() + budget_s
+    for i, kind in enumerate(order):
+        deadline = None if t_end is None else time.perf_counter() + (t_end - time.perf_counter()) / (len(order) - i)
         row = tune_kind(kind, dtype, head_dim, device, cands=cands_for(kind) if cands_for else None,
-                        fixed=fixed if kind == "bwd_dq" else None, log=log, **kw)
+                        fixed=fixed if kind == "bwd_dq" else None, deadline=deadline, log=log, **kw)
         if row["config"] is None:
             if failed is not None:
                 failed[kind] = row["candidates"]
@@ -257,6 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--quick", action="store_true", help="a small grid (minutes instead of tens of minutes)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run, shared by the (dtype, head_dim, kind) rows: candidates not "
+                         "reached in a row's share are not timed (the static and the table's tiles always are)")
     ap.add_argument("--out", default=None, help="directory (default: the tuning cache, $NDP_TUNING_DIR)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -272,17 +320,21 @@ def main(argv=None) -> int:
         ap.error(f"--kinds must be among {KINDS}; got {bad}")
     kinds.sort(key=KINDS.index)
     dtypes = [getattr(torch, t) for t in args.dtypes.split(",")]
-    rows = {}
     path = tuning.table_path("kernels", tuning.device_key(device), args.out)
+    todo = [(dtype, int(d)) for dtype in dtypes for d in args.head_dims.split(",")]
+    t_end = None if args.budget_s is None else time.perf_counter() + args.budget_s
+    measured = 0
     with no_probe():  # every row is measured here, with its tiles; nothing to measure on first use
-        for dtype in dtypes:
-            for d in (int(x) for x in args.head_dims.split(",")):
-                rows.update(tune_head_dim(kinds, dtype, d, device, seqlen=args.seqlen, quick=args.quick))
-    # Merged: the rows measured here replace theirs, every other row of the table (other head sizes, dtypes) stays.
-    table = tuning.merge_rows(path, rows, lambda: table_meta(device, arch), valid=tuning.for_these_kernels,
-                              replace=True)
-    print(f"wrote {path} ({len(rows)} rows measured, {len(table['rows'])} in the table); ndp_kernels.configs reads "
-          f"it on this GPU model")
+        for i, (dtype, d) in enumerate(todo):
+            share = None if t_end is None else (t_end - time.perf_counter()) / (len(todo) - i)
+            rows = tune_head_dim(kinds, dtype, d, device, seqlen=args.seqlen, quick=args.quick, budget_s=share)
+            # Merged after each (dtype, head_dim), so a run stopped from outside keeps what it measured: the rows
+            # measured here replace theirs, every other row of the table (other head sizes, dtypes) stays.
+            table = tuning.merge_rows(path, rows, lambda: table_meta(device, arch), valid=tuning.for_these_kernels,
+                                      replace=True)
+            measured += len(rows)
+            print(f"wrote {path} ({measured} rows measured, {len(table['rows'])} in the table); ndp_kernels.configs "
+                  f"reads it on this GPU model", flush=True)
     return 0
 
 

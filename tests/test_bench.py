@@ -248,3 +248,27 @@ def test_gpu_report_carries_the_tuning_tables(tmp_path, monkeypatch):
     assert (tmp_path / "gpu" / "tuning" / "engines-NVIDIA_H100_80GB_HBM3.json").read_text() == '{"rows": 1}'
     monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path / "none"))
     assert gpu_report.copy_tuning_tables(str(tmp_path / "gpu2")) == [] and not (tmp_path / "gpu2").exists()
+
+
+def test_gpu_report_tune_part_runs_the_tuner_within_its_time_and_reports_each_kernel(tmp_path, monkeypatch):
+    # PARTS=tune,kernels: the tuner into the user's table (the kernels part then times its tiles), its own budget
+    # inside the part's limit; without a GPU it is skipped and says why. Not in the default 10-minute run.
+    import gpu_report
+
+    assert "tune" not in gpu_report.PARTS
+    assert gpu_report.run_part("tune", False, str(tmp_path / "smoke"), None)["reason"] == \
+        "no CUDA device: tuning times the kernels on the GPU they run on"
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "bwd_dkdv  bfloat16  d=128: best M32/N128/w8/s3 (8.1 ms) of 30 "
+                                                   "timed candidates, static M16/N128/w8/s2 (1.33x)\nwrote /x.json\n", "")
+
+    monkeypatch.setattr(gpu_report.subprocess, "run", fake_run)
+    rec = gpu_report.run_part("tune", True, str(tmp_path / "gpu" / "tune"), None, budget_s=200)
+    assert ran[0][1:] == ["-m", "ndp_kernels.tune", "--head-dims", "128", "--dtypes", "bfloat16", "--budget-s",
+                          str(200 - gpu_report.TUNE_MARGIN_S)] and "--out" not in ran[0]
+    md = open(gpu_report.write_report([rec], str(tmp_path / "gpu"), True, "H100")).read()
+    assert "- bwd_dkdv  bfloat16  d=128: best M32/N128/w8/s3 (8.1 ms) of 30 timed candidates, static " in md
+    assert "- wrote /x.json" in md

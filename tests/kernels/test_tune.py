@@ -504,3 +504,50 @@ def test_shipped_rows_serve_their_gpu_under_the_users_rows(tmp_path, monkeypatch
     finally:
         monkeypatch.undo()
         configs.tuned_table(CPU, reload=True)
+
+
+@needs_interp
+def test_a_full_tune_times_the_tiles_that_run_now_first_then_their_neighbours(tmp_path, monkeypatch):
+    # `python -m ndp_kernels.tune` (make gpu-report PARTS=tune): the static tile, then the table's (shipped or the
+    # user's), then the grid nearest the table's first; past the time budget only those two are still timed.
+    from ndp_kernels import tune
+
+    monkeypatch.setenv("NDP_TUNING_DIR", str(tmp_path))
+    table = KernelConfig(16, 32, 4, 1)
+    (tmp_path / "kernels-cpu.json").write_text(json.dumps({"rows": {
+        "fwd/interpreter/64/float32": {"config": table.as_row(), "ms": 1.0}}}))
+    timed = []
+    monkeypatch.setattr(tune, "_bench", lambda fn, device: (timed.append(configs._forced("fwd")), 2.0)[1])
+    try:
+        configs.tuned_table(CPU, reload=True)
+        static = configs.static_config("fwd", "interpreter", 16, torch.float32)
+        cands, first, kept = tune.ordered_candidates("fwd", torch.float32, 16, CPU, quick=True)
+        assert (cands[:2], first, kept) == ([static, table], static, 2) and len(set(cands)) == len(cands)
+        dist = [tune._distance(c, table) for c in cands[2:]]
+        assert dist == sorted(dist) and set(cands[2:]) >= set(tune.candidates("fwd", quick=True)) - {static, table}
+        row = tune.tune_kind("fwd", torch.float32, 16, CPU, seqlen=32, batch=1, heads=2, kv_heads=2, quick=True,
+                             deadline=0.0, log=lambda *_: None)
+    finally:
+        monkeypatch.delenv("NDP_TUNING_DIR")
+        configs.tuned_table(CPU, reload=True)
+    assert timed == [static, static, table, table]  # causal, then full, per tile
+    assert row["static"]["config"] == static.as_row() and row["table"] == {"config": table.as_row(), "ms": 4.0}
+    assert row["masks"] == {str(static): [2.0, 2.0], str(table): [2.0, 2.0]}
+    assert {str(c): "not timed (the time budget was spent)" for c in cands[2:]}.items() <= row["candidates"].items()
+
+
+def test_a_tune_budget_is_shared_by_the_kinds_left(monkeypatch):
+    from ndp_kernels import tune
+
+    clock, deadlines = [100.0], {}
+
+    def fake_kind(kind, *a, deadline=None, **kw):  # each kind takes 10 s of its share
+        deadlines[kind] = deadline - clock[0]
+        clock[0] += 10
+        return {"config": [64, 64, 4, 1], "ms": 1.0}
+
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(tune, "tune_kind", fake_kind)
+    rows = tune.tune_head_dim(["bwd_dq", "fwd", "bwd", "bwd_dkdv"], torch.float32, 16, CPU, budget_s=100)
+    assert deadlines == {"fwd": 25.0, "bwd": 30.0, "bwd_dkdv": 40.0, "bwd_dq": 70.0}  # (200 - now) / kinds left
+    assert rows["bwd_impl/interpreter/64/float32"]["impl"] in ("atomic", "split")

@@ -206,7 +206,9 @@ def shard_buffers(buffers, seq_dims, ctx, position_ids=None):
     if len({tuple(b.shape) for b in buffers}) > 1:
         raise ValueError(f"packed rows (buffer {name} restarts its positions) need every buffer in one shape; got "
                          f"{[tuple(b.shape) for b in buffers]}")
-    out = shard_rows({("position_ids" if k == name else k): t for k, t in rows.items()}, ctx, cu=cu)
+    # pad=False: the buffers are unnamed (which one holds the labels is unknown), so a packed batch too short for
+    # every rank is refused, not padded
+    out = shard_rows({("position_ids" if k == name else k): t for k, t in rows.items()}, ctx, cu=cu, pad=False)
     shards = [out["position_ids" if k == name else k] for k in rows]
     return shards, {k: v for k, v in out.items() if k in PACKING_KEYS}
 

@@ -181,7 +181,13 @@ class PackedShard:
 
 @functools.lru_cache(maxsize=64)
 def _packed_placement(cu: tuple, world: int, min_piece: int):
-    plan = torch.ops.ndp.packed_shard_plan(torch.tensor(cu, dtype=torch.int64), world, min_piece)
+    """(plan, Placement) of the documents of `cu` over `world` ranks. Where `min_piece` would leave a rank without a
+    token, documents are cut down to one-token pieces (min_piece 1: every document of at least 2N tokens spans every
+    rank): a model's forward cannot run on an empty shard (transformers' mask builders index its last token). The
+    rule depends on (cu, world, min_piece) only, so the batch's shard and every attention call agree."""
+    plan = _plan_rows(cu, world, min_piece)
+    if min_piece > 1 and {rk for _, _, n, rk in plan.tolist() if n > 0} != set(range(world)):
+        plan = _plan_rows(cu, world, 1)
     rows = plan.tolist()
     positions = []
     for r in range(world):
@@ -189,6 +195,10 @@ def _packed_placement(cu: tuple, world: int, min_piece: int):
         positions.append(np.concatenate([np.arange(s, s + n) for s, n in mine]) if mine
                          else np.zeros(0, dtype=np.int64))
     return plan, Placement(positions, cu)
+
+
+def _plan_rows(cu: tuple, world: int, min_piece: int) -> torch.Tensor:
+    return torch.ops.ndp.packed_shard_plan(torch.tensor(cu, dtype=torch.int64), world, min_piece)
 
 
 def packed_shard(cu_seqlens, world: int, rank: int, min_piece: int = DEFAULT_MIN_PIECE) -> PackedShard:
@@ -237,7 +247,9 @@ def shard_packed(cu_seqlens, group=None, *, world_size=None, rank=None, min_piec
 
     Documents of at least ``2 * N * min_piece`` tokens are cut in 2N nearly equal pieces (pieces i and
     2N-1-i on rank i: zigzag per document); shorter documents go whole, longest first, to the rank
-    with the least causal work. Ranks may hold different token counts.
+    with the least causal work. Ranks may hold different token counts; where that would leave a rank without a
+    token, every document of at least 2N tokens is cut (as with min_piece 1). A rank is empty only when no document
+    has 2N tokens and there are fewer documents than ranks (``ndp.hf.shard_batch`` then pads).
 
     Args:
         cu_seqlens: global int32/int64 ``[num_docs + 1]`` (same on every rank).

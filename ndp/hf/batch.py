@@ -20,6 +20,8 @@ from .masks import padding_of
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# The [batch, seq] targets transformers' losses read (-100: no target): a pad token gets -100 in each.
+LABEL_KEYS = ("labels", "shift_labels")
 
 
 def parallel_state(model, what):
@@ -74,7 +76,7 @@ def packed_cu(tensors) -> torch.Tensor | None:
 
 
 def _pad_value(name, pad_id):
-    if name == "labels":
+    if name in LABEL_KEYS:
         return -100
     if name == "attention_mask":
         return 1  # pads sit after every real token: under a causal mask no real token sees them
@@ -136,7 +138,7 @@ def without_padding(tensors: dict) -> dict:
     if not right:
         raise ValueError(f"context parallelism takes right padding only; the attention_mask has padding that is not "
                          f"all at the end of each row (real tokens per row: {lengths}). {fix}")
-    names = [k for k in ("labels", "shift_labels") if torch.is_tensor(tensors.get(k))]
+    names = [k for k in LABEL_KEYS if torch.is_tensor(tensors.get(k))]
     if not names:
         raise ValueError(f"a padded batch under context parallelism needs its labels (labels or shift_labels, -100 "
                          f"at every pad): the pads' outputs differ from the padded model's, and only labels of -100 "
@@ -172,14 +174,48 @@ def _positions_in_documents(cu, like):
     return (t - cu[doc]).reshape(like.shape)
 
 
-def _shard_packed(rows, cu, ctx):
+def _shard_packed(rows, cu, ctx, pad, pad_id):
     shard = ndp.cp.shard_packed(cu, world_size=ctx.size, rank=ctx.rank)
+    if 0 in shard.counts:  # the same on every rank: cu is the global table
+        rows, cu = _padding_document(rows, cu, shard.counts, ctx.size, pad, pad_id)
+        shard = ndp.cp.shard_packed(cu, world_size=ctx.size, rank=ctx.rank)
     out = {name: t.reshape(1, -1)[:, shard.index.to(t.device)] for name, t in rows.items()}
     like = next(iter(rows.values()))
     if "position_ids" not in out:
         out["position_ids"] = shard.position_ids.to(like.device)[None]
     out.update(document_table(cu, like.device))
     return out
+
+
+def _padding_document(rows, cu, counts, cp_size, pad, pad_id):
+    """(rows, cu) of a packed batch that leaves a rank without a token (no document of 2 x cp_size tokens to cut
+    over every rank, fewer documents than ranks: a model cannot run on an empty shard), flattened into one row with
+    one more document at the end: 2 x cp_size pads, cut over every rank. Pads are their own document (no real token
+    attends to them) with labels -100, so the loss and every gradient are the batch's.
+
+    Raises:
+        ValueError: ``pad=False``, or no ``labels`` / ``shift_labels`` to keep the pads out of the loss.
+    """
+    lens = (cu[1:] - cu[:-1]).tolist()
+    fix = "Pack more tokens per batch (a document of at least 2 x cp_size tokens spans every rank)"
+    if not pad or not any(k in rows for k in LABEL_KEYS):
+        why = "pad=False" if not pad else "the batch has no labels (or shift_labels) to keep pads out of the loss"
+        raise ValueError(f"a packed batch of documents {lens[:16]}{'...' if len(lens) > 16 else ''} leaves "
+                         f"{counts.count(0)} of the {cp_size} context-parallel ranks without a token (tokens per "
+                         f"rank: {list(counts)}), and it is not padded ({why}). {fix}, or pass the labels to "
+                         f"shard_batch with pad=True (the default) to add a padding document.")
+    n = 2 * cp_size
+    out = {}
+    for name, t in rows.items():
+        t = t.reshape(1, -1)
+        if name == "position_ids":
+            tail = torch.arange(n, device=t.device, dtype=t.dtype)[None]
+        elif name == "seq_idx":  # the next document's index
+            tail = (t[:, -1:] + 1).expand(1, n)
+        else:
+            tail = torch.full((1, n), _pad_value(name, pad_id), dtype=t.dtype, device=t.device)
+        out[name] = torch.cat([t, tail], dim=1)
+    return out, torch.cat([cu, cu[-1:] + n])
 
 
 def document_table(cu, device) -> dict:
@@ -202,7 +238,9 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         pad: pad dense rows at the end to the multiple the CP layout needs (2 x cp_size for zigzag, cp_size
             otherwise): labels -100, position_ids continued, input_ids the model's pad_token_id (0 without one),
             attention_mask 1. Under a causal mask no real token sees the pads, so the loss and gradients equal the
-            unpadded ones. False: such a length raises.
+            unpadded ones. A packed batch too short to give every CP rank a token (no document of 2 x cp_size
+            tokens, fewer documents than ranks) gets one padding document of 2 x cp_size tokens at the end
+            (labels -100). False: such batches raise.
         tensors: ``[batch, seq]`` tensors (``input_ids``, ``labels``, ``position_ids``, ``seq_idx``,
             ``attention_mask``: right padding, every pad labelled -100, under CP; ...) and, for a
             packed batch, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` as
@@ -216,7 +254,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     Raises:
         ValueError: the model was not parallelized by ndp; tensors of different shapes; a document table that does
             not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
-            (pad=False) a length the layout cannot shard; under CP, an ``attention_mask`` with padding that
+            (pad=False) a length the layout cannot shard, or a packed batch that leaves a rank without a token (also
+            with pad=True when it has no labels); under CP, an ``attention_mask`` with padding that
             ``without_padding`` cannot drop exactly (not at the end of each row, a pad with a label, or position_ids
             restarting between real tokens).
     """
@@ -240,9 +279,10 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
 def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     """This rank's context-parallel piece of ``[batch, seq]`` rows (what :func:`shard_batch` does after the
     data-parallel split): packed rows (`cu`: their global document table) per document, dense rows padded (`pad`)
-    and sharded in ``ctx.layout``; position_ids added when missing."""
+    and sharded in ``ctx.layout``; position_ids added when missing. `pad` pads by the rows' names (``labels``,
+    ``shift_labels``: -100): rows under other names are not padded (pass pad=False)."""
     if cu is not None:
-        return _shard_packed(rows, cu, ctx)
+        return _shard_packed(rows, cu, ctx, pad, pad_id)
     if rows and "position_ids" not in rows:
         like = next(iter(rows.values()))
         rows = dict(rows, position_ids=torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous())
@@ -252,4 +292,4 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
 
 
 __all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "parallel_state", "without_padding",
-           "PACKING_KEYS"]
+           "PACKING_KEYS", "LABEL_KEYS"]

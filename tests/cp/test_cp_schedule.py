@@ -88,6 +88,19 @@ def test_packed_schedule_and_plan():
     _check_schedule(packed_shard([0, 17, 20, 60, 68], 3, 0, 1).placement, Mask(False, (4, 2)))
 
 
+@pytest.mark.parametrize("docs,world,empty", [([9], 2, 0), ([30], 4, 0), ([1, 2, 20], 4, 0), ([8, 8], 4, 0),
+                                               ([3], 2, 1), ([1, 2, 3], 4, 1)])
+def test_packed_shards_leave_no_rank_empty_where_a_document_spans_every_rank(docs, world, empty):
+    # A model cannot run on an empty shard (transformers' mask builders index its last token): where the default
+    # min_piece would leave a rank without a token, every document of >= 2N tokens is cut over every rank; a rank
+    # stays empty only when no document has 2N tokens and there are fewer documents than ranks.
+    cu = torch.tensor([0] + docs).cumsum(0)
+    ps = [shard_packed(cu, world_size=world, rank=r) for r in range(world)]
+    assert list(ps[0].counts).count(0) == empty and [len(p.index) for p in ps] == list(ps[0].counts)
+    assert torch.equal(torch.cat([p.index for p in ps]).sort().values, torch.arange(sum(docs)))
+    assert all(p.min_piece == 8 for p in ps)  # the rule depends on the requested min_piece: every caller agrees
+
+
 def test_allgather_order_steps():
     for layout in LAYOUTS:
         pl = Placement.dense(48, 4, layout)

@@ -414,3 +414,22 @@ def test_packed_rows_are_recognised_only_by_unambiguous_positions():
     assert name == "p" and cu.tolist() == [0, 2, 3, 5]                        # named: taken as it is
     with pytest.raises(ValueError, match="must be one of the buffers"):
         ndp.accelerate._packed({"a": seq_idx}, position_ids=pos)
+
+
+def test_a_packed_batch_too_short_for_every_rank_is_refused_not_padded():
+    # Accelerate's buffers are unnamed (which one holds the labels is unknown), so a packed batch that leaves a CP
+    # rank without a token (no document of 2 x cp tokens, fewer documents than ranks) is refused on every rank; a
+    # longer document is cut over every rank.
+    from ndp.parallel.mesh import CPContext
+
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    ids = torch.arange(5)[None]
+    for rank in (0, 1, 2, 3):
+        ctx = CPContext("ring", "zigzag", group=object(), size=4, rank=rank)
+        with pytest.raises(ValueError, match=r"documents \[3, 2\] leaves 2 of the 4 context-parallel ranks without"):
+            ndp.accelerate.shard_buffers([ids, pos], None, ctx)
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1]])
+    shards = [ndp.accelerate.shard_buffers([torch.arange(10)[None], pos], None,
+                                           CPContext("ring", "zigzag", group=object(), size=4, rank=r))[0][0]
+              for r in range(4)]
+    assert all(s.numel() for s in shards) and sorted(torch.cat(shards, 1)[0].tolist()) == list(range(10))

@@ -2,7 +2,8 @@
 cu_seq_lens_q/k + max_length_q/k, seq_idx) through ``shard_batch`` + the model + ``ndp.hf.loss``: loss and every
 gradient equal a per-document 1-process reference (float64, 1e-6) at cp 1, 2 and 4, ring / all-gather / Ulysses /
 USP, llama / qwen2 / mistral (sliding window 8 inside documents of up to 16 tokens). Odd lengths: dense rows padded
-by shard_batch give the unpadded loss and gradients."""
+by shard_batch give the unpadded loss and gradients. Batches too short to give every rank a token (one short
+document) are cut finer or get a padding document, and are exact too."""
 import os
 import sys
 
@@ -24,25 +25,25 @@ MODELS = ("llama", "qwen2", "mistral")
 TOL = 1e-6
 
 
-def _documents():
+def _documents(lens=DOCS):
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, _zoo.VOCAB, (n,), generator=g).tolist() for n in DOCS]
+    return [torch.randint(3, _zoo.VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
-def collated(mode):
+def collated(mode, lens=DOCS):
     """The collator's batch with labels shifted (ndp's convention: labels[i] is the target of token i)."""
-    b = DataCollatorWithFlattening(**MODES[mode])([{"input_ids": d} for d in _documents()])
+    b = DataCollatorWithFlattening(**MODES[mode])([{"input_ids": d} for d in _documents(lens)])
     b["labels"] = F.pad(b["labels"][:, 1:], (0, 1), value=-100)
     if mode == "seq_idx":  # the collator adds position_ids too: leave only seq_idx to say where documents start
         del b["position_ids"]
     return dict(b)
 
 
-def reference(model_type):
+def reference(model_type, lens=DOCS):
     """Each document alone through the model's eager attention: (mean loss, {name: grad})."""
     model = _zoo.tiny_model(model_type).train()
     total, count = 0.0, 0
-    for d in _documents():
+    for d in _documents(lens):
         ids = torch.tensor([d])
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         logits = model(input_ids=ids, position_ids=torch.arange(len(d))[None]).logits
@@ -57,12 +58,13 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def run_packed(model_type, mode, world, impl):
-    """Relative difference (loss and every gradient) of the packed batch under ndp vs :func:`reference`."""
+def run_packed(model_type, mode, world, impl, lens=DOCS):
+    """Relative difference (loss and every gradient) of the packed batch of documents `lens` under ndp vs
+    :func:`reference`."""
     import ndp
     import ndp.hf
 
-    ref_loss, ref_grads = reference(model_type)
+    ref_loss, ref_grads = reference(model_type, lens)
     extra = dict(ulysses_size=2) if impl == "usp" else {}
     cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, **extra)
     mesh = cfg.build_device_mesh("cpu") if world > 1 else None
@@ -70,7 +72,7 @@ def run_packed(model_type, mode, world, impl):
     if world == 1:
         ndp.hf.register_attention()
         model.set_attn_implementation("ndp_ring")
-    b = ndp.hf.shard_batch(model, **collated(mode))
+    b = ndp.hf.shard_batch(model, **collated(mode, lens))
     labels = b.pop("labels")
     logits = model(**b).logits
     loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
@@ -115,6 +117,13 @@ def _combos(impls):
     return [(mt, modes[(i + j) % len(modes)], impl) for i, impl in enumerate(impls) for j, mt in enumerate(MODELS)]
 
 
+# Batches too short for every rank at the default cut (one document of 2N..16N tokens: cut over every rank) or at
+# any cut (no document of 2N tokens, fewer documents than ranks: a padding document is added), per world size.
+# (One document with position_ids only is a dense row: the collator's document table makes it packed.)
+SHORT = {2: [("llama", "flash_attn_kwargs", "ring", [9]), ("qwen2", "flash_attn_kwargs", "ulysses", [3])],
+         4: [("mistral", "seq_idx", "allgather", [12, 1]), ("llama", "position_ids", "usp", [5, 2])]}
+
+
 def _body(rank, world, impls):
     import transformers
 
@@ -122,10 +131,39 @@ def _body(rank, world, impls):
     for mt, mode, impl in _combos(impls):
         rel = run_packed(mt, mode, world, impl)
         assert rel <= TOL, (mt, mode, impl, world, rel)
+    for mt, mode, impl, lens in SHORT[world]:
+        rel = run_packed(mt, mode, world, impl, lens)
+        assert rel <= TOL, ("short", mt, mode, impl, world, lens, rel)
+    _short_batch_refused_unpadded(world)
     if world == 2:
         for mt, impl in (("llama", "ring"), ("mistral", "ulysses")):
             rel = run_odd_length(mt, world, impl)
             assert rel <= TOL, ("odd length", mt, impl, rel)
+
+
+def _short_batch_refused_unpadded(world):
+    """A packed batch that leaves a rank without a token, with pad=False or without labels: ValueError on every
+    rank (the document table is global), before the model runs."""
+    import ndp
+    import ndp.hf
+
+    cfg = ndp.ParallelismConfig(cp_size=world)
+    model = ndp.hf.parallelize(_zoo.tiny_model("llama").train(), cfg, cfg.build_device_mesh("cpu"))
+    b = collated("flash_attn_kwargs", [3])
+    with pytest.raises(ValueError, match=rf"documents \[3\] leaves {world - 1} of the {world} context-parallel ranks "
+                                         r"without a token .* \(pad=False\)"):
+        ndp.hf.shard_batch(model, pad=False, **b)
+    with pytest.raises(ValueError, match=r"the batch has no labels \(or shift_labels\)"):
+        ndp.hf.shard_batch(model, **{k: v for k, v in b.items() if k != "labels"})
+
+
+def test_padding_gives_every_label_name_minus_100():
+    from ndp.hf.batch import pad_rows
+
+    rows = pad_rows({"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long),
+                     "shift_labels": torch.ones(1, 5, dtype=torch.long)}, 4, pad_id=7)
+    assert rows["input_ids"][0, 5:].tolist() == [7, 7, 7]
+    assert rows["labels"][0, 5:].tolist() == rows["shift_labels"][0, 5:].tolist() == [-100] * 3
 
 
 @pytest.mark.parametrize("mode", list(MODES))

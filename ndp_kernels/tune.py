@@ -10,8 +10,8 @@ the kernels that walk key blocks on sm_90+ in fp16/bf16, each tile also with K/V
 launchers (``configs.override``), checks each candidate against the float64 reference on a small causal block
 before timing it (a wrong or failing candidate is dropped, never timed), times the survivors with
 ``triton.testing.do_bench`` on a large causal block and a full one (each recorded), and keeps the fastest
-(``--budget-s``: the grid candidates a row's share of the time does not reach are listed as not timed). It then times the
-two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
+(``--budget-s``: the grid candidates a row's share of the time does not reach are listed as not timed). It then
+times the two backwards (``atomic`` and ``split``, each with its best tiles) and records which one serves
 ``deterministic=False``. The table goes to ``<tuning dir>/kernels-<GPU name>.json`` (``$NDP_TUNING_DIR``,
 default ``~/.cache/ndp``), which ``ndp_kernels.configs`` reads before its static tables.
 

@@ -262,8 +262,8 @@ def test_gpu_report_tune_part_runs_the_tuner_within_its_time_and_reports_each_ke
 
     def fake_run(cmd, **kw):
         ran.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, "bwd_dkdv  bfloat16  d=128: best M32/N128/w8/s3 (8.1 ms) of 30 "
-                                                   "timed candidates, static M16/N128/w8/s2 (1.33x)\nwrote /x.json\n", "")
+        line = "bwd_dkdv  bfloat16  d=128: best M32/N128/w8/s3 (8.1 ms) of 30 timed candidates, static "
+        return subprocess.CompletedProcess(cmd, 0, line + "M16/N128/w8/s2 (1.33x)\nwrote /x.json\n", "")
 
     monkeypatch.setattr(gpu_report.subprocess, "run", fake_run)
     rec = gpu_report.run_part("tune", True, str(tmp_path / "gpu" / "tune"), None, budget_s=200)

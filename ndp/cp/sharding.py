@@ -186,9 +186,10 @@ def _packed_placement(cu: tuple, world: int, min_piece: int):
     rank): a model's forward cannot run on an empty shard (transformers' mask builders index its last token). The
     rule depends on (cu, world, min_piece) only, so the batch's shard and every attention call agree."""
     plan = _plan_rows(cu, world, min_piece)
-    if min_piece > 1 and {rk for _, _, n, rk in plan.tolist() if n > 0} != set(range(world)):
-        plan = _plan_rows(cu, world, 1)
     rows = plan.tolist()
+    if min_piece > 1 and {rk for _, _, n, rk in rows if n > 0} != set(range(world)):
+        plan = _plan_rows(cu, world, 1)
+        rows = plan.tolist()
     positions = []
     for r in range(world):
         mine = [(s, n) for _, s, n, rk in rows if rk == r and n > 0]

@@ -33,7 +33,8 @@ from accelerate.utils import DistributedType, TorchDynamoPlugin
 
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
-from ndp.hf.batch import PACKING_KEYS, shard_rows
+from ndp.cp.sharding import seq_multiple
+from ndp.hf.batch import PACKING_KEYS, packed_cu, shard_rows
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
 from ndp.parallel.mesh import mesh_axis
 
@@ -115,6 +116,8 @@ class Accelerator(accelerate.Accelerator):
                              "batch['shift_labels'] = F.pad(labels[:, 1:], (0, 1), value=-100), and pass it among "
                              "maybe_context_parallel's buffers (transformers' loss prefers it over labels).")
         extra = dict(self._ndp_step)
+        if "cu_seq_lens_q" not in extra and kwargs.get("cu_seq_lens_q") is not None:
+            extra.update(_dense_table(kwargs["cu_seq_lens_q"]))
         labels = kwargs.get("shift_labels")
         if labels is not None and kwargs.get("num_items_in_batch") is None:
             extra["num_items_in_batch"] = _items_per_rank(labels, model)
@@ -122,16 +125,19 @@ class Accelerator(accelerate.Accelerator):
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, *,
-                               position_ids=None):
-        """Accelerate's, on ndp's CP (module docstring). position_ids: which buffer holds the positions (ndp's
-        Trainer passes it); without it a packed batch is recognised by a buffer whose values restart at 0."""
+                               position_ids=None, names=None):
+        """Accelerate's, on ndp's CP (module docstring). position_ids: which buffer holds the positions; without it
+        a packed batch is recognised by a buffer whose values restart at 0. names: the buffers' names as the model
+        takes them (``input_ids``, ``labels``, ``shift_labels``, ``position_ids``, ``attention_mask``, ``seq_idx``;
+        ndp's Trainer passes them): the batch is then padded by name where the CP layout needs it
+        (``shard_buffers``)."""
         if not (self.parallelism_config and self.parallelism_config.cp_enabled):
             with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
                 yield
             return
         buffers = list(buffers or [])
         keep = no_restore_buffers or set()
-        shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models(), position_ids)
+        shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models(), position_ids, names)
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):
             b.resize_(s.shape).copy_(s)
@@ -167,6 +173,17 @@ def fsdp2_state_on_cpu(kwargs) -> None:
         state.fsdp_plugin = kwargs["fsdp_plugin"]
 
 
+def _dense_table(cu):
+    """The model kwargs replacing a document table the caller passed for buffers sharded as dense rows: one document
+    is the rows themselves (the table dropped); more are documents the buffers did not show (ValueError)."""
+    if cu.numel() > 2:
+        raise ValueError(f"the model got a packed batch's document table (cu_seq_lens_q, {cu.numel() - 1} documents) "
+                         f"but maybe_context_parallel sharded its buffers as dense rows (no buffer of position_ids "
+                         f"restarting at each document): the shards would not be the table's. Pass the batch's "
+                         f"position_ids among the buffers (DataCollatorWithFlattening makes them).")
+    return dict.fromkeys(PACKING_KEYS)
+
+
 def _items_per_rank(shift_labels, model):
     """The labelled tokens of the whole data-parallel x context-parallel batch over the ranks FSDP averages
     gradients on (the model's loss is its shard's sum over this number)."""
@@ -178,15 +195,20 @@ def _items_per_rank(shift_labels, model):
     return (count / state.config.fsdp_size).clamp(min=1e-12).to(torch.float32)[0]
 
 
-def shard_buffers(buffers, seq_dims, ctx, position_ids=None):
+def shard_buffers(buffers, seq_dims, ctx, position_ids=None, names=None):
     """Each buffer's CP shard (dim 1 of ``[batch, seq]`` tensors) and the extra model kwargs: dense rows in
     ``ctx.layout``; packed rows (a buffer of positions restarting at 0 inside a row) per document, with the
     document table the attention needs (`position_ids`: the buffer of positions, else recognised by its values).
-    Everything is checked before anything is sharded.
+    With `names` (the buffers' model argument names) the batch is sharded as ``ndp.hf.shard_batch`` shards it:
+    dense rows padded at the end to the layout's multiple, a packed batch too short for every rank given a padding
+    document, both with labels -100 at the pads, so the loss and gradients are the batch's. Everything is checked
+    before anything is sharded.
 
     Raises:
         ValueError: a buffer that is not ``[batch, seq]`` with its sequence on dim 1, buffers of different
-            sequence lengths, or packed rows whose buffers differ in shape.
+            sequence lengths, packed rows whose buffers differ in shape, names that do not name each buffer once;
+            without names, dense rows whose length the layout cannot shard or a packed batch too short for every
+            rank (which buffer holds the labels is unknown, so neither is padded).
     """
     dims = list(seq_dims) if seq_dims is not None else [1] * len(buffers)
     if len(dims) != len(buffers):
@@ -199,9 +221,12 @@ def shard_buffers(buffers, seq_dims, ctx, position_ids=None):
     lengths = {b.shape[1] for b in buffers}
     if len(lengths) > 1:
         raise ValueError(f"maybe_context_parallel's buffers have sequence lengths {sorted(lengths)}; they must be one")
+    if names is not None:
+        return _shard_named(buffers, names, ctx)
     rows = {f"buffer{i}": b for i, b in enumerate(buffers)}
     cu, name = _packed(rows, position_ids)
     if cu is None:
+        _check_dense_length(next(iter(lengths)), ctx)
         return [shard_rows({k: t}, ctx, pad=False)[k] for k, t in rows.items()], {}
     if len({tuple(b.shape) for b in buffers}) > 1:
         raise ValueError(f"packed rows (buffer {name} restarts its positions) need every buffer in one shape; got "
@@ -211,6 +236,27 @@ def shard_buffers(buffers, seq_dims, ctx, position_ids=None):
     out = shard_rows({("position_ids" if k == name else k): t for k, t in rows.items()}, ctx, cu=cu, pad=False)
     shards = [out["position_ids" if k == name else k] for k in rows]
     return shards, {k: v for k, v in out.items() if k in PACKING_KEYS}
+
+
+def _shard_named(buffers, names, ctx):
+    names = list(names)
+    if len(names) != len(buffers) or len(set(names)) != len(names):
+        raise ValueError(f"maybe_context_parallel(names=...) names each buffer once; got {len(names)} names "
+                         f"{names} for {len(buffers)} buffers")
+    rows = dict(zip(names, buffers))
+    out = shard_rows(rows, ctx, cu=packed_cu(rows), pad=True)
+    return [out[k] for k in names], {k: v for k, v in out.items() if k in PACKING_KEYS}
+
+
+def _check_dense_length(seq, ctx):
+    need = seq_multiple(ctx.size, ctx.layout)
+    if seq % need:
+        raise ValueError(f"maybe_context_parallel: dense rows of {seq} tokens do not split into the {ctx.layout} "
+                         f"layout's pieces over cp_size={ctx.size} (a multiple of {need} is needed), and unnamed "
+                         f"buffers are not padded (which one holds the labels is unknown). Pad the batch to a "
+                         f"multiple of {need} with labels -100 at the pads (e.g. DataCollatorForLanguageModeling("
+                         f"pad_to_multiple_of={need})), or pass names=[...] (the buffers' model argument names, as "
+                         f"ndp.trainer does) and ndp pads it.")
 
 
 def _packed(rows, position_ids=None):

@@ -9,14 +9,17 @@ and overrides, nothing patched:
 - ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: the Trainer's Accelerator becomes
   ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo);
 - ``prediction_step``: under CP each rank's loss becomes its data-parallel batch's (summed over the CP group), and
-  evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one process's
-  (Trainer's evaluation would otherwise gather the CP ranks' partial losses as samples and report a wrong loss);
-  ``compute_metrics`` under CP is refused by name (the logits are sharded);
+  evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
+  without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
+  partial losses as samples and report a wrong loss); ``compute_metrics`` under CP is refused by name (the logits
+  are sharded);
 - ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
   sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is labelled
-  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel``, without the SDPA-only check.
-  The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
-  micro-batch) normalises the loss.
+  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel`` by name, without the SDPA-only
+  check: any length trains (rows the CP layout cannot split are padded at the end, labels -100, as
+  ``ndp.hf.shard_batch`` pads), and a packed batch's document table is rebuilt for the shards from its positions
+  (made per document from the collator's table where it gave none). The Trainer's own ``num_items_in_batch``
+  (counted before sharding over every data-parallel rank and micro-batch) normalises the loss.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 import transformers
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
-from .hf.batch import without_padding
+from .hf.batch import PACKING_KEYS, document_positions, without_padding
 from .parallel import mesh_axis
 
 try:
@@ -69,15 +72,18 @@ class NdpTrainerMixin:
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
-        if "position_ids" not in inputs:
-            ids = inputs["input_ids"]
-            inputs["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1).clone()
         names = [k for k in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "seq_idx")
                  if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
+        if "position_ids" not in inputs:
+            inputs["position_ids"] = document_positions({k: inputs[k] for k in (*names, *PACKING_KEYS) if k in inputs})
+            names.append("position_ids")
+        # the collator's document table describes the unsharded rows: the shards' comes from the positions
+        inputs = {k: v for k, v in inputs.items() if k not in PACKING_KEYS}
         buffers = [inputs[k] for k in names]
+        # named: a length the CP layout cannot split is padded (labels -100), as shard_batch pads
         return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
-                                 position_ids=inputs["position_ids"]), inputs
+                                 names=names), inputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = getattr(self.accelerator, "parallelism_config", None)

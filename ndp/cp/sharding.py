@@ -19,7 +19,7 @@ from ._validate import check_layout, resolve_group
 from .schedule import Placement
 from .stats import all_gather_flat
 
-__all__ = ["shard_sequence", "gather_sequence", "shard_packed", "PackedShard", "DEFAULT_MIN_PIECE"]
+__all__ = ["shard_sequence", "gather_sequence", "shard_packed", "PackedShard", "DEFAULT_MIN_PIECE", "seq_multiple"]
 
 # Documents of at least 2*N*DEFAULT_MIN_PIECE tokens are cut in 2N zigzag pieces; shorter ones travel
 # whole. 8 keeps pieces from being tiny while the per-rank work stays level (<= 1.05 max/mean
@@ -121,8 +121,14 @@ def shard_sequence(x, dim=1, group=None, layout="zigzag", *, world_size=None, ra
     return _ShardFn.apply(x, d, pg, world, r, layout)
 
 
+def seq_multiple(world: int, layout: str) -> int:
+    """The multiple a dense sequence's length must be to shard over `world` ranks in `layout` (zigzag: 2 pieces
+    per rank)."""
+    return 2 * world if layout == "zigzag" else world
+
+
 def _check_divisible(seqlen, world, layout):
-    need = 2 * world if layout == "zigzag" else world
+    need = seq_multiple(world, layout)
     if seqlen % need:
         what = "2*cp_size" if layout == "zigzag" else "cp_size"
         raise ValueError(f"{layout} sharding needs seqlen divisible by {what}; got seqlen={seqlen}, "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ndp.cp
+from ndp.cp.sharding import seq_multiple
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR
 
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
@@ -166,6 +167,16 @@ def _take_dp_rows(state, rows):
     return out
 
 
+def document_positions(tensors) -> torch.Tensor:
+    """[batch, seq] position_ids for a batch that has none: inside each document of a packed batch (its
+    ``cu_seq_lens_q`` or ``seq_idx``), else 0 .. seq - 1 in every row."""
+    like = next(iter(_rows(tensors).values()))
+    cu = packed_cu(tensors)
+    if cu is None:
+        return torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous()
+    return _positions_in_documents(cu, like)
+
+
 def _positions_in_documents(cu, like):
     """[batch, seq] positions restarting at every document of the flattened rows (RoPE of a packed batch)."""
     cu = cu.to(like.device, torch.int64)
@@ -287,9 +298,9 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
         like = next(iter(rows.values()))
         rows = dict(rows, position_ids=torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous())
     if pad and rows:
-        rows = pad_rows(rows, 2 * ctx.size if ctx.layout == "zigzag" else ctx.size, pad_id)
+        rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
     return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
 
 
-__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "parallel_state", "without_padding",
-           "PACKING_KEYS", "LABEL_KEYS"]
+__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "document_positions",
+           "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS"]

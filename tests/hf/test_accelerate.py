@@ -15,8 +15,8 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from tokenizers import Tokenizer, models
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          TrainingArguments)
+from transformers import (AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, TrainingArguments)
 
 import ndp
 import ndp.accelerate
@@ -124,13 +124,16 @@ def _blog_rank(rank, world, code, port, out, model_dir):
 
 def _one_process(model_dir, tokens, steps, dp, clip=None, collate=None):
     # The same model and batches on one process: step s trains on the dp samples the dp ranks took; clip: the
-    # Trainer's max_grad_norm; collate: samples -> a batch with attention_mask and labels (else tokens are rows).
+    # Trainer's max_grad_norm; collate: samples -> a batch with labels and an attention_mask or packed position_ids
+    # (else tokens are rows).
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
     for s in range(steps):
         b = collate(tokens[dp * s:dp * (s + 1)]) if collate else {"input_ids": tokens[dp * s:dp * (s + 1)]}
-        logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask")).logits
+        # no cache: with one, transformers does not find packed documents in the position_ids (one row attends all)
+        logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"),
+                       position_ids=b.get("position_ids"), use_cache=False).logits
         labels = b.get("labels", b["input_ids"])
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         loss.backward()
@@ -255,7 +258,10 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
     assert got["eval"] == pytest.approx(want, rel=1e-5)
 
 
-PADDED_LENGTHS = (64, 40, 52, 23)
+# Lengths the CP layout cannot split (63, 23, 37 at cp 2: multiples of 4 needed), the last batch one sample.
+PADDED_LENGTHS = (63, 40, 52, 23, 37)
+COLLATORS = {"pad": lambda: _pad_collate,
+             "flatten": lambda: DataCollatorWithFlattening(return_flash_attn_kwargs=True)}
 
 
 def _padded_samples():
@@ -270,15 +276,15 @@ def _pad_collate(samples):
     return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
 
-def _padded_trainer_rank(rank, world, tmp, model_dir):
+def _padded_trainer_rank(rank, world, tmp, model_dir, collate):
     _rank_env(rank, world)
-    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=2, max_steps=2,
+    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=2, max_steps=3,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
                              parallelism_config=AccelerateConfig(cp_size=2), fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
-                       train_dataset=_padded_samples(), data_collator=_pad_collate)
+                       train_dataset=_padded_samples(), data_collator=COLLATORS[collate]())
     trainer.train()
     if rank == 0:
         torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "padded.pt"))
@@ -286,12 +292,15 @@ def _padded_trainer_rank(rank, world, tmp, model_dir):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_trainer_right_padded_batches_under_cp_match_one_process(tmp_path):
-    """A padding collator's batches under cp 2: the losses of one process on the padded batches with their mask."""
+@pytest.mark.parametrize("collate", sorted(COLLATORS))
+def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, collate):
+    """A padding collator's batches and packed ones (DataCollatorWithFlattening with its document table; the last
+    batch one document, sharded as rows) under cp 2, of lengths the CP layout cannot split: ndp's Trainer pads them
+    by name (labels -100), and the losses are one process's on the same batches."""
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
-    want, _ = _one_process(model_dir, _padded_samples(), steps=2, dp=2, clip=1.0, collate=_pad_collate)
+    spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, timeout_s=300)
+    want, _ = _one_process(model_dir, _padded_samples(), steps=3, dp=2, clip=1.0, collate=COLLATORS[collate]())
     assert torch.load(tmp_path / "padded.pt") == pytest.approx(want, abs=1e-4)  # logged to 4 digits
 
 
@@ -433,3 +442,51 @@ def test_a_packed_batch_too_short_for_every_rank_is_refused_not_padded():
                                            CPContext("ring", "zigzag", group=object(), size=4, rank=r))[0][0]
               for r in range(4)]
     assert all(s.numel() for s in shards) and sorted(torch.cat(shards, 1)[0].tolist()) == list(range(10))
+
+
+def _named_dense_rank(rank, world):
+    from ndp.parallel.mesh import CPContext
+
+    ids, pos = torch.arange(1, 8)[None], torch.arange(7)[None]
+    rows = [ids, ids + 100, pos, torch.ones_like(ids)]
+    names = ["input_ids", "shift_labels", "position_ids", "attention_mask"]
+    ctx = CPContext("ring", "zigzag", group=dist.group.WORLD, size=world, rank=rank)
+    with pytest.raises(ValueError, match=r"dense rows of 7 tokens .* multiple of 4 .* pass names="):
+        ndp.accelerate.shard_buffers(rows, None, ctx)
+    with pytest.raises(ValueError, match="names each buffer once"):
+        ndp.accelerate.shard_buffers(rows, None, ctx, names=names[:3])
+    shards, extra = ndp.accelerate.shard_buffers(rows, None, ctx, names=names)
+    want = ([[1, 2, 7, 0]], [[101, 102, 107, -100]], [[0, 1, 6, 7]], [[1, 1, 1, 1]]) if rank == 0 else \
+        ([[3, 4, 5, 6]], [[103, 104, 105, 106]], [[2, 3, 4, 5]], [[1, 1, 1, 1]])   # zigzag: chunks 0, 3 | 1, 2 of 8
+    assert [s.tolist() for s in shards] == list(want) and extra == {}
+
+
+@pytest.mark.distributed
+def test_named_buffers_are_padded_as_shard_batch_pads_them_unnamed_are_refused(tmp_path):
+    # Dense rows of 7 tokens at cp 2 (zigzag: a multiple of 4): unnamed buffers are refused by name (which holds the
+    # labels is unknown); named ones (ndp's Trainer) are padded at the end and sharded: labels -100, positions
+    # continued, mask 1. A named packed batch too short for every rank gets its padding document.
+    from ndp.parallel.mesh import CPContext
+
+    spawn(_named_dense_rank, 2, tmp_path)
+    pos = torch.tensor([[0, 1, 2, 0, 1]])                      # documents [3, 2]: no rank 4 would stay empty
+    names = ["input_ids", "shift_labels", "position_ids"]
+    out = [ndp.accelerate.shard_buffers([torch.arange(5)[None], torch.arange(5)[None] + 100, pos], None,
+                                        CPContext("ring", "zigzag", group=object(), size=4, rank=r), names=names)
+           for r in range(4)]
+    assert all(o[0][0].numel() for o in out)
+    assert out[0][1]["cu_seq_lens_q"].tolist() == [0, 3, 5, 13]  # + one padding document of 2 x cp tokens
+    labels = torch.cat([o[0][1] for o in out], 1)[0].tolist()
+    assert sorted(labels) == [-100] * 8 + [100, 101, 102, 103, 104]
+    with pytest.raises(ValueError, match="no labels"):
+        ndp.accelerate.shard_buffers([torch.arange(5)[None], pos], None,
+                                     CPContext("ring", "zigzag", group=object(), size=4, rank=0),
+                                     names=["input_ids", "position_ids"])
+
+
+def test_a_document_table_for_buffers_sharded_as_rows_is_dropped_or_refused():
+    # A collator's document table (cu_seq_lens_q among the model's kwargs) whose buffers were sharded as dense rows
+    # (no position_ids buffer): one document is the rows themselves; more would be read against the wrong shards.
+    assert ndp.accelerate._dense_table(torch.tensor([0, 12])) == dict.fromkeys(ndp.hf.batch.PACKING_KEYS)
+    with pytest.raises(ValueError, match="2 documents.*sharded its buffers as dense rows.*position_ids"):
+        ndp.accelerate._dense_table(torch.tensor([0, 5, 12]))

@@ -13,13 +13,14 @@ and overrides, nothing patched:
   without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
   partial losses as samples and report a wrong loss); ``compute_metrics`` under CP is refused by name (the logits
   are sharded);
-- ``_prepare_context_parallel_inputs``: the buffers the Trainer shards (input_ids, labels, shift_labels made before
-  sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is labelled
-  -100: ``ndp.hf.batch.without_padding``) go to ndp's ``maybe_context_parallel`` by name, without the SDPA-only
-  check: any length trains (rows the CP layout cannot split are padded at the end, labels -100, as
-  ``ndp.hf.shard_batch`` pads), and a packed batch's document table is rebuilt for the shards from its positions
-  (made per document from the collator's table where it gave none). The Trainer's own ``num_items_in_batch``
-  (counted before sharding over every data-parallel rank and micro-batch) normalises the loss.
+- ``_prepare_context_parallel_inputs``: every per-token tensor of the batch (input_ids, labels, shift_labels made
+  before sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is
+  labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as token_type_ids) goes
+  to ndp's ``maybe_context_parallel`` by name, without the SDPA-only check: any length trains (rows the CP layout
+  cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed batch's document
+  table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
+  none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
+  micro-batch) normalises the loss.
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ class NdpTrainerMixin:
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
-        names = [k for k in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "seq_idx")
-                 if torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2]
+        # every per-token tensor (input_ids' shape: labels, position_ids, attention_mask, seq_idx, token_type_ids, ..)
+        like = inputs.get("input_ids", inputs.get("labels"))
+        names = [k for k, v in inputs.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == like.shape]
         if "position_ids" not in inputs:
             inputs["position_ids"] = document_positions({k: inputs[k] for k in (*names, *PACKING_KEYS) if k in inputs})
             names.append("position_ids")

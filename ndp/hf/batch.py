@@ -295,8 +295,7 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     if cu is not None:
         return _shard_packed(rows, cu, ctx, pad, pad_id)
     if rows and "position_ids" not in rows:
-        like = next(iter(rows.values()))
-        rows = dict(rows, position_ids=torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous())
+        rows = dict(rows, position_ids=document_positions(rows))
     if pad and rows:
         rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
     return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}

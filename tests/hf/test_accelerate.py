@@ -490,3 +490,29 @@ def test_a_document_table_for_buffers_sharded_as_rows_is_dropped_or_refused():
     assert ndp.accelerate._dense_table(torch.tensor([0, 12])) == dict.fromkeys(ndp.hf.batch.PACKING_KEYS)
     with pytest.raises(ValueError, match="2 documents.*sharded its buffers as dense rows.*position_ids"):
         ndp.accelerate._dense_table(torch.tensor([0, 5, 12]))
+
+
+def test_trainer_hands_every_per_token_tensor_by_name_and_positions_per_document():
+    # A packing collator's batch without position_ids (its document table only) plus a per-token tensor the model
+    # takes: every [batch, seq] tensor goes to maybe_context_parallel by name (shift_labels made before sharding),
+    # positions restart at each document, and the collator's table (of the unsharded rows) is not passed on.
+    class Accel:
+        parallelism_config = AccelerateConfig(cp_size=2)
+
+        def maybe_context_parallel(self, **kwargs):
+            return kwargs
+
+    trainer = type("T", (ndp.trainer.NdpTrainerMixin,), {})()
+    trainer.accelerator = Accel()
+    ids = torch.arange(10, 17)[None]
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    labels = ids.masked_fill(torch.tensor([[1, 0, 0, 0, 1, 0, 0]], dtype=torch.bool), -100)  # -100 at doc starts
+    batch = dict(input_ids=ids, labels=labels, token_type_ids=torch.zeros_like(ids), cu_seq_lens_q=cu,
+                 cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+    cp, inputs = trainer._prepare_context_parallel_inputs(None, batch)
+    kwargs = cp()
+    assert kwargs["names"] == ["input_ids", "labels", "token_type_ids", "shift_labels", "position_ids"]
+    assert all(a is inputs[k] for a, k in zip(kwargs["buffers"], kwargs["names"]))
+    assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert inputs["shift_labels"].tolist() == [[11, 12, 13, -100, 15, 16, -100]]
+    assert not set(inputs) & set(ndp.hf.batch.PACKING_KEYS)

@@ -172,9 +172,12 @@ def document_positions(tensors) -> torch.Tensor:
     ``cu_seq_lens_q`` or ``seq_idx``), else 0 .. seq - 1 in every row."""
     like = next(iter(_rows(tensors).values()))
     cu = packed_cu(tensors)
-    if cu is None:
-        return torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous()
-    return _positions_in_documents(cu, like)
+    return _positions_in_rows(like) if cu is None else _positions_in_documents(cu, like)
+
+
+def _positions_in_rows(like):
+    """[batch, seq] positions 0 .. seq - 1 in every row (dense rows)."""
+    return torch.arange(like.shape[1], device=like.device).expand(like.shape).contiguous()
 
 
 def _positions_in_documents(cu, like):
@@ -295,7 +298,7 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     if cu is not None:
         return _shard_packed(rows, cu, ctx, pad, pad_id)
     if rows and "position_ids" not in rows:
-        rows = dict(rows, position_ids=document_positions(rows))
+        rows = dict(rows, position_ids=_positions_in_rows(next(iter(rows.values()))))  # cu None: dense rows
     if pad and rows:
         rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
     return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model
+from ndp.parallel import TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
@@ -17,7 +17,7 @@ from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
                      head_counts, layer_stacks, outside_layers, text_config)
 
-# Used when a model's config carries no base_model_tp_plan (same split as Llama's).
+# Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
 DEFAULT_TP_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -50,7 +50,8 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
 def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     """ModelPlan of a transformers decoder-only model.
 
-    TP comes from the model's own ``config.base_model_tp_plan`` when it has one (else DEFAULT_TP_PLAN);
+    TP comes from the model's own ``config.base_model_tp_plan`` (:func:`parallelize` refuses tp_size > 1 for a model
+    without one or with styles ndp does not implement, ``check_tp_plan``);
     the layers of the text decoder's stacks (``layer_stacks``) are the FSDP/AC blocks; every module of
     the decoder layers that calls transformers' AttentionInterface, wherever it sits, receives the CP context;
     CP switches ``config._attn_implementation`` to ``ndp_<impl>`` through ``set_attn_implementation``; attention
@@ -62,7 +63,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
             a top-level nn.Linear.
     """
     prefix = _base_prefix(model)
-    base_plan = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_TP_PLAN
+    base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     tied = _tied_input_embedding(model)
     # TP keeps a tied input embedding whole: its output embedding computes with the same weight, unsplit
     # (transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan).
@@ -82,6 +83,24 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),
                      enable_cp=enable_cp, init_module=model._init_weights)
+
+
+def check_tp_plan(model: nn.Module, tp_plan) -> None:
+    """Raise :class:`Unsupported` unless ndp can apply `tp_plan` (``hf_plan(model).tp_plan``), the model's own
+    tensor-parallel plan, as transformers means it: a model without a plan is not guessed one (a layer laid out
+    like Llama's may hold a norm over all heads or per head that a split computes wrongly), and a style ndp does
+    not implement (experts, packed or MLA projections, local parameters) is named."""
+    name = type(model).__name__
+    fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
+           f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
+    if not getattr(model.config, "base_model_tp_plan", None):
+        raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
+                          f"empty) and ndp does not guess one. {fix}")
+    unknown = {k: v for k, v in tp_plan.items() if isinstance(v, str) and v not in TP_STYLES}
+    if unknown:
+        raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits "
+                          f"{', '.join(f'{k} as {v!r}' for k, v in unknown.items())}, styles ndp does not implement "
+                          f"(it implements {', '.join(sorted(TP_STYLES))}). {fix}")
 
 
 def _tied_input_embedding(model: nn.Module) -> str | None:
@@ -152,6 +171,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
         the model, parallelized in place, its attention switched to ``ndp_<cp_impl>``.
     Raises:
         ValueError: heads not divisible by tp / the Ulysses degree.
+        Unsupported: see :func:`check_model`; tp_size > 1 with the model's own plan where :func:`check_tp_plan`
+            refuses it.
     """
     loss_parallel = kwargs.pop("loss_parallel", False)
     if not is_transformers_model(model):
@@ -160,7 +181,10 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> 
     config = as_config(config)  # Accelerate's ParallelismConfig too
     check_model(model, config)
     loss_parallel = loss_parallel and config.tp_size > 1
-    kwargs.setdefault("plan", hf_plan(model, loss_parallel=loss_parallel))
+    if "plan" not in kwargs:
+        kwargs["plan"] = hf_plan(model, loss_parallel=loss_parallel)
+        if config.tp_size > 1:
+            check_tp_plan(model, kwargs["plan"].tp_plan)
     model.ndp_loss_parallel = loss_parallel
     if ac_mode(kwargs.get("activation_checkpointing")) != "none":
         # A recomputed layer would append its keys and values to the KV cache a second time (as transformers'
@@ -268,5 +292,6 @@ def scale_loss_sum(local_sum, labels, model, *, ignore_index: int = -100, num_to
 
 
 __all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can_split_head", "init_weights",
-           "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "IMPL_NAMES",
+           "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "check_tp_plan",
+           "IMPL_NAMES",
            "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

@@ -49,21 +49,30 @@ class Parallelized:
         return None if self.mesh is None else mesh_axis(self.mesh, name)
 
 
+# Tensor-parallel styles by name (transformers' names in base_model_tp_plan), each a factory of a torch style.
+TP_STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # an nn.Embedding split by vocabulary rows, its output summed over the ranks (transformers' name)
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+    # A norm between a colwise and a rowwise layer (Qwen3's per-head q_norm / k_norm): its input is this rank's
+    # heads, its weight replicated. Read as split along a dimension other than the normalized last one (-2: the
+    # heads), the forward is the local computation and the weight's gradient, a sum over that dimension, is summed
+    # over the ranks (each rank alone holds its heads' share).
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
+}
+
+
 def _tp_style(name: str) -> ParallelStyle:
-    styles = {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-        # an nn.Embedding split by vocabulary rows, its output summed over the ranks (transformers' name)
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "sequence_parallel": lambda: SequenceParallel(),
-    }
-    if name not in styles:
-        raise ValueError(f"unknown tensor-parallel style {name!r}; supported: {sorted(styles)} or a "
+    if name not in TP_STYLES:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; supported: {sorted(TP_STYLES)} or a "
                          f"torch.distributed.tensor.parallel.ParallelStyle instance")
-    return styles[name]()
+    return TP_STYLES[name]()
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,9 @@ def export_hf(model, out_dir: str) -> str | None:
     cfg = model.config
     saved_impl = cfg._attn_implementation
     try:
-        # The exported model must load where ndp is not installed: use transformers' own attention.
-        cfg._attn_implementation_internal = "sdpa"
+        # The exported model must load where ndp is not installed: transformers' own attention, its default
+        # for the family (sdpa where the family has it, else eager).
+        cfg._attn_implementation_internal = None
         cfg.save_pretrained(out_dir)
     finally:
         cfg._attn_implementation_internal = saved_impl

@@ -101,6 +101,23 @@ def test_models_the_planner_names_and_config_only_directories(tmp_path):
     a = build_model(str(tmp_path / "cfg"), seed=1)
     b = build_model("tiny-qwen2", seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.config._attn_implementation == "sdpa"
+
+
+def test_a_family_without_sdpa_attention_trains_with_its_own_default(tmp_path):
+    # Gemma 2 (soft-capped scores) has no sdpa attention in transformers: ndp-train used to force sdpa and stop.
+    from transformers import Gemma2Config
+    from ndp.train.presets import build_model
+
+    Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path / "gemma2")
+    assert build_model(str(tmp_path / "gemma2"), seed=0).config._attn_implementation == "eager"
+    res = train(TrainConfig(model=str(tmp_path / "gemma2"), seq_len=32, batch_size=2, steps=2, device="cpu",
+                            progress=False))
+    assert len(res.losses) == 2 and all(5.0 < x < 6.0 for x in res.losses)  # ln(256) = 5.55 at random init
+
+
+def test_export_dir_must_be_writable(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--export-hf .*file.* is a file; it must be a directory"):
         TrainConfig(export_hf=str(tmp_path / "file")).check(1)

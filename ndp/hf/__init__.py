@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model
+from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model,
+                          match_modules)
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
@@ -62,12 +63,10 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         Unsupported: loss_parallel for a model whose output embedding is tied to its input embedding or is not
             a top-level nn.Linear.
     """
-    prefix = _base_prefix(model)
-    base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     tied = _tied_input_embedding(model)
     # TP keeps a tied input embedding whole: its output embedding computes with the same weight, unsplit
     # (transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan).
-    tp_plan = {prefix + k: v for k, v in base_plan.items() if prefix + k != tied}
+    tp_plan = {k: v for k, v in _own_tp_plan(model).items() if k != tied}
     if loss_parallel:
         tp_plan[_loss_parallel_head(model)] = "colwise"
 
@@ -85,22 +84,60 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
                      enable_cp=enable_cp, init_module=model._init_weights)
 
 
+def _own_tp_plan(model: nn.Module) -> dict:
+    """The model's own tensor-parallel plan by full module name: its config's (under its base model), or for a
+    multimodal wrapper without one, its text decoder's (under that decoder)."""
+    plan = getattr(model.config, "base_model_tp_plan", None)
+    if plan:
+        return {_base_prefix(model) + k: v for k, v in plan.items()}
+    text = text_config(model)
+    where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
+    plan = getattr(text, "base_model_tp_plan", None)
+    return {f"{where}.{k}": v for k, v in plan.items()} if plan and where else {}
+
+
 def check_tp_plan(model: nn.Module, tp_plan) -> None:
     """Raise :class:`Unsupported` unless ndp can apply `tp_plan` (``hf_plan(model).tp_plan``), the model's own
-    tensor-parallel plan, as transformers means it: a model without a plan is not guessed one (a layer laid out
-    like Llama's may hold a norm over all heads or per head that a split computes wrongly), and a style ndp does
-    not implement (experts, packed or MLA projections, local parameters) is named."""
+    tensor-parallel plan, exactly: a model without a plan is not guessed one (a layer laid out like Llama's may hold
+    per-head norms a split applies to another rank's heads); a style ndp does not implement (experts, packed or MLA
+    projections, local parameters) is named; so are parameters the plan leaves whole inside a module whose
+    projections it splits by columns (each rank would compute them on its share only: Apertus' xIELU activation, a
+    per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity (statistics over the split width)."""
     name = type(model).__name__
     fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
-    if not getattr(model.config, "base_model_tp_plan", None):
+    if not _own_tp_plan(model):
         raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
-                          f"empty) and ndp does not guess one. {fix}")
+                          f"empty, its text decoder's too) and ndp does not guess one. {fix}")
     unknown = {k: v for k, v in tp_plan.items() if isinstance(v, str) and v not in TP_STYLES}
     if unknown:
         raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits "
                           f"{', '.join(f'{k} as {v!r}' for k, v in unknown.items())}, styles ndp does not implement "
                           f"(it implements {', '.join(sorted(TP_STYLES))}). {fix}")
+    loose = _whole_in_split_modules(model, tp_plan)
+    if loose:
+        raise Unsupported(f"tensor parallel: {name}'s plan splits the outputs of projections by columns over the "
+                          f"tensor-parallel ranks but leaves {', '.join(loose[:4])}{' ...' if len(loose) > 4 else ''} "
+                          f"whole beside them: each rank would compute it on its share of the split outputs (its "
+                          f"gradient one rank's part). {fix}")
+    if any(getattr(text_config(model), "activation_sparsity_pattern", None) or ()):
+        raise Unsupported(f"tensor parallel: {name}'s activation sparsity keeps each token's largest MLP activations "
+                          f"by statistics over the whole MLP width, which tensor parallel splits. {fix}")
+
+
+def _whole_in_split_modules(model: nn.Module, tp_plan) -> list[str]:
+    """Parameters that no plan entry covers inside a module one of whose children the plan splits by columns
+    ("colwise": outputs left split for a rowwise layer); not the root's (a vocabulary-split LM head feeds the loss)."""
+    covered = [n for n, _ in match_modules(model, tp_plan)]
+    split = {n.rpartition(".")[0] for n, _ in match_modules(model, [k for k, v in tp_plan.items() if v == "colwise"])}
+    split.discard("")
+    loose = []
+    for parent in sorted(split):
+        for pname, _ in model.get_submodule(parent).named_parameters():
+            full = f"{parent}.{pname}"
+            if not any(full.startswith(c + ".") for c in covered):
+                loose.append(full)
+    return loose
 
 
 def _tied_input_embedding(model: nn.Module) -> str | None:

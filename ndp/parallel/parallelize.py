@@ -99,7 +99,8 @@ class ModelPlan:
     init_module: Callable[[nn.Module], None] | None = None
 
 
-def _match(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
+def match_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of `model`'s modules whose names match one of `patterns` (``*`` matches one name part)."""
     patterns = list(patterns)
     out = []
     for name, mod in model.named_modules():
@@ -145,7 +146,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str | 
                          f"an empty plan. Pass ModelPlan(tp_plan=...) or use ndp.hf for transformers models.")
     plan = {}
     for pattern, style in tp_plan.items():
-        if not _match(model, [pattern]):
+        if not match_modules(model, [pattern]):
             raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of "
                              f"{type(model).__name__}")
         plan[pattern] = _tp_style(style) if isinstance(style, str) else style
@@ -166,7 +167,7 @@ def apply_cp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | Non
         raise ValueError(f"cp_size={config.cp_size} needs a plan with enable_cp (how to switch the model's "
                          f"attention to CP attention); got none for {type(model).__name__}. Use ndp.hf for "
                          f"transformers models.")
-    for _, mod in _match(model, plan.attention):
+    for _, mod in match_modules(model, plan.attention):
         setattr(mod, CP_ATTR, ctx)
     setattr(model, CP_ATTR, ctx)
     if plan.enable_cp is not None:
@@ -215,7 +216,7 @@ def apply_ac(model: nn.Module, blocks: Sequence[str], mode: str = "full") -> lis
     if ac_mode(mode) == "selective":
         kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
     out = []
-    for name, mod in _match(model, blocks):
+    for name, mod in match_modules(model, blocks):
         wrapped = checkpoint_wrapper(mod, preserve_rng_state=False, **kw)
         _replace(model, name, wrapped)
         out.append(wrapped)
@@ -375,7 +376,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
     if config.tp_size > 1:
         apply_tp(model, mesh_axis(mesh, "tp"), plan.tp_plan)
     apply_cp(model, config, mesh, plan)
-    blocks = [m for _, m in _match(model, plan.blocks)]
+    blocks = [m for _, m in match_modules(model, plan.blocks)]
     if ac != "none":
         blocks = apply_ac(model, plan.blocks, ac)
     if compile:

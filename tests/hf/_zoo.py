@@ -161,7 +161,9 @@ FP32_INSIDE = {"apertus": "xIELU activation (alpha_p, alpha_n) in float32",
                "gemma3n_text": "RMSNorm in float32 (Gemma3nRMSNorm upcasts)",
                "gemma4_unified": "its text model's RMSNorm of q/k in float32",
                "longcat_flash": "router logits in float32",
-               "mamba2": "gated RMSNorm and residual in float32"}
+               "mamba2": "gated RMSNorm and residual in float32",
+               "qwen3_5": "gated delta rule in float32 (tensor parallel: 9.5e-6)",
+               "qwen3_5_text": "gated delta rule in float32 (tensor parallel)"}
 
 
 def _rel(a, b, floor=1e-30):
@@ -296,6 +298,35 @@ def cp(model_type, impl, world):
         floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
         for n, p in model.named_parameters():
             n = n.replace("_checkpoint_wrapped_module.", "")
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if n in ref_grads:
+                rel = max(rel, _rel(g, ref_grads[n], floor))
+            elif g is not None and bool(g.abs().max() > 0):
+                rel = float("inf")
+        return rel
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
+
+
+def tp(model_type, world):
+    """tp ``world`` with the model's own plan: parallelize + ndp.hf.loss on the whole batch vs :func:`reference`
+    (refused plans are refused before the reference runs)."""
+    import ndp
+    import ndp.hf
+    from torch.distributed.tensor import DTensor
+
+    def run():
+        cfg = ndp.ParallelismConfig(tp_size=world)
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+        ref_loss, ref_grads = reference(model_type)
+        ids, labels, pos = batch()
+        logits = _forward(model, ids, pos)
+        loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+        loss.backward()
+        rel = _rel(mean.double(), ref_loss)
+        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+        for n, p in model.named_parameters():
+            # a replicated parameter's gradient is this rank's own: it must hold every rank's share already
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             if n in ref_grads:
                 rel = max(rel, _rel(g, ref_grads[n], floor))

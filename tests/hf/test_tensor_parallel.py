@@ -41,6 +41,9 @@ def _tp_body(rank, world, layout):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=lambda m: f"{family} loss: {m}")
         assert set(grads) == set(want_grads)
         for n, g in want_grads.items():
+            if g is None:  # a parameter the forward does not use
+                assert grads[n] is None, f"{family} {n}: a gradient where one process has none"
+                continue
             # Relative to the tensor's largest entry: the norms of these families compute in float32 inside the
             # float64 model, so a gradient summed in another order rounds differently there (measured <= 2e-7);
             # a gradient missing a rank's share is off by tens of percent.
@@ -54,13 +57,35 @@ def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path, 
     spawn(_tp_body, 2 * layout.get("dp_shard_size", 1), tmp_path, layout, timeout_s=120)
 
 
-@pytest.mark.parametrize("family, match", [
-    ("qwen3_moe", r"Qwen3MoeForCausalLM's plan \(base_model_tp_plan\) splits .*experts.* as 'moe_tp_experts'.*"
-                  r"styles ndp does not implement.*Train Qwen3MoeForCausalLM with tp_size=1"),
-    ("stablelm", r"StableLmForCausalLM has no tensor-parallel plan .* ndp does not guess one"),
+@pytest.mark.parametrize("family, fields, match", [
+    ("qwen3_moe", {}, r"Qwen3MoeForCausalLM's plan \(base_model_tp_plan\) splits .*experts.* as 'moe_tp_experts'.*"
+                      r"styles ndp does not implement.*Train Qwen3MoeForCausalLM with tp_size=1"),
+    # No plan; laid out like Llama, its per-head q/k LayerNorms would be applied to another rank's heads.
+    ("stablelm", dict(qk_layernorm=True), r"StableLmForCausalLM has no tensor-parallel plan .* does not guess one"),
+    # xIELU's two scalars act on the split MLP width: measured 120% off in the gradient without the refusal.
+    ("apertus", {}, r"leaves model.layers.0.mlp.act_fn.alpha_p, model.layers.0.mlp.act_fn.alpha_n, .* whole beside"),
+    # q/k LayerNorms its plan does not list
+    ("phi", dict(qk_layernorm=True), r"leaves model.layers.0.self_attn.q_layernorm.weight, .* whole beside them"),
+    ("gemma3n_text", {}, r"Gemma3nForCausalLM's activation sparsity .* statistics over the whole MLP width"),
 ])
-def test_a_plan_ndp_cannot_apply_is_refused_before_any_work(family, match):
-    # StableLM has no plan; laid out like Llama, its per-head q/k LayerNorms (qk_layernorm) would be applied to
-    # another rank's heads by Llama's split.
+def test_a_plan_ndp_cannot_apply_is_refused_before_any_work(family, fields, match):
+    model = tiny_model(family) if not fields else _with(family, **fields)
     with pytest.raises(ndp.hf.Unsupported, match=match):
-        ndp.hf.parallelize(tiny_model(family), ndp.ParallelismConfig(tp_size=2), None)
+        ndp.hf.parallelize(model, ndp.ParallelismConfig(tp_size=2), None)
+
+
+def _with(family, **fields):
+    from transformers import AutoModelForCausalLM
+    from _zoo import tiny_config
+
+    cfg = tiny_config(family)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+
+
+def test_a_multimodal_wrapper_splits_its_text_decoder_by_the_decoders_plan():
+    model = tiny_model("gemma3")
+    plan = ndp.hf.hf_plan(model).tp_plan
+    assert plan["model.language_model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert not any("vision" in k for k in plan)

@@ -6,6 +6,8 @@ by name (``ndp.hf.Unsupported``); never a silent difference, never an unrelated 
 on the model's own logits (the loss and every gradient).
 (b) cp 2, ring and Ulysses, zigzag: ``ndp.hf.parallelize`` + ``shard_batch`` + ``ndp.hf.loss`` on 2 gloo ranks
 against one process on the whole batch (the loss and every gradient).
+(d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
+refused by name (``ndp.hf.check_tp_plan``).
 
 ``python tests/hf/test_zoo.py`` prints the table (the counts in the README come from it)."""
 import collections
@@ -28,6 +30,7 @@ CP_KNOWN = {}
 MIN_EXACT_SINGLE = 140
 MIN_EXACT_CP = 107
 MIN_EXACT_FUSED = 154
+MIN_EXACT_TP = 50
 
 
 def _quiet():
@@ -39,12 +42,12 @@ def _quiet():
     transformers.logging.set_verbosity_error()
 
 
-def _cp_body(rank, world, fams, impl, out):
+def _parallel_body(rank, world, fams, impl, out):
     import torch.distributed as dist
 
     _quiet()
     for mt in fams:
-        r = _zoo.cp(mt, impl, world)
+        r = _zoo.tp(mt, world) if impl == "tp" else _zoo.cp(mt, impl, world)
         rs = [None] * world
         dist.all_gather_object(rs, r)
         if rank == 0:
@@ -57,10 +60,10 @@ def run_single():
     return {mt: _zoo.single(mt) for mt in _zoo.families()}
 
 
-def run_cp(fams, tmp, impl="ring"):
+def run_parallel(fams, tmp, impl="ring"):
     out = os.path.join(tmp, f"zoo_{impl}.jsonl")
     open(out, "w").close()
-    spawn(_cp_body, 2, tmp, fams, impl, out, timeout_s=60)
+    spawn(_parallel_body, 2, tmp, fams, impl, out, timeout_s=60)
     res = {}
     for line in open(out):
         mt, rs = json.loads(line)
@@ -100,11 +103,22 @@ def test_zoo_fused_loss_exact_or_refused():
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
-    results = run_cp(fams, str(tmp_path), impl)
+    results = run_parallel(fams, str(tmp_path), impl)
     assert set(results) == set(fams)
     assert not _bad(results), _bad(results)
     exact = sum(r[0] == "EXACT" for r in results.values())
     assert exact >= MIN_EXACT_CP, collections.Counter(r[0] for r in results.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zoo_tp2_exact_or_refused(single_results, tmp_path):
+    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT"]
+    results = run_parallel(fams, str(tmp_path), "tp")
+    assert set(results) == set(fams)
+    assert not _bad(results), _bad(results)
+    exact = sum(r[0] == "EXACT" for r in results.values())
+    assert exact >= MIN_EXACT_TP, collections.Counter(r[0] for r in results.values())
 
 
 if __name__ == "__main__":
@@ -114,17 +128,17 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused = run_fused()
-    cp = {impl: run_cp(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses")}
-    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'cp 2 ring':10s} {'ulysses':10s} detail")
+    cp = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "tp")}
+    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'cp 2 ring':10s} {'ulysses':10s} {'tp 2':10s} "
+          f"detail")
     for mt, r in single.items():
-        c, u = (cp[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses"))
+        c, u, t = (cp[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "tp"))
         f = fused[mt]
-        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, c, u) if x[0] not in ("EXACT", "-")), "")
-        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {c[0]:10s} {u[0]:10s} "
+        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, c, u, t) if x[0] not in ("EXACT", "-")), "")
+        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {c[0]:10s} {u[0]:10s} {t[0]:10s} "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     for impl, res in cp.items():
-        print(f"cp 2 {impl}:", dict(collections.Counter(r[0] for r in res.values())),
-              f"({len(CP_KNOWN)} known FSDP failure)")
+        print(f"{'tp 2' if impl == 'tp' else f'cp 2 {impl}'}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

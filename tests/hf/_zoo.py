@@ -282,7 +282,6 @@ def cp(model_type, impl, world):
     """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`."""
     import ndp
     import ndp.hf
-    from torch.distributed.tensor import DTensor
 
     def run():
         ref_loss, ref_grads = reference(model_type)
@@ -291,21 +290,30 @@ def cp(model_type, impl, world):
         ids, labels, pos = batch()
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
         logits = _forward(model, b["input_ids"], b["position_ids"])
-        loss, mean = ndp.hf.loss(logits, b["labels"], model, return_mean=True)
-        loss.backward()
-        rel = _rel(mean.double(), ref_loss)
-        # a gradient that is zero in exact arithmetic (a key bias) is rounding noise: measured against the largest
-        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-        for n, p in model.named_parameters():
-            n = n.replace("_checkpoint_wrapped_module.", "")
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if n in ref_grads:
-                rel = max(rel, _rel(g, ref_grads[n], floor))
-            elif g is not None and bool(g.abs().max() > 0):
-                rel = float("inf")
-        return rel
+        return _against(model, logits, b["labels"], ref_loss, ref_grads)
 
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
+
+
+def _against(model, logits, labels, ref_loss, ref_grads):
+    """Largest relative difference of ndp.hf.loss's mean and of every gradient from the reference's."""
+    import ndp.hf
+    from torch.distributed.tensor import DTensor
+
+    loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    loss.backward()
+    rel = _rel(mean.double(), ref_loss)
+    # a gradient that is zero in exact arithmetic (a key bias) is rounding noise: measured against the largest
+    floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+    for n, p in model.named_parameters():
+        n = n.replace("_checkpoint_wrapped_module.", "")
+        # a replicated parameter's gradient is this rank's own: it must hold every rank's share already
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if n in ref_grads:
+            rel = max(rel, _rel(g, ref_grads[n], floor))
+        elif g is not None and bool(g.abs().max() > 0):
+            rel = float("inf")
+    return rel
 
 
 def tp(model_type, world):
@@ -313,25 +321,12 @@ def tp(model_type, world):
     (refused plans are refused before the reference runs)."""
     import ndp
     import ndp.hf
-    from torch.distributed.tensor import DTensor
 
     def run():
         cfg = ndp.ParallelismConfig(tp_size=world)
         model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
         ref_loss, ref_grads = reference(model_type)
         ids, labels, pos = batch()
-        logits = _forward(model, ids, pos)
-        loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
-        loss.backward()
-        rel = _rel(mean.double(), ref_loss)
-        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-        for n, p in model.named_parameters():
-            # a replicated parameter's gradient is this rank's own: it must hold every rank's share already
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if n in ref_grads:
-                rel = max(rel, _rel(g, ref_grads[n], floor))
-            elif g is not None and bool(g.abs().max() > 0):
-                rel = float("inf")
-        return rel
+        return _against(model, _forward(model, ids, pos), labels, ref_loss, ref_grads)
 
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)

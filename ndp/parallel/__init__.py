@@ -8,8 +8,8 @@ from .init import init_weights, is_meta, materialize, module_seed, param_bytes, 
 from .mesh import CPContext, adopt_mesh, build_device_mesh, check_mesh, cp_context, mesh_axis
 from .offload import ActivationOffload, OffloadStats
 from .parallelize import (AC_MODES, CP_ATTR, PARALLEL_ATTR, TP_STYLES, ModelPlan, Parallelized, ac_mode, apply_ac,
-                          apply_cp, apply_fsdp, apply_tp, clip_grad_norm_, default_plan, fsdp_mesh, is_transformers_model,
-                          match_modules, parallelize)
+                          apply_cp, apply_fsdp, apply_tp, clip_grad_norm_, default_plan, fsdp_mesh,
+                          is_transformers_model, match_modules, parallelize)
 
 __all__ = ["ParallelismConfig", "as_config", "adopt_mesh", "check_mesh", "parallelize", "apply_tp", "apply_cp",
            "apply_fsdp", "apply_ac", "ac_mode", "AC_MODES", "ActivationOffload", "OffloadStats", "ModelPlan",

@@ -91,9 +91,11 @@ def _own_tp_plan(model: nn.Module) -> dict:
     if plan:
         return {_base_prefix(model) + k: v for k, v in plan.items()}
     text = text_config(model)
-    where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
     plan = getattr(text, "base_model_tp_plan", None)
-    return {f"{where}.{k}": v for k, v in plan.items()} if plan and where else {}
+    if not plan:
+        return {}
+    where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
+    return {f"{where}.{k}": v for k, v in plan.items()} if where else {}
 
 
 def check_tp_plan(model: nn.Module, tp_plan) -> None:

@@ -104,12 +104,12 @@ def build_model(name_or_dir: str, *, seed: int, dtype=torch.float32, init: str =
             raise ValueError(f"--init meta builds random weights shard by shard; {name_or_dir!r} is a model directory "
                              f"whose weights are loaded whole. Use --init full for it.")
         cfg = AutoConfig.from_pretrained(name_or_dir)
-        cfg._attn_implementation = None  # see below
+        # transformers' own choice (sdpa where the family has it, else eager), not a config.json's (e.g. a
+        # flash-attention build the machine may not have); sdpa forced would refuse Gemma 2, Mamba 2, xLSTM, ...
+        cfg._attn_implementation = None
         return AutoModelForCausalLM.from_pretrained(name_or_dir, config=cfg, dtype=dtype)
     cfg = model_config(name_or_dir)
-    # transformers' own choice (sdpa where the family has it, else eager), not a config.json's (e.g. a
-    # flash-attention build the machine may not have); sdpa forced would refuse Gemma 2, Mamba 2, xLSTM, ...
-    cfg._attn_implementation = None
+    cfg._attn_implementation = None  # as above
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if init == "meta":

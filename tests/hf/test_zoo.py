@@ -128,17 +128,17 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused = run_fused()
-    cp = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "tp")}
+    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "tp")}
     print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'cp 2 ring':10s} {'ulysses':10s} {'tp 2':10s} "
           f"detail")
     for mt, r in single.items():
-        c, u, t = (cp[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "tp"))
+        c, u, t = (runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "tp"))
         f = fused[mt]
         detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, c, u, t) if x[0] not in ("EXACT", "-")), "")
         print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {c[0]:10s} {u[0]:10s} {t[0]:10s} "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
-    for impl, res in cp.items():
+    for impl, res in runs.items():
         print(f"{'tp 2' if impl == 'tp' else f'cp 2 {impl}'}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

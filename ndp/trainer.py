@@ -70,6 +70,7 @@ class NdpTrainerMixin:
         if pc is None or not pc.cp_enabled:
             return super()._prepare_context_parallel_inputs(model, inputs)
         inputs = dict(inputs)
+        _check_token_batch(inputs, pc.cp_size)
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
@@ -115,6 +116,20 @@ class NdpTrainerMixin:
         if state.end_of_dataloader and state.remainder > 0:
             tensor = tensor[:state.remainder]
         return tensor
+
+
+def _check_token_batch(inputs, cp_size) -> None:
+    """Refuse, before any sharding, a CP batch ndp cannot shard by its tokens: every CP rank holds the same batch,
+    so each raises here before any communication."""
+    if torch.is_tensor(inputs.get("inputs_embeds")):
+        raise ValueError(f"ndp.trainer: a batch of inputs_embeds (shape {tuple(inputs['inputs_embeds'].shape)}) under "
+                         f"context parallelism (cp_size={cp_size}): ndp shards [batch, seq] token tensors, and "
+                         f"embeddings left whole would meet sharded labels and positions. Pass input_ids (the "
+                         f"model embeds each rank's shard), or train this batch with cp_size=1.")
+    if not any(torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2 for k in ("input_ids", "labels")):
+        raise ValueError(f"ndp.trainer: under context parallelism (cp_size={cp_size}) a batch needs [batch, seq] "
+                         f"input_ids or labels (the per-token tensors are sharded by their shape); got "
+                         f"{ {k: tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for k, v in inputs.items()} }")
 
 
 class Trainer(NdpTrainerMixin, transformers.Trainer):

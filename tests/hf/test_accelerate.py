@@ -516,3 +516,24 @@ def test_trainer_hands_every_per_token_tensor_by_name_and_positions_per_document
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert inputs["shift_labels"].tolist() == [[11, 12, 13, -100, 15, 16, -100]]
     assert not set(inputs) & set(ndp.hf.batch.PACKING_KEYS)
+
+
+@pytest.mark.parametrize("batch, match", [
+    (dict(inputs_embeds=torch.zeros(1, 8, 4), labels=torch.zeros(1, 8, dtype=torch.long)),
+     r"inputs_embeds \(shape \(1, 8, 4\)\).*cp_size=2.*Pass input_ids"),
+    (dict(inputs_embeds=torch.zeros(1, 8, 4)), "inputs_embeds"),
+    (dict(attention_mask=torch.ones(1, 8)), r"needs \[batch, seq\] input_ids or labels.*'attention_mask': \(1, 8\)"),
+])
+def test_trainer_refuses_a_cp_batch_it_cannot_shard_by_tokens(batch, match):
+    # Embeddings left whole beside sharded labels would not line up; a batch with no token ids has no shape to shard
+    # by. Both are refused by name before maybe_context_parallel is reached (no collective started).
+    class Accel:
+        parallelism_config = AccelerateConfig(cp_size=2)
+
+        def maybe_context_parallel(self, **kwargs):
+            raise AssertionError("reached sharding")
+
+    trainer = type("T", (ndp.trainer.NdpTrainerMixin,), {})()
+    trainer.accelerator = Accel()
+    with pytest.raises(ValueError, match=match):
+        trainer._prepare_context_parallel_inputs(None, batch)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
 from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model,
                           match_modules)
+from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
 
 from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
@@ -81,7 +83,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
 
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),
-                     enable_cp=enable_cp, init_module=model._init_weights)
+                     enable_cp=enable_cp, init_module=SubmodelInit(model))
 
 
 def _own_tp_plan(model: nn.Module) -> dict:
@@ -190,9 +192,34 @@ def init_weights(model: nn.Module, *, seed: int) -> nn.Module:
     Raises:
         ValueError: a parameter or buffer the model's ``_init_weights`` does not set.
     """
-    from ndp.parallel import init_weights as _init_weights
+    return _seeded_init_weights(model, seed=seed, init_module=SubmodelInit(model))
 
-    return _init_weights(model, seed=seed, init_module=model._init_weights)
+
+class SubmodelInit:
+    """A transformers model's per-module init (``ModelPlan.init_module``) as transformers' ``initialize_weights``
+    dispatches it: each module by the ``_init_weights`` of the innermost ``PreTrainedModel`` holding it (a vision
+    tower's modules by the tower's own, an inner model's by the inner model's), never the outer model's alone.
+    ``bind(copy)`` gives the same dispatch on a copy of the model (the meta build initializes a copy)."""
+
+    def __init__(self, model: nn.Module):
+        self._direct = self.bind(model)
+        self._name = f"{type(model).__name__}'s _init_weights, per sub-model"
+
+    @staticmethod
+    def bind(model: nn.Module):
+        inits, stack = {}, [(model, model)]
+        while stack:
+            module, owner = stack.pop()
+            owner = module if isinstance(module, transformers.PreTrainedModel) else owner
+            inits[id(module)] = owner._init_weights
+            stack.extend((child, owner) for child in module.children())
+        return lambda module: inits[id(module)](module)
+
+    def __call__(self, module: nn.Module) -> None:
+        self._direct(module)
+
+    def __repr__(self) -> str:
+        return self._name
 
 
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> nn.Module:
@@ -331,6 +358,7 @@ def scale_loss_sum(local_sum, labels, model, *, ignore_index: int = -100, num_to
 
 
 __all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can_split_head", "init_weights",
+           "SubmodelInit",
            "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "check_tp_plan",
            "IMPL_NAMES",
            "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]

@@ -15,6 +15,7 @@ for bit, and the meta build never holds more than one module's own full tensors 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import logging
@@ -113,50 +114,85 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def _seeded_init(source: nn.Module, targets: dict[str, torch.Tensor], *, seed: int,
                  init_module: Callable[[nn.Module], None]) -> None:
-    """Initialize ``targets`` (clean name -> tensor) module by module from ``source``'s modules.
+    """Initialize ``targets`` (clean name -> tensor) module by module from ``source``'s modules (a meta copy).
 
     For each module of ``source`` (``named_modules`` order) that owns parameters or buffers not seen before
     (a tied tensor belongs to its first owner), the module's own tensors are swapped for full-size CPU
-    temporaries (floating ones NaN-filled, so that a tensor the init leaves untouched is caught), the CPU
-    generator is seeded with :func:`module_seed`, ``init_module(module)`` runs, each temporary is copied into
-    its target, and the module gets its own tensors back.
+    temporaries (floating ones NaN-filled, so that a tensor no init sets is caught); ``init_module`` runs on the
+    module, then on each enclosing module, nearest first, each call after seeding the CPU generator with
+    :func:`module_seed`; each temporary is copied into its target and the module gets its own tensors back.
+    The enclosing modules' calls are transformers' order (``initialize_weights`` runs a parent's init after its
+    children's, and some parents set their children's tensors: a MoE block its router's weight, SigLIP's
+    attention its projections, FalconH1Model its mixers' ``mup_vector``): the last write wins. Every other tensor
+    of ``source`` is on meta, so a call writes and draws for this module's tensors only, whatever else it touches.
     """
+    what = getattr(init_module, "__qualname__", init_module)  # for the message: what the caller gave
+    init_module = _bound(init_module, source)
     seen: set[int] = set()
     for mod_name, mod in source.named_modules():
         own = [(kind, n, t) for kind, n, t in _own_tensors(mod) if id(t) not in seen]
         if not own:
             continue
         seen.update(id(t) for _, _, t in own)
-        temps = {}
-        for kind, n, t in own:
-            tmp = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            tmp.fill_(float("nan") if tmp.is_floating_point() or tmp.is_complex() else 0)
-            if kind == "p":
-                tmp = nn.Parameter(tmp, requires_grad=t.requires_grad)
-                mod._parameters[n] = tmp
-            else:
-                mod._buffers[n] = tmp
-            temps[n] = (kind, t, tmp)
+        temps = {n: (kind, _nan_like(t, kind)) for kind, n, t in own}
+        held = _put(mod, temps)
         try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(seed, clean_name(mod_name)))
-                init_module(mod)
-            for n, (kind, _, tmp) in temps.items():
+            parts = mod_name.split(".") if mod_name else []
+            for depth in range(len(parts), -1, -1):
+                name = ".".join(parts[:depth])
+                key = clean_name(mod_name) if name == mod_name else f"{clean_name(mod_name)}<{clean_name(name)}"
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(module_seed(seed, key))
+                    init_module(source.get_submodule(name))
+            for n, (kind, tmp) in temps.items():
                 fqn = clean_name(f"{mod_name}.{n}" if mod_name else n)
                 if (tmp.is_floating_point() or tmp.is_complex()) and bool(torch.isnan(tmp).any()):
                     raise ValueError(
                         f"initialization left {fqn} ({'parameter' if kind == 'p' else 'buffer'} of "
-                        f"{type(mod).__name__}) unset (NaN): the model's per-module init "
-                        f"({getattr(init_module, '__qualname__', init_module)}) does not initialize it. Give "
-                        f"ModelPlan(init_module=fn) a function that sets every parameter and buffer of the module it "
-                        f"is called on, or build the model in full instead of on the meta device.")
+                        f"{type(mod).__name__}) unset (NaN): the model's per-module init ({what}) does not "
+                        f"initialize it, on the module or an enclosing one. Give ModelPlan(init_module=fn) a "
+                        f"function that sets every parameter and buffer of the module it is called on, or build "
+                        f"and initialize the model in full yourself (not on the meta device).")
                 if fqn not in targets:
                     raise ValueError(f"{fqn}: no tensor of that name in the model to initialize (names: "
                                      f"{sorted(targets)[:8]}...); the model and its init source differ")
                 _copy_into(targets[fqn], tmp.detach())
         finally:
-            for n, (kind, t, _) in temps.items():
-                (mod._parameters if kind == "p" else mod._buffers)[n] = t
+            _put(mod, held)
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta stand-ins (no data copied, tied ones still one)."""
+    memo = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        stand_in = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(stand_in, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
+    return copy.deepcopy(model, memo)
+
+
+def _bound(init_module: Callable[[nn.Module], None], model: nn.Module) -> Callable[[nn.Module], None]:
+    """init_module as a function of one module of `model`: an init with a ``bind(model)`` method (one that
+    depends on where a module sits, as transformers' sub-models' own inits do) is bound to the model it runs on
+    (the meta build runs it on a copy)."""
+    bind = getattr(init_module, "bind", None)
+    return bind(model) if callable(bind) else init_module
+
+
+def _nan_like(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """A CPU temporary for `t` (floating ones NaN-filled, so that a value never written is seen)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out.fill_(float("nan") if out.is_floating_point() or out.is_complex() else 0)
+    return nn.Parameter(out, requires_grad=t.requires_grad) if kind == "p" else out
+
+
+def _put(mod: nn.Module, tensors: dict[str, tuple[str, torch.Tensor]]) -> dict[str, tuple[str, torch.Tensor]]:
+    """Swap module `mod`'s own tensors for `tensors` (name -> (kind, tensor)); returns what they replaced."""
+    old = {}
+    for n, (kind, t) in tensors.items():
+        table = mod._parameters if kind == "p" else mod._buffers
+        old[n] = (kind, table[n])
+        table[n] = t
+    return old
 
 
 def _named_targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,7 +220,7 @@ def init_weights(model: nn.Module, *, seed: int,
     Raises:
         ValueError: a floating parameter or buffer that ``init_module`` leaves unset (named).
     """
-    _seeded_init(model, _named_targets(model), seed=seed, init_module=init_module)
+    _seeded_init(_meta_copy(model), _named_targets(model), seed=seed, init_module=init_module)
     return model
 
 

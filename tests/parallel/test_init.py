@@ -86,3 +86,42 @@ def test_meta_parallelize_refuses_an_uninitialized_tensor():
         m = Scaled()
     m = parallelize(m, ParallelismConfig(), None, plan=ModelPlan(init_module=init))
     assert torch.equal(m.scale, torch.ones(4))
+
+
+class Routed(nn.Module):
+    """A block whose init sets its children's weights, as a MoE block sets its router's (transformers runs a
+    parent's init after its children's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 2, bias=False)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + self.router(x).sum(-1, keepdim=True)
+
+
+def _routed_init(mod):
+    if isinstance(mod, Routed):
+        nn.init.constant_(mod.router.weight, 0.5)
+        nn.init.normal_(mod.lin.weight)  # after lin's own reset_parameters: this value is the last word
+    elif isinstance(mod, nn.Linear) and mod.out_features == 4:
+        mod.reset_parameters()
+
+
+def test_an_enclosing_modules_init_has_the_last_word_and_touches_nothing_else():
+    full = init_weights(nn.Sequential(Routed(), nn.Linear(4, 4)), seed=5, init_module=_routed_init)
+    assert torch.equal(full[0].router.weight, torch.full((2, 4), 0.5))  # its own init leaves it: the parent's
+    torch.manual_seed(module_seed(5, "0.lin<0"))
+    assert torch.equal(full[0].lin.weight, torch.empty(4, 4).normal_())
+    ref = nn.Linear(4, 4)
+    torch.manual_seed(module_seed(5, "0.lin"))
+    ref.reset_parameters()
+    assert torch.equal(full[0].lin.bias, ref.bias)  # the parent does not write it: the module's own value
+    torch.manual_seed(module_seed(5, "1"))
+    ref.reset_parameters()
+    assert torch.equal(full[1].weight, ref.weight)  # a sibling draws at its own seed only
+    with torch.device("meta"):
+        meta = nn.Sequential(Routed(), nn.Linear(4, 4))
+    meta = parallelize(meta, ParallelismConfig(), None, plan=ModelPlan(init_module=_routed_init), init_seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), meta.state_dict().values()))

@@ -219,9 +219,12 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     """
     verify_checkpoint(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _drop_unsaved_state(optim_sd, dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # strict=False for the parameters left stateless above; the model's keys were all loaded (dcp.load is strict)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
     rank_file = os.path.join(path, f"rank{_rank()}.pt")
     if not os.path.exists(rank_file):
         rank_file = os.path.join(path, "rank0.pt")
@@ -231,6 +234,18 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     if rs.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rs["cuda_rng"])
     return rs
+
+
+def _drop_unsaved_state(optim_sd: dict, saved) -> None:
+    """Leave out of the optimizer state to load the parameters that had none when the checkpoint was saved.
+
+    Such a parameter never got a gradient (a vision tower under text-only batches, a frozen branch): the
+    optimizer skips it and stores nothing, while the fresh optimizer's state dict asks for every parameter's.
+    Left out, the loaded state holds none for it either, as in the uninterrupted run."""
+    prefix = "optim.state."
+    stateful = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}  # fqn.field
+    for fqn in [k for k in optim_sd["state"] if k not in stateful]:
+        del optim_sd["state"][fqn]
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:

@@ -64,3 +64,38 @@ def test_resume_is_bit_exact_and_survives_kill_during_save(tmp_path):
     got = _spawn(tmp_path, "d", dict(steps=6, save_dir=save + "_copy", resume=True, _layout="tp2"),
                  str(tmp_path / "r2.pt"))
     assert got == pytest.approx(ref[3:], rel=1e-5)
+
+
+def test_a_parameter_never_given_a_gradient_resumes_as_if_uninterrupted(tmp_path):
+    # A multimodal model's vision tower under text-only batches: its parameters never get a gradient, so the
+    # optimizer holds no state for them when the checkpoint is saved. The resumed run must load (a fresh optimizer
+    # expects state for every parameter) and keep them stateless, as the uninterrupted run does.
+    from torch import nn
+
+    from ndp.train.checkpoint import load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"text": nn.Linear(4, 4), "vision": nn.Linear(4, 4)})
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+    def step(model, opt, sched, i):
+        x = torch.arange(8.0).reshape(2, 4) + i
+        model["text"](x).square().sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    model, opt, sched = build()
+    step(model, opt, sched, 0)
+    path = save_checkpoint(str(tmp_path / "ckpt"), 1, model, opt, sched)
+    for i in (1, 2):
+        step(model, opt, sched, i)
+    resumed, ropt, rsched = build()
+    load_checkpoint(path, resumed, ropt, rsched)
+    assert resumed["vision"].weight not in ropt.state and resumed["text"].weight in ropt.state
+    for i in (1, 2):
+        step(resumed, ropt, rsched, i)
+    for k, v in model.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k

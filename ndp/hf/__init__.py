@@ -14,11 +14,12 @@ from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_c
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
 
-from .attention import IMPL_NAMES, guard_outside_layers, guard_positions, ndp_attention_forward, register_attention
+from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_positions, ndp_attention_forward,
+                        register_attention)
 from .batch import parallel_state, shard_batch
 from .head import head_loss
-from .models import (Unsupported, attention_modules, check_cp_model, cp_attention_modules, decoder_layers,
-                     head_counts, layer_stacks, outside_layers, text_config)
+from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
+                     decoder_layers, head_counts, layer_stacks, outside_layers, text_config)
 
 # Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
 DEFAULT_TP_PLAN = {
@@ -77,6 +78,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     def enable_cp(m, ctx):
         register_attention()
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
+        guard_packed(m)
         if ctx.enabled:
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)
@@ -361,4 +363,5 @@ __all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can
            "SubmodelInit",
            "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "check_tp_plan",
            "IMPL_NAMES",
-           "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model", "text_config"]
+           "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model",
+           "check_packed_model", "text_config"]

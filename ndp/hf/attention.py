@@ -23,11 +23,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import ndp.cp
 import ndp.ops
-from ndp_kernels.segments import packed_rows_cu, read_once
+from ndp_kernels.segments import packed_rows_cu, position_restarts, read_once
 from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, read_dense, spec_of, with_padding
-from .models import Unsupported
+from .models import Unsupported, check_packed_model
 from .padded import padded_attention, padding_plan
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
@@ -285,6 +285,35 @@ def guard_positions(model, ctx) -> None:
             raise_on_cp_ranks(error, ctx, f"ndp_{ctx.impl} attention")
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def guard_packed(model) -> None:
+    """For a model that cannot keep packed documents apart (:func:`~ndp.hf.models.check_packed_model`: a
+    recurrent or convolution layer, an attention computed by the model itself), refuse a packed batch when it
+    arrives: a forward pre-hook raises when the batch gives a document table (``cu_seq_lens_q`` of several
+    documents), a ``seq_idx`` that changes inside a row, or, without an attention mask, positions that restart
+    inside a row (transformers' rule). Other models get no hook."""
+    try:
+        check_packed_model(model)
+        return
+    except Unsupported as e:
+        message = str(e)
+
+    def refuse(module, args, kwargs):
+        if _packed(kwargs):
+            raise Unsupported(message)
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
+def _packed(kwargs) -> bool:
+    cu, seq_idx, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
+    if torch.is_tensor(cu) and cu.numel() > 2:
+        return True
+    if torch.is_tensor(seq_idx) and seq_idx.dim() == 2 and bool((seq_idx != seq_idx[:, :1]).any()):
+        return True
+    return (kwargs.get("attention_mask") is None and torch.is_tensor(pos) and pos.dim() == 2
+            and bool(position_restarts(pos).any()))
 
 
 def raise_on_cp_ranks(error: BaseException, ctx, what: str) -> None:

@@ -129,34 +129,46 @@ def _mixers(module: nn.Module) -> list[str]:
             if not _inside(name, outside)]
 
 
-def check_cp_model(model: nn.Module) -> None:
-    """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring)."""
-    kind = type(model).__name__
+def _mixing_outside_attention(model: nn.Module) -> str | None:
+    """What in the text decoder mixes tokens outside the attention call ndp replaces (a noun phrase naming the
+    modules), else None."""
     mixers = _mixers(model)
     indexers = [m for m in mixers if _INDEXER.search(m)]
     if indexers:
-        raise Unsupported(
-            f"{kind}: sparse indexed attention ({', '.join(indexers[:3])}) selects keys from the whole sequence "
-            f"outside the attention call; ndp's context parallelism cannot split it. Run it with cp_size=1.")
+        return f"sparse indexed attention ({', '.join(indexers[:3])}), which selects keys from the whole sequence,"
     if mixers:
-        raise Unsupported(
-            f"{kind}: layers that mix tokens outside attention ({', '.join(mixers[:4])}"
-            f"{', ...' if len(mixers) > 4 else ''}: recurrent, state-space, linear-attention or convolution "
-            f"layers) would restart at every context-parallel shard, so ndp cannot pass their state between "
-            f"ranks. Run it with cp_size=1.")
+        return (f"layers that mix tokens outside attention ({', '.join(mixers[:4])}{', ...' if len(mixers) > 4 else ''}"
+                f": recurrent, state-space, linear-attention or convolution layers)")
     attn = attention_modules(model)
     if not attn:
-        raise Unsupported(
-            f"{kind}: no attention module calls transformers' AttentionInterface (the model computes attention "
-            f"itself), so ndp's context parallelism cannot reach it and each rank would attend within its own "
-            f"shard. Run it with cp_size=1, or use a model whose attention goes through the AttentionInterface.")
+        return "an attention the model computes itself (no module of it calls transformers' AttentionInterface)"
     layers = [f"{s}.{i}" for s in layer_stacks(model) for i in range(len(model.get_submodule(s)))]
     without = [name for name in layers if not any(a.startswith(f"{name}.") for a in attn)]
     if without:
+        return f"decoder layers {without[:4]}, which hold no attention that calls transformers' AttentionInterface,"
+    return None
+
+
+def check_cp_model(model: nn.Module) -> None:
+    """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring)."""
+    what = _mixing_outside_attention(model)
+    if what:
         raise Unsupported(
-            f"{kind}: decoder layers {without[:4]} hold no attention that calls transformers' AttentionInterface; "
-            f"ndp's context parallelism cannot reach what mixes tokens there. Run it with cp_size=1.")
+            f"{type(model).__name__}: {what} would see this rank's shard alone under context parallelism (ndp "
+            f"replaces the attention call only and cannot pass their state between ranks). Run it with cp_size=1.")
+
+
+def check_packed_model(model: nn.Module) -> None:
+    """Raise :class:`Unsupported` when packed documents (several in one row) would not stay apart in this model:
+    ndp's attention keeps them apart, a token mixer outside it (:func:`check_cp_model`'s) runs across the row."""
+    what = _mixing_outside_attention(model)
+    if what:
+        raise Unsupported(
+            f"{type(model).__name__}: packed documents (several in one row: position_ids restarting at 0, "
+            f"cu_seq_lens_q or seq_idx) would not stay apart: {what} would run across the documents of a row "
+            f"(ndp's attention keeps them apart, nothing else does). Train it on one document per row (unpacked "
+            f"rows, padded with labels -100), e.g. ndp-train without --pack-docs.")
 
 
 __all__ = ["Unsupported", "text_config", "attention_modules", "decoder_layers", "outside_layers",
-           "cp_attention_modules", "layer_stacks", "check_cp_model"]
+           "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model"]

@@ -193,6 +193,8 @@ def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int
     p = cfg.parallel
     mesh = p.build_device_mesh(device.type)
     model = build_model(cfg.model, seed=cfg.seed, init=cfg.init)
+    if cfg.pack_docs:  # refused on every rank before any work, not at the first packed batch
+        ndp.hf.check_packed_model(model)
     if cfg.init == "full":
         model = model.to(device)
     param_total = sum(t.numel() * t.element_size() for t in model.parameters())

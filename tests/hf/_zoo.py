@@ -278,6 +278,58 @@ def fused(model_type):
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
 
 
+DOCS = (10, 14, 8)  # documents packed in one row (SEQ tokens)
+
+
+def _documents():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in DOCS]
+
+
+def _doc_loss(model, ids, pos, labels, **extra):
+    """(the model's summed loss over labelled tokens, their count) with ndp's attention."""
+    logits = model(input_ids=ids, position_ids=pos, **extra).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
+def packed(model_type):
+    """1 process, ndp's attention: the documents packed in one row (position_ids restarting, the document table
+    ``cu_seq_lens_q``, as ndp-train and DataCollatorWithFlattening give them) against each document in a call of
+    its own through the same model (the mean loss and every gradient). A model that would let the documents see
+    each other (a recurrent layer, an attention of its own) is refused by name (``ndp.hf.check_packed_model``)."""
+    import ndp
+    import ndp.hf
+    from ndp.hf.batch import document_table
+
+    docs = _documents()
+    try:
+        with torch.no_grad():
+            tiny_model(model_type)(input_ids=docs[0][None])
+    except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+    targets = [torch.nn.functional.pad(d[1:], (0, 1), value=-100) for d in docs]
+
+    def run():
+        ref_model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
+        total, count = 0.0, 0
+        for d, t in zip(docs, targets):
+            loss, n = _doc_loss(ref_model, d[None], torch.arange(len(d))[None], t[None])
+            total, count = total + loss, count + n
+        ref_loss, ref_grads = _loss_and_grads(ref_model, total / count)
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
+        cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        loss, n = _doc_loss(model, torch.cat(docs)[None], pos, torch.cat(targets)[None], **document_table(cu, "cpu"))
+        got, grads = _loss_and_grads(model, loss / n)
+        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+        return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
+                                            for k, g in ref_grads.items()])
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
+
+
 def cp(model_type, impl, world):
     """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`."""
     import ndp

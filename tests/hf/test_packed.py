@@ -178,3 +178,31 @@ def test_packed_without_cp_is_per_document(mode):
                                          (4, ("ring", "allgather", "ulysses", "usp"))])
 def test_packed_under_cp_is_per_document(tmp_path, world, impls):
     spawn(_body, world, tmp_path, impls, timeout_s=300)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mpt"])
+def test_a_model_that_would_let_packed_documents_see_each_other_refuses_them(model_type):
+    # Mamba's scan carries its state across the row, MPT computes its attention itself (ALiBi): packed documents
+    # would see each other (both measured 90-220% off per-document training). The collator's batches in each form
+    # are refused by name, before any layer runs; dense rows and a left-padded batch (positions restart after the
+    # pads, but the attention mask says where the tokens are) run.
+    import ndp
+    import ndp.hf
+
+    model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
+    ran = []
+    model.get_input_embeddings().register_forward_pre_hook(lambda *a: ran.append(1))
+    for mode in MODES:
+        b = collated(mode)
+        b.pop("labels")
+        with pytest.raises(ndp.hf.Unsupported, match=r"packed documents .* would not stay apart: .*--pack-docs"):
+            model(**b)
+    assert not ran
+    ids = torch.randint(3, _zoo.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, position_ids=torch.arange(8).expand(2, 8))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])
+    model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).masked_fill(mask == 0, 1))
+    with pytest.raises(ndp.hf.Unsupported, match="packed documents"):
+        ndp.hf.check_packed_model(model)
+    ndp.hf.check_packed_model(_zoo.tiny_model("llama"))  # its attention keeps them apart: no refusal
+

@@ -6,6 +6,9 @@ by name (``ndp.hf.Unsupported``); never a silent difference, never an unrelated 
 on the model's own logits (the loss and every gradient).
 (b) cp 2, ring and Ulysses, zigzag: ``ndp.hf.parallelize`` + ``shard_batch`` + ``ndp.hf.loss`` on 2 gloo ranks
 against one process on the whole batch (the loss and every gradient).
+(e) 1 process: documents packed in one row (position_ids restarting, ``cu_seq_lens_q``) against each document in
+a call of its own (the loss and every gradient); a model whose layers would let the documents see each other is
+refused by name (``ndp.hf.check_packed_model``).
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
 
@@ -31,6 +34,7 @@ MIN_EXACT_SINGLE = 140
 MIN_EXACT_CP = 107
 MIN_EXACT_FUSED = 154
 MIN_EXACT_TP = 58
+MIN_EXACT_PACKED = 105
 
 
 def _quiet():
@@ -98,6 +102,18 @@ def test_zoo_fused_loss_exact_or_refused():
     assert exact >= MIN_EXACT_FUSED, collections.Counter(r[0] for r in results.values())
 
 
+def run_packed():
+    _quiet()
+    return {mt: _zoo.packed(mt) for mt in _zoo.families()}
+
+
+def test_zoo_packed_documents_exact_or_refused():
+    results = run_packed()
+    assert not _bad(results), _bad(results)
+    exact = sum(r[0] == "EXACT" for r in results.values())
+    assert exact >= MIN_EXACT_PACKED, collections.Counter(r[0] for r in results.values())
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(900)  # 225-453 s measured on the 2-core machines (slower days); hangs fail in 60 s (spawn)
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
@@ -127,18 +143,19 @@ if __name__ == "__main__":
     t0 = time.time()
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
-    fused = run_fused()
+    fused, packed = run_fused(), run_packed()
     runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "tp")}
-    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'cp 2 ring':10s} {'ulysses':10s} {'tp 2':10s} "
-          f"detail")
+    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'packed':10s} {'cp 2 ring':10s} {'ulysses':10s} "
+          f"{'tp 2':10s} detail")
     for mt, r in single.items():
         c, u, t = (runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "tp"))
-        f = fused[mt]
-        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, c, u, t) if x[0] not in ("EXACT", "-")), "")
-        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {c[0]:10s} {u[0]:10s} {t[0]:10s} "
+        f, p = fused[mt], packed[mt]
+        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, p, c, u, t) if x[0] not in ("EXACT", "-")), "")
+        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {p[0]:10s} {c[0]:10s} {u[0]:10s} {t[0]:10s} "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
+    print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
         print(f"{'tp 2' if impl == 'tp' else f'cp 2 {impl}'}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

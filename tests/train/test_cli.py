@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ndp.hf
 from ndp.parallel import ParallelismConfig
 from ndp.train import TrainConfig, parse_config, train
 
@@ -115,6 +116,17 @@ def test_a_family_without_sdpa_attention_trains_with_its_own_default(tmp_path):
     res = train(TrainConfig(model=str(tmp_path / "gemma2"), seq_len=32, batch_size=2, steps=2, device="cpu",
                             progress=False))
     assert len(res.losses) == 2 and all(5.0 < x < 6.0 for x in res.losses)  # ln(256) = 5.55 at random init
+
+
+def test_pack_docs_is_refused_for_a_model_that_would_let_documents_see_each_other(tmp_path):
+    # Mamba's scan runs across a packed row: refused by name before the first step (on every rank alike).
+    from transformers import MambaConfig
+
+    MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8).save_pretrained(tmp_path / "m")
+    cfg = dict(model=str(tmp_path / "m"), seq_len=32, batch_size=2, steps=1, device="cpu", progress=False)
+    with pytest.raises(ndp.hf.Unsupported, match=r"MambaForCausalLM: packed documents .* without --pack-docs"):
+        train(TrainConfig(pack_docs=True, **cfg))
+    assert len(train(TrainConfig(**cfg)).losses) == 1
 
 
 def test_export_dir_must_be_writable(tmp_path):

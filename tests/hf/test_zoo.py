@@ -79,15 +79,19 @@ def _bad(results):
     return {mt: r for mt, r in results.items() if r[0] not in ("EXACT", "REFUSED", "UNBUILT")}
 
 
+def _exact_or_refused(results, min_exact):
+    assert not _bad(results), _bad(results)
+    exact = sum(r[0] == "EXACT" for r in results.values())
+    assert exact >= min_exact, collections.Counter(r[0] for r in results.values())
+
+
 @pytest.fixture(scope="module")
 def single_results():
     return run_single()
 
 
 def test_zoo_single_process_exact_or_refused(single_results):
-    assert not _bad(single_results), _bad(single_results)
-    exact = sum(r[0] == "EXACT" for r in single_results.values())
-    assert exact >= MIN_EXACT_SINGLE, collections.Counter(r[0] for r in single_results.values())
+    _exact_or_refused(single_results, MIN_EXACT_SINGLE)
 
 
 def run_fused():
@@ -96,10 +100,7 @@ def run_fused():
 
 
 def test_zoo_fused_loss_exact_or_refused():
-    results = run_fused()
-    assert not _bad(results), _bad(results)
-    exact = sum(r[0] == "EXACT" for r in results.values())
-    assert exact >= MIN_EXACT_FUSED, collections.Counter(r[0] for r in results.values())
+    _exact_or_refused(run_fused(), MIN_EXACT_FUSED)
 
 
 def run_packed():
@@ -108,10 +109,7 @@ def run_packed():
 
 
 def test_zoo_packed_documents_exact_or_refused():
-    results = run_packed()
-    assert not _bad(results), _bad(results)
-    exact = sum(r[0] == "EXACT" for r in results.values())
-    assert exact >= MIN_EXACT_PACKED, collections.Counter(r[0] for r in results.values())
+    _exact_or_refused(run_packed(), MIN_EXACT_PACKED)
 
 
 @pytest.mark.distributed
@@ -121,9 +119,7 @@ def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     results = run_parallel(fams, str(tmp_path), impl)
     assert set(results) == set(fams)
-    assert not _bad(results), _bad(results)
-    exact = sum(r[0] == "EXACT" for r in results.values())
-    assert exact >= MIN_EXACT_CP, collections.Counter(r[0] for r in results.values())
+    _exact_or_refused(results, MIN_EXACT_CP)
 
 
 @pytest.mark.distributed
@@ -132,9 +128,7 @@ def test_zoo_tp2_exact_or_refused(single_results, tmp_path):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT"]
     results = run_parallel(fams, str(tmp_path), "tp")
     assert set(results) == set(fams)
-    assert not _bad(results), _bad(results)
-    exact = sum(r[0] == "EXACT" for r in results.values())
-    assert exact >= MIN_EXACT_TP, collections.Counter(r[0] for r in results.values())
+    _exact_or_refused(results, MIN_EXACT_TP)
 
 
 if __name__ == "__main__":

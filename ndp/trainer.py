@@ -127,9 +127,9 @@ def _check_token_batch(inputs, cp_size) -> None:
                          f"embeddings left whole would meet sharded labels and positions. Pass input_ids (the "
                          f"model embeds each rank's shard), or train this batch with cp_size=1.")
     if not any(torch.is_tensor(inputs.get(k)) and inputs[k].dim() == 2 for k in ("input_ids", "labels")):
+        got = {k: tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for k, v in inputs.items()}
         raise ValueError(f"ndp.trainer: under context parallelism (cp_size={cp_size}) a batch needs [batch, seq] "
-                         f"input_ids or labels (the per-token tensors are sharded by their shape); got "
-                         f"{ {k: tuple(v.shape) if torch.is_tensor(v) else type(v).__name__ for k, v in inputs.items()} }")
+                         f"input_ids or labels (the per-token tensors are sharded by their shape); got {got}")
 
 
 class Trainer(NdpTrainerMixin, transformers.Trainer):

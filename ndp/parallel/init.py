@@ -118,13 +118,8 @@ def _seeded_init(source: nn.Module, targets: dict[str, torch.Tensor], *, seed: i
 
     For each module of ``source`` (``named_modules`` order) that owns parameters or buffers not seen before
     (a tied tensor belongs to its first owner), the module's own tensors are swapped for full-size CPU
-    temporaries (floating ones NaN-filled, so that a tensor no init sets is caught); ``init_module`` runs on the
-    module, then on each enclosing module, nearest first, each call after seeding the CPU generator with
-    :func:`module_seed`; each temporary is copied into its target and the module gets its own tensors back.
-    The enclosing modules' calls are transformers' order (``initialize_weights`` runs a parent's init after its
-    children's, and some parents set their children's tensors: a MoE block its router's weight, SigLIP's
-    attention its projections, FalconH1Model its mixers' ``mup_vector``): the last write wins. Every other tensor
-    of ``source`` is on meta, so a call writes and draws for this module's tensors only, whatever else it touches.
+    temporaries (floating ones NaN-filled, so that a tensor no init sets is caught), the inits run
+    (:func:`_run_inits`), each temporary is copied into its target and the module gets its own tensors back.
     """
     what = getattr(init_module, "__qualname__", init_module)  # for the message: what the caller gave
     init_module = _bound(init_module, source)
@@ -137,13 +132,7 @@ def _seeded_init(source: nn.Module, targets: dict[str, torch.Tensor], *, seed: i
         temps = {n: (kind, _nan_like(t, kind)) for kind, n, t in own}
         held = _put(mod, temps)
         try:
-            parts = mod_name.split(".") if mod_name else []
-            for depth in range(len(parts), -1, -1):
-                name = ".".join(parts[:depth])
-                key = clean_name(mod_name) if name == mod_name else f"{clean_name(mod_name)}<{clean_name(name)}"
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(module_seed(seed, key))
-                    init_module(source.get_submodule(name))
+            _run_inits(source, mod_name, seed=seed, init_module=init_module)
             for n, (kind, tmp) in temps.items():
                 fqn = clean_name(f"{mod_name}.{n}" if mod_name else n)
                 if (tmp.is_floating_point() or tmp.is_complex()) and bool(torch.isnan(tmp).any()):
@@ -161,12 +150,29 @@ def _seeded_init(source: nn.Module, targets: dict[str, torch.Tensor], *, seed: i
             _put(mod, held)
 
 
+def _run_inits(source: nn.Module, mod_name: str, *, seed: int, init_module: Callable[[nn.Module], None]) -> None:
+    """``init_module`` on module `mod_name`, then on each enclosing module, nearest first, each call after seeding
+    the CPU generator with :func:`module_seed` of the module's name (``"module<enclosing"`` for the enclosing
+    ones). That is transformers' order: ``initialize_weights`` runs a parent's init after its children's, and some
+    parents set their children's tensors (a MoE block its router's weight, SigLIP's attention its projections,
+    FalconH1Model its mixers' ``mup_vector``), so the last write wins. Every tensor of ``source`` but this
+    module's temporaries is on meta: a call writes and draws for them only, whatever else it touches."""
+    parts = mod_name.split(".") if mod_name else []
+    for depth in range(len(parts), -1, -1):
+        name = ".".join(parts[:depth])
+        key = clean_name(mod_name) if name == mod_name else f"{clean_name(mod_name)}<{clean_name(name)}"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, key))
+            init_module(source.get_submodule(name))
+
+
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` whose parameters and buffers are meta stand-ins (no data copied, tied ones still one)."""
     memo = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         stand_in = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(stand_in, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else stand_in
+        is_param = isinstance(t, nn.Parameter)
+        memo[id(t)] = nn.Parameter(stand_in, requires_grad=t.requires_grad) if is_param else stand_in
     return copy.deepcopy(model, memo)
 
 

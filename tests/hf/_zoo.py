@@ -305,24 +305,25 @@ def packed(model_type):
 
     docs = _documents()
     try:
+        model = tiny_model(model_type)
         with torch.no_grad():
-            tiny_model(model_type)(input_ids=docs[0][None])
+            model(input_ids=docs[0][None])
     except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
         return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
     targets = [torch.nn.functional.pad(d[1:], (0, 1), value=-100) for d in docs]
 
     def run():
+        ndp.hf.parallelize(model.train(), ndp.ParallelismConfig(), None)
+        cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        loss, n = _doc_loss(model, torch.cat(docs)[None], pos, torch.cat(targets)[None], **document_table(cu, "cpu"))
+        got, grads = _loss_and_grads(model, loss / n)  # first: a refusal needs no reference
         ref_model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
         total, count = 0.0, 0
         for d, t in zip(docs, targets):
             loss, n = _doc_loss(ref_model, d[None], torch.arange(len(d))[None], t[None])
             total, count = total + loss, count + n
         ref_loss, ref_grads = _loss_and_grads(ref_model, total / count)
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
-        cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
-        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
-        loss, n = _doc_loss(model, torch.cat(docs)[None], pos, torch.cat(targets)[None], **document_table(cu, "cpu"))
-        got, grads = _loss_and_grads(model, loss / n)
         floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
         return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
                                             for k, g in ref_grads.items()])

@@ -204,8 +204,7 @@ class SubmodelInit:
     ``bind(copy)`` gives the same dispatch on a copy of the model (the meta build initializes a copy)."""
 
     def __init__(self, model: nn.Module):
-        self._direct = self.bind(model)
-        self._name = f"{type(model).__name__}'s _init_weights, per sub-model"
+        self._model, self._direct = model, None  # bound at the first direct call: the builds call bind(copy)
 
     @staticmethod
     def bind(model: nn.Module):
@@ -218,10 +217,12 @@ class SubmodelInit:
         return lambda module: inits[id(module)](module)
 
     def __call__(self, module: nn.Module) -> None:
+        if self._direct is None:
+            self._direct = self.bind(self._model)
         self._direct(module)
 
     def __repr__(self) -> str:
-        return self._name
+        return f"{type(self._model).__name__}'s _init_weights, per sub-model"
 
 
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh, **kwargs) -> nn.Module:

@@ -20,20 +20,29 @@ and overrides, nothing patched:
   cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed batch's document
   table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
   none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
-  micro-batch) normalises the loss.
+  micro-batch) normalises the loss;
+- ``_load_optimizer_and_scheduler`` (FSDP2, with or without CP): a resume whose optimizer held no state for some
+  parameters at save (never given a gradient; every parameter under plain SGD) loads, those left stateless as in
+  the uninterrupted run (Accelerate's load stops on them).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
+from accelerate.utils import OPTIMIZER_NAME
+from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, fsdp2_state_on_cpu
 from .hf.batch import PACKING_KEYS, document_positions, without_padding
 from .parallel import mesh_axis
+from .parallel.init import clean_name
+from .train.checkpoint import stateful_params
 
 try:
     import trl
@@ -104,6 +113,31 @@ class NdpTrainerMixin:
             loss = (loss / pc.cp_size).float()
         return loss, None, None
 
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the
+        # optimizer held none for at save (never given a gradient: a vision tower under text-only batches; every
+        # parameter under plain SGD) stops the resume. Those are loaded as frozen: no state asked for and none made,
+        # as in the uninterrupted run.
+        saved = _saved_optimizer_state(checkpoint) if checkpoint and _fsdp2(self) else None
+        if saved is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        fqns, groups = saved
+        stateless = [p for n, p in self.model.named_parameters() if p.requires_grad and clean_name(n) not in fqns]
+        for p in stateless:
+            p.requires_grad_(False)
+        try:
+            if fqns or groups is None:
+                super()._load_optimizer_and_scheduler(checkpoint)
+            elif os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+                # no state at all in a full state dict: torch's load finds no device to put none on; the param
+                # groups (lr, momentum, ...) are all there is to load
+                _load_param_groups(self.optimizer, groups)
+                self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME),
+                                                             weights_only=True))
+        finally:
+            for p in stateless:
+                p.requires_grad_(True)
+
     def _gather_over_dp(self, tensor):
         """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the
         last batch cut off as Accelerate does."""
@@ -116,6 +150,41 @@ class NdpTrainerMixin:
         if state.end_of_dataloader and state.remainder > 0:
             tensor = tensor[:state.remainder]
         return tensor
+
+
+def _fsdp2(trainer) -> bool:
+    return trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
+
+
+def _saved_optimizer_state(checkpoint):
+    """(the parameters holding optimizer state, the param groups of a full state dict or None) of the optimizer
+    Accelerate saved for FSDP2 in ``checkpoint``, read by rank 0 and the same on every rank; None where no such
+    save is found (collective)."""
+    box = [_read_optimizer_state(checkpoint) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _read_optimizer_state(checkpoint):
+    sharded = os.path.join(checkpoint, f"{OPTIMIZER_NAME}_0")  # DCP (SHARDED_STATE_DICT)
+    if os.path.isdir(sharded):
+        return stateful_params(dcp.FileSystemReader(sharded).read_metadata().state_dict_metadata,
+                               "optimizer.state."), None
+    for name in (f"{OPTIMIZER_NAME}.bin", f"{OPTIMIZER_NAME}_0_rank0.bin"):  # FULL_STATE_DICT; per rank, no DCP
+        path = os.path.join(checkpoint, name)
+        if os.path.isfile(path):
+            osd = torch.load(path, mmap=True, weights_only=True)
+            return set(osd["state"]), osd["param_groups"] if name == f"{OPTIMIZER_NAME}.bin" else None
+    return None
+
+
+def _load_param_groups(optimizer, groups) -> None:
+    own = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own]:
+        raise ValueError(f"ndp.trainer: the checkpoint's optimizer has param groups of "
+                         f"{[len(g['params']) for g in groups]} parameters, this one {[len(g['params']) for g in own]}: "
+                         f"resume with the optimizer and model the checkpoint was saved with.")
+    optimizer.load_state_dict({"state": {}, "param_groups": [dict(g, params=o["params"]) for g, o in zip(groups, own)]})
 
 
 def _check_token_batch(inputs, cp_size) -> None:

@@ -24,6 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from ndp.parallel.init import clean_name
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -242,20 +244,21 @@ def _drop_unsaved_state(optim_sd: dict, saved) -> None:
     Such a parameter never got a gradient (a vision tower under text-only batches, a frozen branch): the
     optimizer skips it and stores nothing, while the fresh optimizer's state dict asks for every parameter's.
     Left out, the loaded state holds none for it either, as in the uninterrupted run."""
-    prefix = "optim.state."
-    stateful = {k[len(prefix):].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}  # fqn.field
+    stateful = stateful_params(saved, "optim.state.")
     for fqn in [k for k in optim_sd["state"] if k not in stateful]:
         del optim_sd["state"][fqn]
+
+
+def stateful_params(keys, prefix: str) -> set[str]:
+    """The parameters (fqns) an optimizer state held at save, from a DCP checkpoint's flattened keys
+    ``<prefix><fqn>.<field>`` (``exp_avg``, ``step``, ``momentum_buffer``, ...)."""
+    return {k[len(prefix):].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """Consolidated (unsharded) CPU state dict with the model's own parameter names (collective)."""
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    out = {}
-    for k, v in sd.items():
-        k = k.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        out[k] = v
-    return out
+    return {clean_name(k): v for k, v in sd.items()}
 
 
 def export_hf(model, out_dir: str) -> str | None:

@@ -16,6 +16,7 @@ import inspect
 import re
 
 from torch import nn
+from transformers import PreTrainedModel
 
 
 class Unsupported(ValueError):
@@ -129,6 +130,22 @@ def _mixers(module: nn.Module) -> list[str]:
             if not _inside(name, outside)]
 
 
+def _named_mixers(module: nn.Module, mixers: list[str]) -> list[str]:
+    """Of :func:`_mixers`, the ones to name to a user: the innermost whose class, the family's prefix taken off,
+    names a mixer (``MambaMixer``, not ``MambaBlock``, ``MambaRMSNorm`` or the model, matched for their prefix),
+    and the convolutions outside those; all of them where that leaves none."""
+    family = re.match(r"(.+?)(For[A-Z]|Model|LMHead|WithLMHead|$)", type(module).__name__).group(1)
+    names = [m.rsplit(" (", 1)[0] for m in mixers]
+    mods = {n: module.get_submodule("" if n == "." else n) for n in names}
+    kept = [n for n in names if not isinstance(mods[n], PreTrainedModel) and "Norm" not in type(mods[n]).__name__]
+    role = {n: type(mods[n]).__name__.removeprefix(family) for n in kept}
+    own = [n for n in kept if _RECURRENT.search(role[n]) or _INDEXER.search(role[n])]
+    own = [n for n in own if not any(o != n and o.startswith(f"{n}.") for o in own)]
+    convs = [n for n in kept if role[n] == "Conv1d" and not any(n.startswith(f"{o}.") for o in own)]
+    shown = set(own + convs) or set(kept)
+    return [m for m, n in zip(mixers, names) if n in shown] or mixers
+
+
 def _mixing_outside_attention(model: nn.Module) -> str | None:
     """What in the text decoder mixes tokens outside the attention call ndp replaces (a noun phrase naming the
     modules), else None."""
@@ -137,7 +154,8 @@ def _mixing_outside_attention(model: nn.Module) -> str | None:
     if indexers:
         return f"sparse indexed attention ({', '.join(indexers[:3])}), which selects keys from the whole sequence,"
     if mixers:
-        return (f"layers that mix tokens outside attention ({', '.join(mixers[:4])}{', ...' if len(mixers) > 4 else ''}"
+        shown = _named_mixers(model, mixers)
+        return (f"layers that mix tokens outside attention ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
                 f": recurrent, state-space, linear-attention or convolution layers)")
     attn = attention_modules(model)
     if not attn:

@@ -2,6 +2,7 @@
 through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize
 without a mesh in a multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
 import os
+import re
 import sys
 
 import pytest
@@ -102,6 +103,20 @@ def test_decoder_layers_are_the_text_decoders():
     assert any(t.startswith("model.embed_tokens_extend.audio_embed") for t in towers)
     assert any(t.startswith("model.embed_tokens_extend.image_embed") for t in towers)
     check_cp_model(model)  # no token mixer in the decoder layers: allowed
+
+
+@pytest.mark.parametrize("family, named, not_named", [
+    ("mamba", r"\(backbone\.layers\.0\.mixer \(MambaMixer\), backbone\.layers\.1\.mixer \(MambaMixer\):",
+     ["MambaForCausalLM", "MambaBlock", "RMSNorm", "conv1d"]),
+    ("mamba2", r"\(backbone\.layers\.0\.mixer \(Mamba2Mixer\), ", ["Mamba2Model", "RMSNormGated", "conv1d"]),
+    ("jamba", r"\(model\.layers\.0\.mamba \(JambaMambaMixer\), ", ["DecoderLayer", "conv1d"]),
+    ("qwen3_next", r"\(model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\):", ["conv1d"])])
+def test_a_refusal_names_the_token_mixers_not_the_model_or_blocks_holding_them(family, named, not_named):
+    # Mamba's model, blocks and norms carry the family's name too; the refusal names the mixers themselves.
+    with pytest.raises(ndp.hf.Unsupported) as err:
+        check_cp_model(tiny_model(family))
+    assert re.search(named, str(err.value)), str(err.value)
+    assert not [word for word in not_named if word in str(err.value).split(":")[1]], str(err.value)
 
 
 @pytest.mark.skipif("dots3_note_text" not in CONFIG_MAPPING, reason="dots3_note_text is new in transformers 5.24")

@@ -159,9 +159,17 @@ def _fsdp2(trainer) -> bool:
 def _saved_optimizer_state(checkpoint):
     """(the parameters holding optimizer state, the param groups of a full state dict or None) of the optimizer
     Accelerate saved for FSDP2 in ``checkpoint``, read by rank 0 and the same on every rank; None where no such
-    save is found (collective)."""
-    box = [_read_optimizer_state(checkpoint) if dist.get_rank() == 0 else None]
+    save is found (collective: a file rank 0 cannot read raises on every rank, none waits)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = _read_optimizer_state(checkpoint)
+        except Exception as e:  # noqa: BLE001 -- sent to every rank, raised there
+            box[0] = RuntimeError(f"ndp.trainer: rank 0 could not read the optimizer state in {checkpoint}: "
+                                  f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
     return box[0]
 
 

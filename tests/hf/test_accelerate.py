@@ -348,6 +348,17 @@ def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path, par, optim, state
           state_dict_type, timeout_s=300)
 
 
+def _unreadable_optimizer_rank(rank, world, checkpoint):
+    with pytest.raises(RuntimeError, match=r"rank 0 could not read the optimizer state in .*ckpt"):
+        ndp.trainer._saved_optimizer_state(checkpoint)  # every rank raises, none waits for rank 0
+
+
+def test_an_optimizer_state_rank_0_cannot_read_raises_on_every_rank(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "optimizer.bin").write_bytes(b"truncated")
+    spawn(_unreadable_optimizer_rank, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=20)
+
+
 def _readme_trainer_rank(rank, world, tmp, code, model_dir):
     _rank_env(rank, world, MODEL=model_dir)
     os.chdir(tmp)

@@ -15,6 +15,9 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
 - ``_prepare_cp`` (called by ``prepare`` for cp_size > 1, after TP and before FSDP2): ndp's CP on each model
   (``ndp.hf.check_model``, attention switched to ``ndp_<cp_impl>``, the CP contexts), instead of torch's
   ``context_parallel`` hooks.
+- ``_prepare_fsdp2``: after Accelerate's FSDP2, each MoE decoder layer's expert parameters are tied into its input
+  (``ndp.parallel.parallelize.tie_experts``, as ndp's own FSDP2 does): an expert no token of a rank's shard reached
+  still gets a (zero) gradient there, so every rank reduce-scatters the same parameters.
 - ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
@@ -35,8 +38,10 @@ import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
 from ndp.hf.batch import PACKING_KEYS, packed_cu, shard_rows
-from ndp.parallel import CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh
+from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
+                          match_modules)
 from ndp.parallel.mesh import mesh_axis
+from ndp.parallel.parallelize import tie_experts
 
 __all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers"]
 
@@ -105,6 +110,18 @@ class Accelerator(accelerate.Accelerator):
             # first: the document table it adds is what ndp.hf's position check reads
             model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True, prepend=True)
         return args
+
+    def _prepare_fsdp2(self, *args):
+        result = super()._prepare_fsdp2(*args)
+        # Accelerate's fully_shard, as ndp's apply_fsdp: with each rank holding a shard of the sequence, an expert
+        # that none of this rank's tokens reached has no gradient here, and the ranks' reduce-scatters disagree
+        # (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
+        for obj in result:
+            model = getattr(obj, "_orig_mod", obj)
+            if isinstance(model, torch.nn.Module) and hasattr(model, PARALLEL_ATTR):
+                for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
+                    tie_experts(block)
+        return result
 
     def _ndp_forward_kwargs(self, model, args, kwargs):
         """Inside maybe_context_parallel: the document table and num_items_in_batch for the model's loss."""

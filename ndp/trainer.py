@@ -188,11 +188,12 @@ def _read_optimizer_state(checkpoint):
 
 def _load_param_groups(optimizer, groups) -> None:
     own = optimizer.state_dict()["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in own]:
-        raise ValueError(f"ndp.trainer: the checkpoint's optimizer has param groups of "
-                         f"{[len(g['params']) for g in groups]} parameters, this one {[len(g['params']) for g in own]}: "
-                         f"resume with the optimizer and model the checkpoint was saved with.")
-    optimizer.load_state_dict({"state": {}, "param_groups": [dict(g, params=o["params"]) for g, o in zip(groups, own)]})
+    saved, ours = [len(g["params"]) for g in groups], [len(g["params"]) for g in own]
+    if saved != ours:
+        raise ValueError(f"ndp.trainer: the checkpoint's optimizer has param groups of {saved} parameters, this one "
+                         f"{ours}: resume with the optimizer and model the checkpoint was saved with.")
+    optimizer.load_state_dict({"state": {},
+                               "param_groups": [dict(g, params=o["params"]) for g, o in zip(groups, own)]})
 
 
 def _check_token_batch(inputs, cp_size) -> None:

@@ -24,6 +24,7 @@ import ndp.trainer
 from dist import spawn
 from ndp.parallel import adopt_mesh, as_config, check_mesh, mesh_axis
 from ndp.parallel.mesh import FLAT_AXES
+import _zoo
 import test_packed
 from test_quickstart import CFG_LINE, ROOT, _free_port, _run, quickstart_code
 from ndp.testing import assert_close
@@ -170,7 +171,7 @@ def _packed_through_accelerator(rank, world, cases):
         os.environ.pop("NDP_CP_IMPL", None)
         if impl == "ulysses":
             os.environ["NDP_CP_IMPL"] = "ulysses"   # as `accelerate launch` would pass ndp's field
-        model = test_packed._zoo.tiny_model(model_type).train()
+        model = _zoo.tiny_model(model_type).train()
         layer = type(model.model.layers[0]).__name__
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                                 transformer_cls_names_to_wrap=[layer])
@@ -256,6 +257,35 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
         logits = model(input_ids=data[:5]).logits
         want = F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:5, 1:].flatten()).item()
     assert got["eval"] == pytest.approx(want, rel=1e-5)
+
+
+def _moe_trainer_rank(rank, world, tmp, model_dir, tokens):
+    _rank_env(rank, world)
+    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3,
+                             learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                             parallelism_config=AccelerateConfig(cp_size=2), fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2,
+                                          "transformer_layer_cls_to_wrap": ["LongcatFlashDecoderLayer"]})
+    trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                       train_dataset=[{"input_ids": t, "labels": t.clone()} for t in tokens])
+    trainer.train()
+    if rank == 0:
+        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "moe.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_trainer_moe_whose_routed_experts_a_rank_never_reaches_matches_one_process(tmp_path):
+    """LongCat-Flash sends most tokens to its identity (zero-compute) experts: under cp 2 a rank's shard often reaches
+    none of the routed experts, whose parameters then had no gradient there, and the ranks' FSDP2 reduce-scatters
+    disagreed (gloo aborted; NCCL hangs). Tied into each MoE layer's input, they get a zero one."""
+    model_dir = str(tmp_path / "model")
+    _zoo.tiny_model("longcat_flash").save_pretrained(model_dir)
+    tokens = torch.randint(0, _zoo.VOCAB, (3, 48), generator=torch.Generator().manual_seed(7))
+    spawn(_moe_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, tokens, timeout_s=300)
+    want, _ = _one_process(model_dir, tokens, steps=3, dp=1, clip=1.0)
+    assert torch.load(tmp_path / "moe.pt") == pytest.approx(want, rel=1e-6)
 
 
 # Lengths the CP layout cannot split (63, 23, 37 at cp 2: multiples of 4 needed), the last batch one sample.

@@ -31,8 +31,9 @@ import os
 import accelerate
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, TorchDynamoPlugin
+from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin
 
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
@@ -42,8 +43,10 @@ from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfi
                           match_modules)
 from ndp.parallel.mesh import mesh_axis
 from ndp.parallel.parallelize import tie_experts
+from ndp.train.checkpoint import stateful_params
 
-__all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers"]
+__all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers",
+           "saved_optimizer_state"]
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
 ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
@@ -188,6 +191,36 @@ def fsdp2_state_on_cpu(kwargs) -> None:
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = kwargs["fsdp_plugin"]
+
+
+def saved_optimizer_state(checkpoint):
+    """(the parameters holding optimizer state, the param groups of a full state dict or None) of the optimizer
+    Accelerate saved for FSDP2 in ``checkpoint``, read by rank 0 and the same on every rank; None where no such
+    save is found (collective: a file rank 0 cannot read raises on every rank, none waits)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = _read_optimizer_state(checkpoint)
+        except Exception as e:  # noqa: BLE001 -- sent to every rank, raised there
+            box[0] = RuntimeError(f"ndp: rank 0 could not read the optimizer state in {checkpoint}: "
+                                  f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def _read_optimizer_state(checkpoint):
+    sharded = os.path.join(checkpoint, f"{OPTIMIZER_NAME}_0")  # DCP (SHARDED_STATE_DICT)
+    if os.path.isdir(sharded):
+        return stateful_params(dcp.FileSystemReader(sharded).read_metadata().state_dict_metadata,
+                               "optimizer.state."), None
+    for name in (f"{OPTIMIZER_NAME}.bin", f"{OPTIMIZER_NAME}_0_rank0.bin"):  # FULL_STATE_DICT; per rank, no DCP
+        path = os.path.join(checkpoint, name)
+        if os.path.isfile(path):
+            osd = torch.load(path, mmap=True, weights_only=True)
+            return set(osd["state"]), osd["param_groups"] if name == f"{OPTIMIZER_NAME}.bin" else None
+    return None
 
 
 def _dense_table(cu):

@@ -32,17 +32,14 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
-from accelerate.utils import OPTIMIZER_NAME
 from transformers.trainer import SCHEDULER_NAME
 
-from .accelerate import Accelerator, fsdp2_state_on_cpu
+from .accelerate import Accelerator, fsdp2_state_on_cpu, saved_optimizer_state
 from .hf.batch import PACKING_KEYS, document_positions, without_padding
 from .parallel import mesh_axis
 from .parallel.init import clean_name
-from .train.checkpoint import stateful_params
 
 try:
     import trl
@@ -118,7 +115,7 @@ class NdpTrainerMixin:
         # optimizer held none for at save (never given a gradient: a vision tower under text-only batches; every
         # parameter under plain SGD) stops the resume. Those are loaded as frozen: no state asked for and none made,
         # as in the uninterrupted run.
-        saved = _saved_optimizer_state(checkpoint) if checkpoint and _fsdp2(self) else None
+        saved = saved_optimizer_state(checkpoint) if checkpoint and _fsdp2(self) else None
         if saved is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         fqns, groups = saved
@@ -154,36 +151,6 @@ class NdpTrainerMixin:
 
 def _fsdp2(trainer) -> bool:
     return trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
-
-
-def _saved_optimizer_state(checkpoint):
-    """(the parameters holding optimizer state, the param groups of a full state dict or None) of the optimizer
-    Accelerate saved for FSDP2 in ``checkpoint``, read by rank 0 and the same on every rank; None where no such
-    save is found (collective: a file rank 0 cannot read raises on every rank, none waits)."""
-    box = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = _read_optimizer_state(checkpoint)
-        except Exception as e:  # noqa: BLE001 -- sent to every rank, raised there
-            box[0] = RuntimeError(f"ndp.trainer: rank 0 could not read the optimizer state in {checkpoint}: "
-                                  f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
-
-
-def _read_optimizer_state(checkpoint):
-    sharded = os.path.join(checkpoint, f"{OPTIMIZER_NAME}_0")  # DCP (SHARDED_STATE_DICT)
-    if os.path.isdir(sharded):
-        return stateful_params(dcp.FileSystemReader(sharded).read_metadata().state_dict_metadata,
-                               "optimizer.state."), None
-    for name in (f"{OPTIMIZER_NAME}.bin", f"{OPTIMIZER_NAME}_0_rank0.bin"):  # FULL_STATE_DICT; per rank, no DCP
-        path = os.path.join(checkpoint, name)
-        if os.path.isfile(path):
-            osd = torch.load(path, mmap=True, weights_only=True)
-            return set(osd["state"]), osd["param_groups"] if name == f"{OPTIMIZER_NAME}.bin" else None
-    return None
 
 
 def _load_param_groups(optimizer, groups) -> None:

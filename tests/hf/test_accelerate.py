@@ -380,7 +380,7 @@ def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path, par, optim, state
 
 def _unreadable_optimizer_rank(rank, world, checkpoint):
     with pytest.raises(RuntimeError, match=r"rank 0 could not read the optimizer state in .*ckpt"):
-        ndp.trainer._saved_optimizer_state(checkpoint)  # every rank raises, none waits for rank 0
+        ndp.accelerate.saved_optimizer_state(checkpoint)  # every rank raises, none waits for rank 0
 
 
 def test_an_optimizer_state_rank_0_cannot_read_raises_on_every_rank(tmp_path):

@@ -40,7 +40,7 @@ from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restar
 from ndp.cp.sharding import seq_multiple
 from ndp.hf.batch import PACKING_KEYS, packed_cu, shard_rows
 from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
-                          match_modules)
+                          is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
 from ndp.parallel.parallelize import tie_experts
 from ndp.train.checkpoint import stateful_params
@@ -116,12 +116,12 @@ class Accelerator(accelerate.Accelerator):
 
     def _prepare_fsdp2(self, *args):
         result = super()._prepare_fsdp2(*args)
-        # Accelerate's fully_shard, as ndp's apply_fsdp: with each rank holding a shard of the sequence, an expert
-        # that none of this rank's tokens reached has no gradient here, and the ranks' reduce-scatters disagree
-        # (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
+        # Accelerate's fully_shard, as ndp's apply_fsdp: an expert that none of this rank's tokens reached (fewer
+        # under CP, each rank holding a shard of the sequence) has no gradient here, and the ranks' reduce-scatters
+        # disagree (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
         for obj in result:
             model = getattr(obj, "_orig_mod", obj)
-            if isinstance(model, torch.nn.Module) and hasattr(model, PARALLEL_ATTR):
+            if isinstance(model, torch.nn.Module) and is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)
         return result

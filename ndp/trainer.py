@@ -6,8 +6,9 @@ windows, sinks, GQA, packed documents): use it in place of ``transformers.Traine
 subclasses ``transformers.Trainer`` (through :class:`NdpTrainerMixin`, which other Trainer subclasses can take)
 and overrides, nothing patched:
 
-- ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: the Trainer's Accelerator becomes
-  ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo);
+- ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: with a ``parallelism_config``, the Trainer's
+  Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
+  or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
 - ``prediction_step``: under CP each rank's loss becomes its data-parallel batch's (summed over the CP group), and
   evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
   without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
@@ -64,12 +65,14 @@ class NdpTrainerMixin:
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         args = self._ndp_accelerator_args
-        if args.get("parallelism_config") is None or not args["parallelism_config"].cp_enabled:
+        if args.get("parallelism_config") is None:
             return
-        # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place
+        # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place (without CP
+        # too: its FSDP2 ties MoE experts)
         self.accelerator = Accelerator(**args)
-        # evaluation gathers one entry per data-parallel rank (the CP ranks of one hold one batch)
-        self.gather_function = self._gather_over_dp
+        if args["parallelism_config"].cp_enabled:
+            # evaluation gathers one entry per data-parallel rank (the CP ranks of one hold one batch)
+            self.gather_function = self._gather_over_dp
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         pc = getattr(self.accelerator, "parallelism_config", None)

@@ -259,12 +259,12 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
     assert got["eval"] == pytest.approx(want, rel=1e-5)
 
 
-def _moe_trainer_rank(rank, world, tmp, model_dir, tokens):
+def _moe_trainer_rank(rank, world, tmp, model_dir, tokens, par):
     _rank_env(rank, world)
     args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                             parallelism_config=AccelerateConfig(cp_size=2), fsdp="full_shard",
+                             parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2,
                                           "transformer_layer_cls_to_wrap": ["LongcatFlashDecoderLayer"]})
     trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
@@ -276,15 +276,18 @@ def _moe_trainer_rank(rank, world, tmp, model_dir, tokens):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_trainer_moe_whose_routed_experts_a_rank_never_reaches_matches_one_process(tmp_path):
-    """LongCat-Flash sends most tokens to its identity (zero-compute) experts: under cp 2 a rank's shard often reaches
-    none of the routed experts, whose parameters then had no gradient there, and the ranks' FSDP2 reduce-scatters
-    disagreed (gloo aborted; NCCL hangs). Tied into each MoE layer's input, they get a zero one."""
+@pytest.mark.parametrize("par", [{"cp_size": 2}, {"dp_shard_size": 2}])
+def test_trainer_moe_whose_routed_experts_a_rank_never_reaches_matches_one_process(tmp_path, par):
+    """LongCat-Flash sends most tokens to its identity (zero-compute) experts: a rank's tokens (a shard of the
+    sequence under cp 2, a row under dp_shard 2) often reach none of the routed experts, whose parameters then had
+    no gradient there, and the ranks' FSDP2 reduce-scatters disagreed (gloo aborted; NCCL hangs). Tied into each
+    MoE layer's input, they get a zero one."""
     model_dir = str(tmp_path / "model")
     _zoo.tiny_model("longcat_flash").save_pretrained(model_dir)
-    tokens = torch.randint(0, _zoo.VOCAB, (3, 48), generator=torch.Generator().manual_seed(7))
-    spawn(_moe_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, tokens, timeout_s=300)
-    want, _ = _one_process(model_dir, tokens, steps=3, dp=1, clip=1.0)
+    dp = par.get("dp_shard_size", 1)
+    tokens = torch.randint(0, _zoo.VOCAB, (3 * dp, 48), generator=torch.Generator().manual_seed(7))
+    spawn(_moe_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, tokens, par, timeout_s=300)
+    want, _ = _one_process(model_dir, tokens, steps=3, dp=dp, clip=1.0)
     assert torch.load(tmp_path / "moe.pt") == pytest.approx(want, rel=1e-6)
 
 

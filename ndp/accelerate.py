@@ -17,7 +17,8 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   ``context_parallel`` hooks.
 - ``_prepare_fsdp2``: after Accelerate's FSDP2, each MoE decoder layer's expert parameters are tied into its input
   (``ndp.parallel.parallelize.tie_experts``, as ndp's own FSDP2 does): an expert no token of a rank's shard reached
-  still gets a (zero) gradient there, so every rank reduce-scatters the same parameters.
+  still gets a (zero) gradient there, so every rank reduce-scatters the same parameters; the input embedding's unit
+  stays gathered from its forward to its backward (Gemma 4 reads its weight outside the embedding's forward).
 - ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin
+from torch.distributed.fsdp import FSDPModule
 
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
@@ -124,6 +126,12 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(model, torch.nn.Module) and is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)
+                # Accelerate gives the input embedding a unit of its own, resharded after its forward; Gemma 4 reads
+                # its weight after that (a pad row, outside the embedding's forward): kept gathered to its backward,
+                # as the root unit holds it in ndp's own FSDP2
+                embed = model.get_input_embeddings()
+                if isinstance(embed, FSDPModule):
+                    embed.set_reshard_after_forward(False)
         return result
 
     def _ndp_forward_kwargs(self, model, args, kwargs):

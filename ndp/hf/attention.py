@@ -52,7 +52,7 @@ _NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
             "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "is_causal",
             "position_embeddings", "return_dict", "output_hidden_states", "seq_idx", "logits_to_keep",
             # the loss's arguments, which transformers hands every layer with the rest of the forward's kwargs
-            "shift_labels", "num_items_in_batch"}
+            "labels", "shift_labels", "num_items_in_batch"}
 # Arguments that change the attention: refused by name unless they are None (or 0).
 _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
             "attention_chunk_size": "chunked attention"}

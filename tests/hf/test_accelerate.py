@@ -128,6 +128,10 @@ def _one_process(model_dir, tokens, steps, dp, clip=None, collate=None):
     # Trainer's max_grad_norm; collate: samples -> a batch with labels and an attention_mask or packed position_ids
     # (else tokens are rows).
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    return _train_one_process(model, tokens, steps, dp, clip, collate)
+
+
+def _train_one_process(model, tokens, steps, dp, clip=None, collate=None):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     losses = []
     for s in range(steps):
@@ -259,36 +263,38 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
     assert got["eval"] == pytest.approx(want, rel=1e-5)
 
 
-def _moe_trainer_rank(rank, world, tmp, model_dir, tokens, par):
+def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class):
     _rank_env(rank, world)
     args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3,
                              learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                              report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
                              parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2,
-                                          "transformer_layer_cls_to_wrap": ["LongcatFlashDecoderLayer"]})
-    trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
+                             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_class]})
+    trainer = _InOrder(model=_zoo.tiny_model(family).train(), args=args,
                        train_dataset=[{"input_ids": t, "labels": t.clone()} for t in tokens])
     trainer.train()
     if rank == 0:
-        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "moe.pt"))
+        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "family.pt"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("par", [{"cp_size": 2}, {"dp_shard_size": 2}])
-def test_trainer_moe_whose_routed_experts_a_rank_never_reaches_matches_one_process(tmp_path, par):
+@pytest.mark.parametrize("family, par", [("longcat_flash", {"cp_size": 2}), ("longcat_flash", {"dp_shard_size": 2}),
+                                         ("gemma4", {"cp_size": 2})])
+def test_trainer_on_families_accelerates_fsdp2_broke_matches_one_process(tmp_path, family, par):
     """LongCat-Flash sends most tokens to its identity (zero-compute) experts: a rank's tokens (a shard of the
     sequence under cp 2, a row under dp_shard 2) often reach none of the routed experts, whose parameters then had
-    no gradient there, and the ranks' FSDP2 reduce-scatters disagreed (gloo aborted; NCCL hangs). Tied into each
-    MoE layer's input, they get a zero one."""
-    model_dir = str(tmp_path / "model")
-    _zoo.tiny_model("longcat_flash").save_pretrained(model_dir)
+    no gradient there, and the ranks' FSDP2 reduce-scatters disagreed (gloo aborted; NCCL hangs); tied into each
+    MoE layer's input, they get a zero one. Gemma 4 (multimodal, text-only batches) reads its input embedding's
+    weight after the embedding's own forward, where Accelerate's FSDP2 had resharded it ("mixed torch.Tensor and
+    DTensor"), and hands `labels` down to its attention layers."""
+    model = _zoo.tiny_model(family).train()  # seeded: every rank builds the same one
+    layer_class = type(model.get_submodule(ndp.hf.decoder_layers(model)[1][0])).__name__
     dp = par.get("dp_shard_size", 1)
     tokens = torch.randint(0, _zoo.VOCAB, (3 * dp, 48), generator=torch.Generator().manual_seed(7))
-    spawn(_moe_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, tokens, par, timeout_s=300)
-    want, _ = _one_process(model_dir, tokens, steps=3, dp=dp, clip=1.0)
-    assert torch.load(tmp_path / "moe.pt") == pytest.approx(want, rel=1e-6)
+    spawn(_family_trainer_rank, 2, tmp_path, str(tmp_path), family, tokens, par, layer_class, timeout_s=300)
+    want, _ = _train_one_process(model, tokens, steps=3, dp=dp, clip=1.0)
+    assert torch.load(tmp_path / "family.pt") == pytest.approx(want, rel=1e-6)
 
 
 # Lengths the CP layout cannot split (63, 23, 37 at cp 2: multiples of 4 needed), the last batch one sample.

@@ -219,16 +219,25 @@ class _InOrder(ndp.trainer.Trainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
+def _trainer_args(tmp, par, layer="LlamaDecoderLayer", state_dict_type=None, **overrides):
+    """The tests' Trainer arguments: FSDP2 per decoder layer under Accelerate's ParallelismConfig(**par), 3 SGD steps
+    at a constant 1e-2, every loss logged, nothing saved; `overrides` replace any of them."""
+    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]}
+    if state_dict_type:
+        fsdp_config["state_dict_type"] = state_dict_type
+    kw = dict(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3, learning_rate=1e-2,
+              lr_scheduler_type="constant", optim="sgd", logging_steps=1, report_to=[], save_strategy="no",
+              use_cpu=True, dataloader_num_workers=0, parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
+              fsdp_config=fsdp_config)
+    return TrainingArguments(**{**kw, **overrides})
+
+
 def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
     _rank_env(rank, world)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=steps,
-                             gradient_accumulation_steps=ga, per_device_eval_batch_size=1,
-                             learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                             torch_compile=compile, torch_compile_backend="aot_eager" if compile else None,
-                             parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2), fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    args = _trainer_args(tmp, {"dp_shard_size": 2, "cp_size": 2}, max_steps=steps, gradient_accumulation_steps=ga,
+                         per_device_eval_batch_size=1, torch_compile=compile,
+                         torch_compile_backend="aot_eager" if compile else None)
     trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
@@ -265,11 +274,7 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
 
 def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class):
     _rank_env(rank, world)
-    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3,
-                             learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                             parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_class]})
+    args = _trainer_args(tmp, par, layer=layer_class)
     trainer = _InOrder(model=_zoo.tiny_model(family).train(), args=args,
                        train_dataset=[{"input_ids": t, "labels": t.clone()} for t in tokens])
     trainer.train()
@@ -317,11 +322,7 @@ def _pad_collate(samples):
 
 def _padded_trainer_rank(rank, world, tmp, model_dir, collate):
     _rank_env(rank, world)
-    args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=2, max_steps=3,
-                             learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                             parallelism_config=AccelerateConfig(cp_size=2), fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    args = _trainer_args(tmp, {"cp_size": 2}, per_device_train_batch_size=2)
     trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
                        train_dataset=_padded_samples(), data_collator=COLLATORS[collate]())
     trainer.train()
@@ -347,12 +348,8 @@ def _resume_rank(rank, world, tmp, model_dir, par, optim, state_dict_type):
     _rank_env(rank, world)
     runs, weights, stateless = [], [], []
     for resume in (None, os.path.join(tmp, "out", "checkpoint-2")):
-        args = TrainingArguments(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=4,
-                                 learning_rate=1e-2, lr_scheduler_type="linear", optim=optim, logging_steps=1,
-                                 report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
-                                 parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-                                 fsdp_config={"fsdp_version": 2, "state_dict_type": state_dict_type,
-                                              "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+        args = _trainer_args(tmp, par, max_steps=4, lr_scheduler_type="linear", optim=optim, save_strategy="steps",
+                             save_steps=2, state_dict_type=state_dict_type)
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         torch.manual_seed(0)
         model.unused = torch.nn.Linear(4, 4)  # never given a gradient (a vision tower under text-only batches)

@@ -9,7 +9,9 @@ and overrides, nothing patched:
 - ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: with a ``parallelism_config``, the Trainer's
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
-- ``prediction_step``: under CP each rank's loss becomes its data-parallel batch's (summed over the CP group), and
+- ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
+  whose own step neither shards nor counts), each rank's loss becomes its data-parallel batch's (summed over the CP
+  group), and
   evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
   without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
   partial losses as samples and report a wrong loss); ``compute_metrics`` under CP is refused by name (the logits
@@ -105,13 +107,23 @@ class NdpTrainerMixin:
             raise ValueError(f"ndp.trainer: compute_metrics under context parallelism (cp_size={pc.cp_size}) would see "
                              f"each rank's shard of the logits; evaluate the loss only (compute_metrics=None) or "
                              f"compute metrics without CP.")
-        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
-        if loss is not None:
-            # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
-            loss = loss.to(self.args.device).double()
-            dist.all_reduce(loss, group=self.accelerator.torch_device_mesh["cp"].get_group())
-            loss = (loss / pc.cp_size).float()
-        return loss, None, None
+        if not all(inputs.get(k) is not None for k in self.label_names):
+            return None, None, None  # no labels, no loss; the logits are sharded
+        # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
+        loss = self._cp_loss_part(model, inputs).to(self.args.device).double()
+        dist.all_reduce(loss, group=self.accelerator.torch_device_mesh["cp"].get_group())
+        return (loss / pc.cp_size).float(), None, None
+
+    def _cp_loss_part(self, model, inputs):
+        """transformers' loss-only evaluation step on this rank's CP shard (TRL's SFTTrainer overrides that step with
+        one that neither shards the batch nor counts its tokens): the tokens counted before sharding normalise."""
+        inputs = self._prepare_inputs(inputs)
+        num_items = self._get_num_items_in_batch([inputs], self.args.device)
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        if self.args.use_liger_kernel:
+            inputs = {**inputs, "skip_logits": True}
+        with torch.no_grad(), self.compute_loss_context_manager(), cp_context():
+            return self.compute_loss(model, inputs, num_items_in_batch=num_items).detach().mean()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the
@@ -187,12 +199,14 @@ class Trainer(NdpTrainerMixin, transformers.Trainer):
 class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object):
     """``trl.SFTTrainer`` with ndp's context parallelism, ``packing=True`` included.
 
-    TRL refuses packing with ``cp_size > 1`` because torch's CP drops the per-document mask; ndp's attention keeps
-    the documents apart (the packed rows are sharded per document, the document table reaches every layer), so
-    this class lets it through: TRL's constructor sees ``packing=False, padding_free=True, max_length=None`` (the
-    collator packing needs) and ``_prepare_dataset`` (overridden) still packs the training data with the configured
-    strategy and length; the arguments read as given again afterwards. TRL's fused LM head takes the
-    ``shift_labels`` the mixin makes before sharding.
+    TRL refuses packing (``packing`` or ``eval_packing``) with ``cp_size > 1`` because torch's CP drops the
+    per-document mask; ndp's attention keeps the documents apart (the packed rows are sharded per document, the
+    document table reaches every layer), so this class lets it through: TRL's constructor sees ``packing=False,
+    eval_packing=None, padding_free=True, max_length=None`` (the collator packing needs) and ``_prepare_dataset``
+    (overridden) still prepares each dataset as configured: the training data packed or not as ``packing`` says,
+    the evaluation data as ``eval_packing`` (else ``packing``) says, each with the configured strategy and length;
+    the arguments read as given again afterwards. TRL's fused LM head takes the ``shift_labels`` the mixin makes
+    before sharding.
     """
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
@@ -201,23 +215,32 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
                               "pip install trl (or ndp[hf]). ndp.trainer.Trainer needs no trl.")
         pc = getattr(args, "parallelism_config", None)
         self._ndp_packing = None
-        if args is not None and args.packing and pc is not None and pc.cp_enabled:
+        if args is not None and (args.packing or args.eval_packing) and pc is not None and pc.cp_enabled:
             # what the constructor must not see; max_length too: TRL refuses it for padding-free rows not packed
-            self._ndp_packing = {"packing": True, "padding_free": args.padding_free, "max_length": args.max_length}
-            args.packing, args.padding_free, args.max_length = False, True, None
+            self._ndp_packing = {name: getattr(args, name) for name in _PACKING_ARGS}
+            args.packing, args.eval_packing, args.padding_free, args.max_length = False, None, True, None
         try:
             super().__init__(model, args, *rest, **kwargs)
         finally:
             if self._ndp_packing:
-                for name, value in self._ndp_packing.items():
-                    setattr(args, name, value)
+                for name in _PACKING_ARGS:
+                    setattr(args, name, self._ndp_packing[name])
+            self._ndp_packing = None  # past the constructor, TRL's own preparation reads the arguments as given
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
-        if not (self._ndp_packing and dataset_name == "train"):
+        given = self._ndp_packing
+        if given is None:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        # the constructor prepares the training data (named "train") first, then each evaluation dataset
+        train = dataset_name == "train" and not given.get("train_done")
+        given["train_done"] = given.get("train_done") or train
+        packing = given["packing"] if train or given["eval_packing"] is None else given["eval_packing"]
         held = args.max_length
-        args.max_length = self._ndp_packing["max_length"]  # the packed blocks' length
+        args.max_length = given["max_length"]  # the packed blocks' length, or the truncation's
         try:
-            return super()._prepare_dataset(dataset, processing_class, args, True, formatting_func, dataset_name)
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         finally:
             args.max_length = held
+
+
+_PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")

@@ -14,9 +14,9 @@ from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
 from accelerate.state import AcceleratorState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
-from tokenizers import Tokenizer, models
-from transformers import (AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast, TrainingArguments)
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments)
 
 import ndp
 import ndp.accelerate
@@ -428,16 +428,82 @@ def test_readme_sft_trainer_packing_under_cp_matches_one_process(tmp_path):
     assert "\nfrom ndp.trainer import SFTTrainer" in code and "packing=True" in code
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)},
-                                                                        unk_token="t0")),
-                            pad_token="t0", eos_token="t1").save_pretrained(model_dir)
+    _save_word_tokenizer(model_dir)
     spawn(_readme_trainer_rank, 4, tmp_path, str(tmp_path), code, model_dir, timeout_s=300)
     got = torch.load(tmp_path / "l.pt")
     want = _one_process_script(code, ("from ndp.trainer import SFTTrainer", "from trl import SFTTrainer"),
                                tmp_path, model_dir)
-    # fp32 (accelerate trains FSDP2 in fp32): one process alone moves these losses by up to 2e-4 between eager, sdpa
-    # and ndp attention; documents attending across their boundaries, or a wrong normalisation, move them by > 1e-2
+    # SFTConfig's default bf16=True autocasts the one process; Accelerate's FSDP2 on CPU trains in fp32: that moves
+    # these losses by up to 4e-4 (exact with bf16=False: the test below); documents attending across their
+    # boundaries, or a wrong normalisation, move them by > 1e-2
     assert len(got) == 4 and got == pytest.approx(want, abs=5e-4), (got, want)
+
+
+def _save_word_tokenizer(model_dir):
+    """A tokenizer of the tiny models' 256 ids: the words t0 ... t255 (t0 pads, t1 ends), split at spaces."""
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1").save_pretrained(model_dir)
+
+
+def _prompt_completions(seed, lengths):
+    """A prompt-completion dataset of the tokenizer's words: SFTTrainer trains on the completions only."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+    docs = [[f"t{i}" for i in torch.randint(2, 256, (n,), generator=g).tolist()] for n in lengths]
+    return Dataset.from_dict({"prompt": [" ".join(d[:len(d) // 3]) for d in docs],
+                              "completion": [" " + " ".join(d[len(d) // 3:]) for d in docs]})
+
+
+def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None):
+    """cls (ndp's SFTTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the tiny
+    Llama, fp32, the data in order: 3 SGD steps, then an evaluation on 5 documents, one per step."""
+    from trl import SFTConfig
+    args = dict(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                max_steps=3, learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
+                report_to=[], save_strategy="no", use_cpu=True, bf16=False, max_length=32, packing=packing,
+                eval_packing=eval_packing)
+    if par:
+        args.update(parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
+                    fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    in_order = type("InOrder", (cls,), {"_get_train_sampler": _InOrder._get_train_sampler})
+    return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
+                    args=SFTConfig(**args), train_dataset=_prompt_completions(5, (19, 40, 12, 23, 37, 9, 30, 45)),
+                    eval_dataset=_prompt_completions(6, (33, 8, 26, 14, 38)),
+                    processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing):
+    _rank_env(rank, world)
+    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, packing, eval_packing, {"cp_size": 2})
+    trainer.train()
+    ev = trainer.evaluate()["eval_loss"]
+    if rank == 0:
+        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": ev},
+                   os.path.join(tmp, "sft.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("packing, eval_packing", [(True, None), (True, False), (False, None)])
+def test_sft_trainer_evaluates_under_cp_as_one_process(tmp_path, packing, eval_packing):
+    """TRL's evaluation step neither shards the batch for CP nor counts its tokens (every rank's attention got the
+    whole batch: refused); with packing, the evaluation data went unpacked (eval_packing None) and untruncated
+    (eval_packing False): TRL's constructor saw packing off. Prompt-completion data: a completion-only loss, uneven
+    over the CP shards."""
+    pytest.importorskip("trl")
+    import trl
+    model_dir = str(tmp_path / "model")
+    _save_tiny_llama(model_dir)
+    _save_word_tokenizer(model_dir)
+    spawn(_sft_rank, 2, tmp_path, str(tmp_path), model_dir, packing, eval_packing, timeout_s=300)
+    got = torch.load(tmp_path / "sft.pt")
+    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, packing, eval_packing)
+    ref.train()
+    want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h], "eval": ref.evaluate()["eval_loss"]}
+    AcceleratorState._reset_state(True)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 
 
 def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():

@@ -10,8 +10,8 @@ and overrides, nothing patched:
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
-  whose own step neither shards nor counts), each rank's loss becomes its data-parallel batch's (summed over the CP
-  group), and
+  whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
+  the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
   evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
   without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
   partial losses as samples and report a wrong loss); ``compute_metrics`` under CP is refused by name (the logits
@@ -110,20 +110,28 @@ class NdpTrainerMixin:
         if not all(inputs.get(k) is not None for k in self.label_names):
             return None, None, None  # no labels, no loss; the logits are sharded
         # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
-        loss = self._cp_loss_part(model, inputs).to(self.args.device).double()
-        dist.all_reduce(loss, group=self.accelerator.torch_device_mesh["cp"].get_group())
-        return (loss / pc.cp_size).float(), None, None
+        part = torch.stack(self._cp_loss_part(model, inputs)).to(self.args.device, torch.float64)
+        dist.all_reduce(part, group=self.accelerator.torch_device_mesh["cp"].get_group())
+        return (part[0] / part[1].clamp(min=1)).float(), None, None
 
     def _cp_loss_part(self, model, inputs):
-        """transformers' loss-only evaluation step on this rank's CP shard (TRL's SFTTrainer overrides that step with
-        one that neither shards the batch nor counts its tokens): the tokens counted before sharding normalise."""
+        """(loss, weight) of this rank's CP shard; the weighted mean over the CP group is the data-parallel batch's
+        evaluation loss. transformers' loss-only evaluation step normalises by the tokens counted before sharding
+        (over the data-parallel ranks, as its own step counts them), each shard weighing the same."""
         inputs = self._prepare_inputs(inputs)
-        num_items = self._get_num_items_in_batch([inputs], self.args.device)
+        loss, _ = self._cp_shard_loss(model, inputs, self._get_num_items_in_batch([inputs], self.args.device))
+        return loss, torch.ones_like(loss)
+
+    def _cp_shard_loss(self, model, inputs, num_items_in_batch=None):
+        """compute_loss on this rank's CP shard of a prepared batch, without gradient, and the shard's labelled
+        tokens (None without labels)."""
         cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
         if self.args.use_liger_kernel:
             inputs = {**inputs, "skip_logits": True}
         with torch.no_grad(), self.compute_loss_context_manager(), cp_context():
-            return self.compute_loss(model, inputs, num_items_in_batch=num_items).detach().mean()
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch).detach().mean()
+        labels = inputs.get("shift_labels")
+        return loss, None if labels is None else (labels != -100).sum()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the
@@ -241,6 +249,13 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         finally:
             args.max_length = held
+
+
+    def _cp_loss_part(self, model, inputs):
+        # TRL's own evaluation step counts no tokens before the loss: each batch is normalised by its own labelled
+        # tokens, so each shard's loss weighs by its own
+        loss, labelled = self._cp_shard_loss(model, self._prepare_inputs(inputs))
+        return loss * labelled, labelled.to(loss.dtype)
 
 
 _PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")

@@ -473,35 +473,44 @@ def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None):
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
-def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing):
+def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, out):
     _rank_env(rank, world)
-    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, packing, eval_packing, {"cp_size": 2})
+    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, packing, eval_packing, par)
     trainer.train()
     ev = trainer.evaluate()["eval_loss"]
     if rank == 0:
         torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": ev},
-                   os.path.join(tmp, "sft.pt"))
+                   os.path.join(tmp, out))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("packing, eval_packing", [(True, None), (True, False), (False, None)])
-def test_sft_trainer_evaluates_under_cp_as_one_process(tmp_path, packing, eval_packing):
+@pytest.mark.parametrize("packing, eval_packing, dp", [(True, None, 1), (True, False, 1), (False, None, 1),
+                                                       (False, None, 2)])
+def test_sft_trainer_evaluates_under_cp_as_without(tmp_path, packing, eval_packing, dp):
     """TRL's evaluation step neither shards the batch for CP nor counts its tokens (every rank's attention got the
     whole batch: refused); with packing, the evaluation data went unpacked (eval_packing None) and untruncated
     (eval_packing False): TRL's constructor saw packing off. Prompt-completion data: a completion-only loss, uneven
-    over the CP shards."""
+    over the CP shards and the data-parallel ranks. cp 2 against one process; dp_shard 2 x cp 2 against dp_shard 2
+    (TRL normalises each rank's evaluation batch by its own tokens: not one process's mean over both)."""
     pytest.importorskip("trl")
     import trl
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
     _save_word_tokenizer(model_dir)
-    spawn(_sft_rank, 2, tmp_path, str(tmp_path), model_dir, packing, eval_packing, timeout_s=300)
-    got = torch.load(tmp_path / "sft.pt")
-    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, packing, eval_packing)
-    ref.train()
-    want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h], "eval": ref.evaluate()["eval_loss"]}
-    AcceleratorState._reset_state(True)
+    args = (str(tmp_path), model_dir, packing, eval_packing)
+    spawn(_sft_rank, 2 * dp, tmp_path, *args, {"dp_shard_size": dp, "cp_size": 2}, "cp.pt", timeout_s=300)
+    got = torch.load(tmp_path / "cp.pt")
+    if dp > 1:
+        (tmp_path / "dp").mkdir()  # a rendezvous of its own
+        spawn(_sft_rank, dp, tmp_path / "dp", *args, {"dp_shard_size": dp}, "dp.pt", timeout_s=300)
+        want = torch.load(tmp_path / "dp.pt")
+    else:
+        ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, packing, eval_packing)
+        ref.train()
+        want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h],
+                "eval": ref.evaluate()["eval_loss"]}
+        AcceleratorState._reset_state(True)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 

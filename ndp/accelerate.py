@@ -110,6 +110,7 @@ class Accelerator(accelerate.Accelerator):
                 raise ValueError(f"ndp.accelerate runs context parallelism for transformers models; got a "
                                  f"{type(model).__name__}. Use ndp.parallelize with a ModelPlan for other modules.")
             ndp.hf.check_model(model, cfg)
+            _check_no_router_aux_loss(model, cfg.cp_size)
             apply_cp(model, cfg, mesh, ndp.hf.hf_plan(model))
             setattr(model, PARALLEL_ATTR, Parallelized(cfg, mesh))
             # first: the document table it adds is what ndp.hf's position check reads
@@ -184,6 +185,21 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def _check_no_router_aux_loss(model, cp_size) -> None:
+    """Refuse a model that adds its routers' load-balancing loss to its loss (what the Trainer and TRL train on):
+    the loss multiplies token means per expert, which over a rank's shard of the sequence are not the batch's."""
+    text = model.config.get_text_config()
+    coef = getattr(text, "router_aux_loss_coef", None)
+    if getattr(text, "output_router_logits", False) and coef != 0:
+        raise ndp.hf.Unsupported(
+            f"{type(model).__name__} adds its routers' load-balancing loss to its loss (output_router_logits=True, "
+            f"router_aux_loss_coef={coef}): under context parallelism (cp_size={cp_size}) each rank would compute it "
+            f"over its shard of the sequence (per-expert token means of the shard, not of the batch), a different "
+            f"loss than one process trains. Turn it off (model.config.output_router_logits = False; TRL: "
+            f"SFTConfig(router_aux_loss_coef=0.0), which TRL otherwise enables for every MoE model) or train the "
+            f"model without context parallelism.")
 
 
 def fsdp2_state_on_cpu(kwargs) -> None:

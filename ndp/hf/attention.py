@@ -24,6 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import ndp.cp
 import ndp.ops
 from ndp_kernels.segments import packed_rows_cu, position_restarts, read_once
+from ndp.cp.sharding import seq_multiple
 from ndp.parallel import CP_ATTR
 
 from .masks import describe, marker, read_dense, spec_of, with_padding
@@ -52,7 +53,9 @@ _NEUTRAL = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "m
             "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_idx", "is_causal",
             "position_embeddings", "return_dict", "output_hidden_states", "seq_idx", "logits_to_keep",
             # the loss's arguments, which transformers hands every layer with the rest of the forward's kwargs
-            "labels", "shift_labels", "num_items_in_batch"}
+            "labels", "shift_labels", "num_items_in_batch",
+            # MoE: what the model returns (TRL's SFTTrainer asks for the router logits of its auxiliary loss)
+            "output_router_logits"}
 # Arguments that change the attention: refused by name unless they are None (or 0).
 _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
             "attention_chunk_size": "chunked attention"}
@@ -68,16 +71,22 @@ def _shard_positions_error(pos, ctx, seq, impl):
     layout. Checked once per position_ids tensor (every layer of a forward gets the same one)."""
     if not torch.is_tensor(pos) or pos.dim() != 2 or pos.shape[-1] != seq:
         return None  # no positions here, or a multimodal layout (3-D RoPE positions): nothing to compare
-    want = _dense_shard_positions(seq * ctx.size, ctx.size, ctx.rank, ctx.layout, str(pos.device))
-    if read_once(pos, ("is_shard", seq, ctx.size, ctx.rank, ctx.layout), lambda: bool((pos == want).all())):
-        return None
-    got = pos[0].tolist()
+    total, need = seq * ctx.size, seq_multiple(ctx.size, ctx.layout)
+    if total % need:  # no dense shard has this length: what follows says what a dense one would look like
+        want = None
+    else:
+        want = _dense_shard_positions(total, ctx.size, ctx.rank, ctx.layout, str(pos.device))
+        if read_once(pos, ("is_shard", seq, ctx.size, ctx.rank, ctx.layout), lambda: bool((pos == want).all())):
+            return None
+    expected = (f"expected {_short(want[0].tolist())}" if want is not None else
+                f"a dense shard has a multiple of {need // ctx.size} tokens")
     return ValueError(
         f"ndp_{impl} attention under context parallelism (cp_size={ctx.size}, layout {ctx.layout}) got position_ids "
-        f"that are not rank {ctx.rank}'s shard of a sequence of {seq * ctx.size} tokens: expected "
-        f"{_short(want[0].tolist())}, got {_short(got)}. Pass the batch through ndp.hf.shard_batch(model, ...) "
-        f"(a packed batch with its position_ids restarting or cu_seq_lens_q) and give the model the position_ids "
-        f"(and cu_seq_lens_q) it returns.")
+        f"that are not rank {ctx.rank}'s shard of a sequence of {total} tokens: {expected}, got "
+        f"{_short(pos[0].tolist())}, and no document table (cu_seq_lens_q) for packed documents. Pass the batch "
+        f"through ndp.hf.shard_batch(model, ...) (a packed batch with its position_ids restarting or cu_seq_lens_q) "
+        f"and give the model the position_ids (and cu_seq_lens_q) it returns; a model whose layers do not hand "
+        f"cu_seq_lens_q down to the attention cannot take packed documents under context parallelism.")
 
 
 def _short(xs):

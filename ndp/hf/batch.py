@@ -71,7 +71,11 @@ def packed_cu(tensors) -> torch.Tensor | None:
         return cu.to(torch.int32)
     seq_idx = tensors.get("seq_idx")
     if seq_idx is not None:
-        return cu_from_starts(F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0)))
+        # one document per row is dense rows, as for positions that never restart inside a row (padded and
+        # sharded as such, with no table the model must hand down)
+        starts = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0))
+        if bool(starts.any()):
+            return cu_from_starts(starts)
     pos = tensors.get("position_ids")
     return None if pos is None else packed_rows_cu(pos, *pos.shape)
 

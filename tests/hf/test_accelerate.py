@@ -455,17 +455,18 @@ def _prompt_completions(seed, lengths):
                               "completion": [" " + " ".join(d[len(d) // 3:]) for d in docs]})
 
 
-def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None):
-    """cls (ndp's SFTTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the tiny
-    Llama, fp32, the data in order: 3 SGD steps, then an evaluation on 5 documents, one per step."""
+def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None, layer="LlamaDecoderLayer", **overrides):
+    """cls (ndp's SFTTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the model in
+    model_dir, fp32, the data in order: 3 SGD steps, then an evaluation on 5 documents, one per step; `overrides`
+    replace any of the SFTConfig arguments."""
     from trl import SFTConfig
     args = dict(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
                 max_steps=3, learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
                 report_to=[], save_strategy="no", use_cpu=True, bf16=False, max_length=32, packing=packing,
-                eval_packing=eval_packing)
+                eval_packing=eval_packing, **overrides)
     if par:
         args.update(parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-                    fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+                    fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]})
     in_order = type("InOrder", (cls,), {"_get_train_sampler": _InOrder._get_train_sampler})
     return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
                     args=SFTConfig(**args), train_dataset=_prompt_completions(5, (19, 40, 12, 23, 37, 9, 30, 45)),
@@ -513,6 +514,45 @@ def test_sft_trainer_evaluates_under_cp_as_without(tmp_path, packing, eval_packi
         AcceleratorState._reset_state(True)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
+
+
+def _sft_moe_rank(rank, world, tmp, model_dir, coef):
+    _rank_env(rank, world)
+    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
+                           layer="OlmoeDecoderLayer", router_aux_loss_coef=coef)
+    if coef is None:  # TRL's default: the architecture's coefficient, the load-balancing loss on
+        with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM adds its routers' load-balancing loss "
+                                                     r".*router_aux_loss_coef=0.01.*SFTConfig\(router_aux_loss_coef="):
+            trainer.train()
+        return
+    trainer.train()
+    if rank == 0:
+        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "moe.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("coef", [None, 0.0])
+def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path, coef):
+    """TRL adds an MoE's load-balancing loss by default; under CP each rank would compute it over its shard of the
+    sequence (a different loss than one process's): refused on every rank before any step, by name, with the
+    switch that turns it off; turned off, the run equals one process's."""
+    pytest.importorskip("trl")
+    import trl
+    model_dir = str(tmp_path / "model")
+    cfg = _zoo.tiny_config("olmoe")
+    cfg.vocab_size = 256  # the word tokenizer's
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    _save_word_tokenizer(model_dir)
+    spawn(_sft_moe_rank, 2, tmp_path, str(tmp_path), model_dir, coef, timeout_s=300)
+    if coef is None:
+        return
+    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, True, None, router_aux_loss_coef=coef)
+    ref.train()
+    AcceleratorState._reset_state(True)
+    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    assert len(want) == 3 and torch.load(tmp_path / "moe.pt") == pytest.approx(want, rel=1e-6)
 
 
 def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():
@@ -596,6 +636,10 @@ def _named_dense_rank(rank, world):
     want = ([[1, 2, 7, 0]], [[101, 102, 107, -100]], [[0, 1, 6, 7]], [[1, 1, 1, 1]]) if rank == 0 else \
         ([[3, 4, 5, 6]], [[103, 104, 105, 106]], [[2, 3, 4, 5]], [[1, 1, 1, 1]])   # zigzag: chunks 0, 3 | 1, 2 of 8
     assert [s.tolist() for s in shards] == list(want) and extra == {}
+    # a collator's seq_idx of one document per row (TRL's padding-free one adds it) is dense rows too: no table a
+    # model may not hand down to its attention (StableLM, Nemotron), no document shard no dense shard matches
+    shards, extra = ndp.accelerate.shard_buffers(rows + [torch.zeros_like(ids)], None, ctx, names=names + ["seq_idx"])
+    assert [s.tolist() for s in shards[:4]] == list(want) and extra == {}
 
 
 @pytest.mark.distributed

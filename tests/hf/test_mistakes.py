@@ -51,6 +51,10 @@ def _mistakes_body(rank, world):
         p["position_ids"], dim=1, layout="zigzag")
     with pytest.raises(ValueError, match=r"position_ids that are not rank \d's shard"):
         model(input_ids=dense[0], position_ids=dense[1])
+    # a document's shard of a length no dense shard has (its table not handed down): named, not a layout error
+    with pytest.raises(ValueError, match=r"not rank \d's shard of a sequence of 30 tokens: a dense shard has a "
+                                         r"multiple of 2 tokens, got .*no document table"):
+        model(input_ids=ids[:1, :15], position_ids=torch.arange(15)[None])
     # the packed batch as the collator made it, with its document table but not sharded
     with pytest.raises(ValueError, match=r"packed q has 32 tokens but shard_packed gives this rank"):
         model(input_ids=p["input_ids"], position_ids=p["position_ids"], cu_seq_lens_q=p["cu_seq_lens_q"],

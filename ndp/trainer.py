@@ -250,7 +250,6 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
         finally:
             args.max_length = held
 
-
     def _cp_loss_part(self, model, inputs):
         # TRL's own evaluation step counts no tokens before the loss: each batch is normalised by its own labelled
         # tokens, so each shard's loss weighs by its own

@@ -133,6 +133,7 @@ class Accelerator(accelerate.Accelerator):
                 embed = model.get_input_embeddings()
                 if isinstance(embed, FSDPModule):
                     embed.set_reshard_after_forward(False)
+                _gather_head_with_forward(obj, model.get_output_embeddings())
         return result
 
     def _ndp_forward_kwargs(self, model, args, kwargs):
@@ -185,6 +186,17 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def _gather_head_with_forward(wrapper, head) -> None:
+    """Accelerate shards the output embedding in one unit with the final norm it finds among the base model's
+    children, so the norm's forward gathers both. Where it finds none (OPT's decoder.final_layer_norm, a
+    multimodal model's language model) the head is a unit of its own, gathered only when called as a module; TRL's
+    fused LM head reads its weight directly, a DTensor whose gradient then misses FSDP2's reduce-scatter (OPT's
+    head moved 0.92x one process's at dp_shard 2). Such a head is gathered as the model's forward starts; FSDP2
+    reduce-scatters its gradient at the end of the backward, as for any unit whose forward hooks did not run."""
+    if isinstance(head, FSDPModule) and len(head._get_fsdp_state()._modules) == 1:
+        wrapper.register_forward_pre_hook(lambda module, args: head.unshard())
 
 
 def _check_no_router_aux_loss(model, cp_size) -> None:

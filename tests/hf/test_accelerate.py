@@ -516,6 +516,47 @@ def test_sft_trainer_evaluates_under_cp_as_without(tmp_path, packing, eval_packi
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 
 
+def _save_tiny_family(model_dir, family):
+    """A zoo family's tiny model (fp32, seeded) and the word tokenizer, its vocabulary the tokenizer's 256 words."""
+    cfg = _zoo.tiny_config(family)
+    cfg.vocab_size = 256
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    _save_word_tokenizer(model_dir)
+
+
+def _sft_opt_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, False, None, {"cp_size": 2},
+                           layer="OPTDecoderLayer")
+    trainer.train()
+    ev = trainer.evaluate()["eval_loss"]
+    if rank == 0:
+        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": ev},
+                   os.path.join(tmp, "opt.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_sft_trainer_on_a_head_accelerate_shards_alone_matches_one_process(tmp_path):
+    """Accelerate puts the LM head in one FSDP2 unit with the final norm it finds among the base model's children;
+    OPT's (decoder.final_layer_norm) is not one, so the head is a unit of its own, gathered only when called as a
+    module, and TRL's fused LM head reads its weight directly: its gradient missed the reduce-scatter (the head
+    moved 0.92x one process's, the losses 1e-4 off from step 2), with or without CP."""
+    pytest.importorskip("trl")
+    import trl
+    model_dir = str(tmp_path / "model")
+    _save_tiny_family(model_dir, "opt")
+    spawn(_sft_opt_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    got = torch.load(tmp_path / "opt.pt")
+    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, False, None)
+    ref.train()
+    want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h], "eval": ref.evaluate()["eval_loss"]}
+    AcceleratorState._reset_state(True)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
+
+
 def _sft_moe_rank(rank, world, tmp, model_dir, coef):
     _rank_env(rank, world)
     trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
@@ -540,11 +581,7 @@ def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path,
     pytest.importorskip("trl")
     import trl
     model_dir = str(tmp_path / "model")
-    cfg = _zoo.tiny_config("olmoe")
-    cfg.vocab_size = 256  # the word tokenizer's
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
-    _save_word_tokenizer(model_dir)
+    _save_tiny_family(model_dir, "olmoe")
     spawn(_sft_moe_rank, 2, tmp_path, str(tmp_path), model_dir, coef, timeout_s=300)
     if coef is None:
         return

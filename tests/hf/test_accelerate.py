@@ -474,44 +474,61 @@ def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None, layer="Ll
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
-def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, out):
+def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, layer, overrides):
     _rank_env(rank, world)
-    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, packing, eval_packing, par)
+    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, packing, eval_packing, par, layer, **overrides)
     trainer.train()
     ev = trainer.evaluate()["eval_loss"]
     if rank == 0:
-        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": ev},
-                   os.path.join(tmp, out))
+        torch.save(_sft_losses(trainer, ev), os.path.join(tmp, "sft.pt"))
+
+
+def _sft_losses(trainer, eval_loss):
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": eval_loss}
+
+
+def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDecoderLayer", **overrides):
+    """ndp's SFTTrainer at dp_shard dp x cp 2, and what it must equal: one TRL SFTTrainer process at dp 1, ndp's at
+    dp_shard dp alone (TRL normalises each rank's evaluation batch by its own tokens: not one process's mean)."""
+    import trl
+    args = (str(tmp_path), model_dir, packing, eval_packing)
+    spawn(_sft_rank, 2 * dp, tmp_path, *args, {"dp_shard_size": dp, "cp_size": 2}, layer, overrides, timeout_s=300)
+    got = torch.load(tmp_path / "sft.pt")
+    if dp > 1:
+        (tmp_path / "dp").mkdir()  # a rendezvous of its own
+        spawn(_sft_rank, dp, tmp_path / "dp", str(tmp_path / "dp"), *args[1:], {"dp_shard_size": dp}, layer,
+              overrides, timeout_s=300)
+        return got, torch.load(tmp_path / "dp" / "sft.pt")
+    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), *args[1:], **overrides)
+    ref.train()
+    want = _sft_losses(ref, ref.evaluate()["eval_loss"])
+    AcceleratorState._reset_state(True)
+    return got, want
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("packing, eval_packing, dp", [(True, None, 1), (True, False, 1), (False, None, 1),
-                                                       (False, None, 2)])
-def test_sft_trainer_evaluates_under_cp_as_without(tmp_path, packing, eval_packing, dp):
+@pytest.mark.parametrize("family, packing, eval_packing, dp", [
+    ("llama", True, None, 1), ("llama", True, False, 1), ("llama", False, None, 1), ("llama", False, None, 2),
+    ("opt", False, None, 1)])
+def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, packing, eval_packing, dp):
     """TRL's evaluation step neither shards the batch for CP nor counts its tokens (every rank's attention got the
     whole batch: refused); with packing, the evaluation data went unpacked (eval_packing None) and untruncated
     (eval_packing False): TRL's constructor saw packing off. Prompt-completion data: a completion-only loss, uneven
-    over the CP shards and the data-parallel ranks. cp 2 against one process; dp_shard 2 x cp 2 against dp_shard 2
-    (TRL normalises each rank's evaluation batch by its own tokens: not one process's mean over both)."""
+    over the CP shards and the data-parallel ranks. OPT: Accelerate puts the LM head in one FSDP2 unit with the
+    final norm it finds among the base model's children, and OPT's (decoder.final_layer_norm) is not one, so the
+    head was a unit of its own, gathered only when called as a module; TRL's fused LM head reads its weight
+    directly, and its gradient missed the reduce-scatter (the head moved 0.92x one process's, the losses 1e-4 off
+    from step 2, with or without CP)."""
     pytest.importorskip("trl")
-    import trl
     model_dir = str(tmp_path / "model")
-    _save_tiny_llama(model_dir)
-    _save_word_tokenizer(model_dir)
-    args = (str(tmp_path), model_dir, packing, eval_packing)
-    spawn(_sft_rank, 2 * dp, tmp_path, *args, {"dp_shard_size": dp, "cp_size": 2}, "cp.pt", timeout_s=300)
-    got = torch.load(tmp_path / "cp.pt")
-    if dp > 1:
-        (tmp_path / "dp").mkdir()  # a rendezvous of its own
-        spawn(_sft_rank, dp, tmp_path / "dp", *args, {"dp_shard_size": dp}, "dp.pt", timeout_s=300)
-        want = torch.load(tmp_path / "dp.pt")
+    if family == "llama":
+        _save_tiny_llama(model_dir)
+        _save_word_tokenizer(model_dir)
     else:
-        ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, packing, eval_packing)
-        ref.train()
-        want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h],
-                "eval": ref.evaluate()["eval_loss"]}
-        AcceleratorState._reset_state(True)
+        _save_tiny_family(model_dir, family)
+    got, want = _sft_against(tmp_path, model_dir, packing, eval_packing, dp,
+                             layer={"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer"}[family])
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 
@@ -525,71 +542,30 @@ def _save_tiny_family(model_dir, family):
     _save_word_tokenizer(model_dir)
 
 
-def _sft_opt_rank(rank, world, tmp, model_dir):
-    _rank_env(rank, world)
-    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, False, None, {"cp_size": 2},
-                           layer="OPTDecoderLayer")
-    trainer.train()
-    ev = trainer.evaluate()["eval_loss"]
-    if rank == 0:
-        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": ev},
-                   os.path.join(tmp, "opt.pt"))
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_sft_trainer_on_a_head_accelerate_shards_alone_matches_one_process(tmp_path):
-    """Accelerate puts the LM head in one FSDP2 unit with the final norm it finds among the base model's children;
-    OPT's (decoder.final_layer_norm) is not one, so the head is a unit of its own, gathered only when called as a
-    module, and TRL's fused LM head reads its weight directly: its gradient missed the reduce-scatter (the head
-    moved 0.92x one process's, the losses 1e-4 off from step 2), with or without CP."""
-    pytest.importorskip("trl")
-    import trl
-    model_dir = str(tmp_path / "model")
-    _save_tiny_family(model_dir, "opt")
-    spawn(_sft_opt_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
-    got = torch.load(tmp_path / "opt.pt")
-    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, False, None)
-    ref.train()
-    want = {"losses": [h["loss"] for h in ref.state.log_history if "loss" in h], "eval": ref.evaluate()["eval_loss"]}
-    AcceleratorState._reset_state(True)
-    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
-    assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
-
-
-def _sft_moe_rank(rank, world, tmp, model_dir, coef):
+def _sft_moe_refused_rank(rank, world, tmp, model_dir):
     _rank_env(rank, world)
     trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
-                           layer="OlmoeDecoderLayer", router_aux_loss_coef=coef)
-    if coef is None:  # TRL's default: the architecture's coefficient, the load-balancing loss on
-        with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM adds its routers' load-balancing loss "
-                                                     r".*router_aux_loss_coef=0.01.*SFTConfig\(router_aux_loss_coef="):
-            trainer.train()
-        return
-    trainer.train()
-    if rank == 0:
-        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "moe.pt"))
+                           layer="OlmoeDecoderLayer")
+    # TRL's default router_aux_loss_coef: the architecture's (0.01), the load-balancing loss on
+    with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM adds its routers' load-balancing loss "
+                                                 r".*router_aux_loss_coef=0.01.*SFTConfig\(router_aux_loss_coef="):
+        trainer.train()
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("coef", [None, 0.0])
-def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path, coef):
+def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path):
     """TRL adds an MoE's load-balancing loss by default; under CP each rank would compute it over its shard of the
     sequence (a different loss than one process's): refused on every rank before any step, by name, with the
     switch that turns it off; turned off, the run equals one process's."""
     pytest.importorskip("trl")
-    import trl
     model_dir = str(tmp_path / "model")
     _save_tiny_family(model_dir, "olmoe")
-    spawn(_sft_moe_rank, 2, tmp_path, str(tmp_path), model_dir, coef, timeout_s=300)
-    if coef is None:
-        return
-    ref = _sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, True, None, router_aux_loss_coef=coef)
-    ref.train()
-    AcceleratorState._reset_state(True)
-    want = [h["loss"] for h in ref.state.log_history if "loss" in h]
-    assert len(want) == 3 and torch.load(tmp_path / "moe.pt") == pytest.approx(want, rel=1e-6)
+    (tmp_path / "refused").mkdir()  # a rendezvous of its own
+    spawn(_sft_moe_refused_rank, 2, tmp_path / "refused", str(tmp_path / "refused"), model_dir, timeout_s=300)
+    got, want = _sft_against(tmp_path, model_dir, True, None, 1, layer="OlmoeDecoderLayer", router_aux_loss_coef=0.0)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 
 
 def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():

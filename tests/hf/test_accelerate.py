@@ -219,17 +219,19 @@ class _InOrder(ndp.trainer.Trainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def _trainer_args(tmp, par, layer="LlamaDecoderLayer", state_dict_type=None, **overrides):
-    """The tests' Trainer arguments: FSDP2 per decoder layer under Accelerate's ParallelismConfig(**par), 3 SGD steps
-    at a constant 1e-2, every loss logged, nothing saved; `overrides` replace any of them."""
-    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]}
-    if state_dict_type:
-        fsdp_config["state_dict_type"] = state_dict_type
+def _trainer_args(tmp, par, layer="LlamaDecoderLayer", state_dict_type=None, cls=TrainingArguments, **overrides):
+    """The tests' Trainer arguments (`cls`: TrainingArguments or TRL's SFTConfig): FSDP2 per decoder layer under
+    Accelerate's ParallelismConfig(**par) (par None: one process, neither), 3 SGD steps at a constant 1e-2, every
+    loss logged, nothing saved; `overrides` replace any of them."""
     kw = dict(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, max_steps=3, learning_rate=1e-2,
               lr_scheduler_type="constant", optim="sgd", logging_steps=1, report_to=[], save_strategy="no",
-              use_cpu=True, dataloader_num_workers=0, parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-              fsdp_config=fsdp_config)
-    return TrainingArguments(**{**kw, **overrides})
+              use_cpu=True, dataloader_num_workers=0)
+    if par:
+        fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]}
+        if state_dict_type:
+            fsdp_config["state_dict_type"] = state_dict_type
+        kw.update(parallelism_config=AccelerateConfig(**par), fsdp="full_shard", fsdp_config=fsdp_config)
+    return cls(**{**kw, **overrides})
 
 
 def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
@@ -460,16 +462,11 @@ def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None, layer="Ll
     model_dir, fp32, the data in order: 3 SGD steps, then an evaluation on 5 documents, one per step; `overrides`
     replace any of the SFTConfig arguments."""
     from trl import SFTConfig
-    args = dict(output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=1, per_device_eval_batch_size=1,
-                max_steps=3, learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
-                report_to=[], save_strategy="no", use_cpu=True, bf16=False, max_length=32, packing=packing,
-                eval_packing=eval_packing, **overrides)
-    if par:
-        args.update(parallelism_config=AccelerateConfig(**par), fsdp="full_shard",
-                    fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]})
+    args = _trainer_args(tmp, par, layer, cls=SFTConfig, per_device_eval_batch_size=1, bf16=False, max_length=32,
+                         packing=packing, eval_packing=eval_packing, **overrides)
     in_order = type("InOrder", (cls,), {"_get_train_sampler": _InOrder._get_train_sampler})
     return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
-                    args=SFTConfig(**args), train_dataset=_prompt_completions(5, (19, 40, 12, 23, 37, 9, 30, 45)),
+                    args=args, train_dataset=_prompt_completions(5, (19, 40, 12, 23, 37, 9, 30, 45)),
                     eval_dataset=_prompt_completions(6, (33, 8, 26, 14, 38)),
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
 

@@ -24,6 +24,9 @@ and overrides, nothing patched:
   table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
   none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss;
+- ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
+  (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
+  count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
 - ``_load_optimizer_and_scheduler`` (FSDP2, with or without CP): a resume whose optimizer held no state for some
   parameters at save (never given a gradient; every parameter under plain SGD) loads, those left stateless as in
   the uninterrupted run (Accelerate's load stops on them).
@@ -76,12 +79,21 @@ class NdpTrainerMixin:
             # evaluation gathers one entry per data-parallel rank (the CP ranks of one hold one batch)
             self.gather_function = self._gather_over_dp
 
-    def _prepare_context_parallel_inputs(self, model, inputs):
+    def _cp_config(self):
+        """The Accelerator's parallelism_config where it turns CP on, else None."""
         pc = getattr(self.accelerator, "parallelism_config", None)
-        if pc is None or not pc.cp_enabled:
+        return pc if pc is not None and pc.cp_enabled else None
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        pc = self._cp_config()
+        if pc is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         inputs = dict(inputs)
         _check_token_batch(inputs, pc.cp_size)
+        # what the token counts read (the Trainer's num_input_tokens_seen, TRL's num_tokens): the buffers are sharded
+        # in place
+        counted = (getattr(model, "main_input_name", "input_ids"), "attention_mask", "position_ids")
+        self._ndp_unsharded = {k: inputs[k].clone() for k in counted if torch.is_tensor(inputs.get(k))}
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
@@ -100,8 +112,8 @@ class NdpTrainerMixin:
                                  names=names), inputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        pc = getattr(self.accelerator, "parallelism_config", None)
-        if pc is None or not pc.cp_enabled:
+        pc = self._cp_config()
+        if pc is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         if self.compute_metrics is not None:
             raise ValueError(f"ndp.trainer: compute_metrics under context parallelism (cp_size={pc.cp_size}) would see "
@@ -157,6 +169,22 @@ class NdpTrainerMixin:
         finally:
             for p in stateless:
                 p.requires_grad_(True)
+
+    def _track_num_input_tokens(self, inputs):
+        # under CP `inputs` are this rank's shard by now (sharded in place, ndp's pads included): the batch is counted
+        # from its tensors held before sharding; the Trainer gathers every rank's count, and each data-parallel batch
+        # is held whole by its CP and TP ranks: counted once per data-parallel rank, as a run without CP counts it
+        seen = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(self._ndp_unsharded if self._cp_config() is not None else inputs)
+        self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // self._ranks_per_batch()
+
+    def _ranks_per_batch(self) -> int:
+        """How many ranks hold each data-parallel batch whole before sharding (its CP and TP ranks; 1 without a
+        parallelism_config)."""
+        if getattr(self.accelerator, "parallelism_config", None) is None:
+            return 1
+        mesh = self.accelerator.torch_device_mesh
+        return mesh.size() // mesh_axis(mesh, "dp").size()
 
     def _gather_over_dp(self, tensor):
         """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the
@@ -214,7 +242,7 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
     (overridden) still prepares each dataset as configured: the training data packed or not as ``packing`` says,
     the evaluation data as ``eval_packing`` (else ``packing``) says, each with the configured strategy and length;
     the arguments read as given again afterwards. TRL's fused LM head takes the ``shift_labels`` the mixin makes
-    before sharding.
+    before sharding. Its ``num_tokens`` metric counts each data-parallel batch before sharding (``compute_loss``).
     """
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
@@ -250,6 +278,18 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
         finally:
             args.max_length = held
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        counted = self._total_train_tokens
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # TRL counts the training tokens (its num_tokens metric) of the batch it gets: under CP each rank's shard,
+        # ndp's pads included, a padded batch's mask made all ones; the batch's are counted from its unsharded tensors
+        tokens = _trl_batch_tokens(self._ndp_unsharded) if self._cp_config() is not None else None
+        if tokens is not None and self.model.training:
+            tokens = self.accelerator.gather(tokens.to(self.args.device)).sum().item()
+            self._total_train_tokens = counted + tokens // self._ranks_per_batch()
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return out
+
     def _cp_loss_part(self, model, inputs):
         # TRL's own evaluation step counts no tokens before the loss: each batch is normalised by its own labelled
         # tokens, so each shard's loss weighs by its own
@@ -258,3 +298,13 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
 
 
 _PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")
+
+
+def _trl_batch_tokens(inputs):
+    """A batch's tokens as trl.SFTTrainer counts them (its attention mask's ones, else the padding-free row's
+    length), None where TRL counts none."""
+    if torch.is_tensor(inputs.get("attention_mask")):
+        return inputs["attention_mask"].sum()
+    if torch.is_tensor(inputs.get("position_ids")):
+        return torch.tensor(inputs["position_ids"].size(1))
+    return None

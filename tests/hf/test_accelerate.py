@@ -239,7 +239,7 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     args = _trainer_args(tmp, {"dp_shard_size": 2, "cp_size": 2}, max_steps=steps, gradient_accumulation_steps=ga,
                          per_device_eval_batch_size=1, torch_compile=compile,
-                         torch_compile_backend="aot_eager" if compile else None)
+                         torch_compile_backend="aot_eager" if compile else None, include_num_input_tokens_seen=True)
     trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
@@ -247,7 +247,8 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
     ev = trainer.evaluate()   # 5 rows over 2 data-parallel ranks: the last step pads one rank, cut off again
     if rank == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        torch.save({"losses": losses, "eval": ev["eval_loss"]}, os.path.join(tmp, "trainer.pt"))
+        torch.save({"losses": losses, "eval": ev["eval_loss"], "seen": trainer.state.num_input_tokens_seen},
+                   os.path.join(tmp, "trainer.pt"))
 
 
 def _samples():
@@ -272,6 +273,8 @@ def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compil
         logits = model(input_ids=data[:5]).logits
         want = F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:5, 1:].flatten()).item()
     assert got["eval"] == pytest.approx(want, rel=1e-5)
+    # each data-parallel batch once (the Trainer gathers every rank's count, and both CP ranks of a batch hold it)
+    assert got["seen"] == steps * ga * 2 * data.shape[1]
 
 
 def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class):
@@ -324,12 +327,15 @@ def _pad_collate(samples):
 
 def _padded_trainer_rank(rank, world, tmp, model_dir, collate):
     _rank_env(rank, world)
-    args = _trainer_args(tmp, {"cp_size": 2}, per_device_train_batch_size=2)
+    # the tokens seen: the pad collator's without its pads (its attention mask), the flattening one's all (no pads)
+    args = _trainer_args(tmp, {"cp_size": 2}, per_device_train_batch_size=2,
+                         include_num_input_tokens_seen="non_padding" if collate == "pad" else "all")
     trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
                        train_dataset=_padded_samples(), data_collator=COLLATORS[collate]())
     trainer.train()
     if rank == 0:
-        torch.save([h["loss"] for h in trainer.state.log_history if "loss" in h], os.path.join(tmp, "padded.pt"))
+        torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                    "seen": trainer.state.num_input_tokens_seen}, os.path.join(tmp, "padded.pt"))
 
 
 @pytest.mark.distributed
@@ -343,7 +349,11 @@ def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, coll
     _save_tiny_llama(model_dir)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, timeout_s=300)
     want, _ = _one_process(model_dir, _padded_samples(), steps=3, dp=2, clip=1.0, collate=COLLATORS[collate]())
-    assert torch.load(tmp_path / "padded.pt") == pytest.approx(want, abs=1e-4)  # logged to 4 digits
+    got = torch.load(tmp_path / "padded.pt")
+    assert got["losses"] == pytest.approx(want, abs=1e-4)  # logged to 4 digits
+    # the batch's tokens, counted once: not each rank's shard (the Trainer counts after training_step, and ndp
+    # shards the batch's tensors in place), ndp's pads not among them
+    assert got["seen"] == sum(PADDED_LENGTHS)
 
 
 def _resume_rank(rank, world, tmp, model_dir, par, optim, state_dict_type):
@@ -481,7 +491,13 @@ def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, layer, ov
 
 
 def _sft_losses(trainer, eval_loss):
-    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "eval": eval_loss}
+    """The logged training losses, the eval loss and TRL's metrics of each logged step (training, then eval)."""
+    logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
+    return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
+            "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in TRL_METRICS} for h in logs]}
+
+
+TRL_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
 
 
 def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDecoderLayer", **overrides):
@@ -528,6 +544,12 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
                              layer={"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer"}[family])
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
+    # TRL's metrics: num_tokens counted each CP shard, ndp's pads and a padded batch's pads included (78 tokens
+    # after 3 steps counted 84); the evaluation's at dp 1 only: Accelerate cuts the last evaluation batch's padding
+    # rank by rank, and under CP a rank holds a shard of a batch
+    n = 3 + (dp == 1)
+    assert [m["num_tokens"] for m in got["metrics"][:3]] == [m["num_tokens"] for m in want["metrics"][:3]]
+    assert got["metrics"][:n] == [pytest.approx(m, rel=1e-6) for m in want["metrics"][:n]]
 
 
 def _save_tiny_family(model_dir, family):

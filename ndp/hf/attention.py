@@ -14,8 +14,9 @@ no copy (the kernels take strided inputs; the CP layer makes contiguous what it 
 """
 from __future__ import annotations
 
+import contextvars
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface
@@ -27,7 +28,7 @@ from ndp_kernels.segments import packed_rows_cu, position_restarts, read_once
 from ndp.cp.sharding import seq_multiple
 from ndp.parallel import CP_ATTR
 
-from .masks import describe, marker, read_dense, spec_of, with_padding
+from .masks import describe, documents_of, marker, read_dense, spec_of, with_padding
 from .models import Unsupported, check_packed_model
 from .padded import padded_attention, padding_plan
 
@@ -63,6 +64,21 @@ _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
 
 # Refusals found outside an attention call, raised at this rank's next CP attention call: {id(CPContext): error}.
 _PENDING: dict = {}
+
+
+
+@dataclass
+class _Documents:
+    """Under CP, the document table of the forward running now (``cu``: cu_seqlens), the length of its rows on this
+    rank (``seq``) and whether ndp's mask interface handed it to the attention calls (``carried``)."""
+    cu: torch.Tensor
+    seq: int
+    carried: bool = False
+
+
+# ndp's mask interface hands the forward's documents to the attention calls in the mask marker, for the models
+# whose decoder layers do not pass cu_seq_lens_q down to their attention (StableLM, Nemotron).
+_FORWARD_DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("ndp_forward_documents", default=None)
 
 
 def _shard_positions_error(pos, ctx, seq, impl):
@@ -140,12 +156,12 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     """
     ctx = getattr(module, CP_ATTR, None)
     cp_on = ctx is not None and ctx.enabled
-    spec, dense, dense_cu = _mask_of(attention_mask, query.shape[0], query.shape[2], cp_on)
+    spec, dense, cu = _mask_of(attention_mask, query.shape[0], query.shape[2], cp_on, kwargs.get("cu_seq_lens_q"))
     causal = kwargs.pop("is_causal", None)
     sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
     softcap = kwargs.pop("softcap", None) or 0.0  # Gemma 2: scores softcap * tanh(scores / softcap)
     _check_kwargs(kwargs)
-    error = _call_error(ctx if cp_on else None, spec, attention_mask, dropout, query.shape[2], impl, kwargs)
+    error = _call_error(ctx if cp_on else None, spec, attention_mask, dropout, query.shape[2], impl, kwargs, cu)
     if error is not None:
         if cp_on:
             raise_on_cp_ranks(error, ctx, f"ndp_{impl} attention")
@@ -172,9 +188,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         plan = padding_plan(spec.starts, spec.lengths, (spec.q_offset, seq), (spec.kv_offset, k.shape[1]), causal,
                             spec.window, spec.chunk, q.device)
         return padded_attention(q, k, v, plan, softmax_scale=scaling, sinks=sinks, softcap=softcap), None
-    # with a dense mask the mask alone says where documents are (as in eager attention); with a 2-D one, the rows
-    # are rows (transformers finds packed documents from position_ids only when no mask is given)
-    cu, flat = (dense_cu, True) if dense else (kwargs.get("cu_seq_lens_q"), False)
+    # with a dense mask the mask alone says where documents are (as in eager attention), its rows flattened; with a
+    # 2-D one, the rows are rows (transformers finds packed documents from position_ids only when no mask is given)
+    flat = dense
     position_ids = None if dense or (spec is not None and spec.mask_given) else kwargs.get("position_ids")
     chunk = spec.chunk if spec is not None else None
     # Under CP a rank's positions do not continue (zigzag) and transformers calls that packing: not a packed batch.
@@ -224,12 +240,13 @@ def _written_keys(k, v, used, causal):
     return k[:, :used], v[:, :used]
 
 
-def _mask_of(attention_mask, batch, seq, sharded):
-    """(spec, dense, cu): the MaskSpec that ndp's marker carries, or that of a dense 4-D mask (``dense``; ``cu``
-    the int32 cu_seqlens of its packed documents, else None); spec None for no mask or a 2-D one."""
+def _mask_of(attention_mask, batch, seq, sharded, table):
+    """(spec, dense, cu): the MaskSpec that ndp's marker carries, or that of a dense 4-D mask (``dense``), spec None
+    for no mask or a 2-D one; and the batch's document table: a dense mask's packed documents (int32 cu_seqlens),
+    else the one the layer handed down (`table`), else the one ndp's marker carries (for layers that do not)."""
     spec = spec_of(attention_mask)
     if spec is not None or attention_mask is None or attention_mask.dim() <= 2:
-        return spec, False, None
+        return spec, False, documents_of(attention_mask) if table is None else table
     spec, cu = read_dense(attention_mask, batch, seq, sharded=sharded)
     return spec, True, cu
 
@@ -251,7 +268,7 @@ def _row_positions(position_ids, seq) -> bool:
     return torch.is_tensor(position_ids) and position_ids.dim() == 2 and position_ids.shape[1] == seq and seq > 1
 
 
-def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
+def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs, table):
     """The first reason this attention call cannot run exactly (ctx: the CP context when CP is on), or None."""
     if ctx is not None and id(ctx) in _PENDING:
         return _PENDING.pop(id(ctx))
@@ -269,22 +286,29 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs):
     if dropout:
         return ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
                           f"attention_dropout to 0.")
-    if ctx is not None and kwargs.get("cu_seq_lens_q") is None and not torch.compiler.is_compiling():
+    if ctx is not None and table is None and not torch.compiler.is_compiling():
         # compiled decoder layers skip it: guard_positions checks once per forward, before the layers
         return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)
     return None
 
 
 def guard_positions(model, ctx) -> None:
-    """Under CP, check once per forward, before the decoder layers run, that the batch is this rank's shard (what
-    the attention checks per call in eager mode, where compiled layers cannot: a read of the positions' values):
-    a forward pre-hook on `model` refuses on every rank of the CP group as the attention would."""
-    def check(module, args, kwargs):
-        if kwargs.get("cu_seq_lens_q") is not None:
-            return
+    """Under CP, forward hooks on `model`: a packed batch's document table (cu_seq_lens_q) is held through the
+    forward (``_FORWARD_DOCUMENTS``, for ndp's mask interface to hand to every attention call); without one, the
+    batch is checked once per forward, before the decoder layers run, to be this rank's shard (what the attention
+    checks per call in eager mode, where compiled layers cannot: a read of the positions' values), refused on every
+    rank of the CP group as the attention would. Run eagerly under torch.compile (a graph break at the forward's
+    start and end): the table is the forward's, not a value of the graph."""
+    held = []
+
+    @torch.compiler.disable
+    def enter(module, args, kwargs):
         ref = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if torch.is_tensor(t)),
                    None)
-        if ref is None or ref.dim() < 2:
+        rows = ref is not None and ref.dim() >= 2
+        cu = kwargs.get("cu_seq_lens_q")
+        held.append(_FORWARD_DOCUMENTS.set(_Documents(cu, ref.shape[1]) if cu is not None and rows else None))
+        if cu is not None or not rows:
             return
         pos = kwargs.get("position_ids")
         if pos is None:  # what the model builds without a cache: 0 .. local_seq - 1
@@ -293,7 +317,22 @@ def guard_positions(model, ctx) -> None:
         if error is not None:
             raise_on_cp_ranks(error, ctx, f"ndp_{ctx.impl} attention")
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    @torch.compiler.disable
+    def leave(module, args, kwargs, output):
+        if not held:
+            return
+        documents = _FORWARD_DOCUMENTS.get()
+        _FORWARD_DOCUMENTS.reset(held.pop())
+        if documents is not None and documents.cu.numel() > 2 and not documents.carried:
+            # the same on every rank (the table and the model are): refused before the loss and the backward
+            raise Unsupported(
+                f"{type(module).__name__} ran a packed batch ({documents.cu.numel() - 1} documents) under context "
+                f"parallelism without building its attention mask through transformers' mask interface, and its "
+                f"layers may not hand cu_seq_lens_q to the attention: ndp cannot tell that every attention call "
+                f"kept the documents apart. Train unpacked rows, or this model without context parallelism.")
+
+    model.register_forward_pre_hook(enter, with_kwargs=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
 def guard_packed(model) -> None:
@@ -370,7 +409,25 @@ def _ndp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fun
         if attention_mask.dim() != 2 or attention_mask.shape[-1] != q_offset + q_length:
             return attention_mask
         spec = with_padding(spec, attention_mask)
-    return marker(spec, kwargs.get("device"))
+    return _marker_with_documents(spec, kwargs.get("device"), batch_size, q_length)
+
+
+def _marker_with_documents(spec, device, batch, q_length):
+    """The marker of `spec`, carrying the forward's document table (under CP, a batch given one) where the mask is
+    over the batch's rows; a mask over another sequence (tokens added or dropped before the layers) of a packed
+    batch is refused: the shards' documents would not be the table's."""
+    documents = _FORWARD_DOCUMENTS.get()
+    if documents is None:
+        return marker(spec, device)
+    if batch == 1 and q_length == documents.seq:
+        documents.carried = True
+        return marker(spec, device, documents.cu)
+    if documents.cu.numel() > 2:
+        spec = replace(spec, refused=(
+            f"the batch packs {documents.cu.numel() - 1} documents in rows of {documents.seq} tokens on this rank, "
+            f"and the model attends over {batch} x {q_length} queries (tokens added or dropped before its layers): "
+            f"ndp cannot place the documents there. Train unpacked rows, or this model without context parallelism."))
+    return marker(spec, device)
 
 
 def register_attention() -> dict[str, str]:

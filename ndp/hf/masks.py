@@ -177,21 +177,30 @@ class _Marker(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
         if torch.is_tensor(out) and out.shape == (1, 1, 1, 1) and out.dtype == torch.bool:
-            spec = next(a.ndp_mask for a in args if isinstance(a, _Marker))
-            out = torch.Tensor._make_subclass(_Marker, out)
-            out.ndp_mask = spec
+            source = next(a for a in args if isinstance(a, _Marker))
+            out = _carrying(out, source.ndp_mask, source.ndp_documents)
         return out
 
 
-def marker(spec: MaskSpec, device) -> torch.Tensor:
-    """What ndp's mask interface hands the attention calls: a one-element True tensor carrying the spec."""
-    t = torch.Tensor._make_subclass(_Marker, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))
-    t.ndp_mask = spec
+def _carrying(t, spec, documents):
+    t = torch.Tensor._make_subclass(_Marker, t)
+    t.ndp_mask, t.ndp_documents = spec, documents
     return t
+
+
+def marker(spec: MaskSpec, device, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """What ndp's mask interface hands the attention calls: a one-element True tensor carrying the spec, and the
+    forward's document table (`documents`: cu_seqlens) for layers that do not hand it to their attention."""
+    return _carrying(torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device), spec, documents)
 
 
 def spec_of(attention_mask) -> MaskSpec | None:
     return getattr(attention_mask, "ndp_mask", None)
+
+
+def documents_of(attention_mask) -> torch.Tensor | None:
+    """The document table (cu_seqlens) a marker carries, else None."""
+    return getattr(attention_mask, "ndp_documents", None)
 
 
 _DENSE_FIX = ("Pass the documents as position_ids restarting at 0 (or cu_seq_lens_q) instead of a dense mask, or use "
@@ -248,4 +257,4 @@ def _read_dense(mask, batch, seq):
     return MaskSpec(causal=True, packed=packed), cu_from_starts(starts) if packed else None
 
 
-__all__ = ["MaskSpec", "describe", "marker", "padding_of", "read_dense", "spec_of", "with_padding"]
+__all__ = ["MaskSpec", "describe", "documents_of", "marker", "padding_of", "read_dense", "spec_of", "with_padding"]

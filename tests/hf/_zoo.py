@@ -281,9 +281,9 @@ def fused(model_type):
 DOCS = (10, 14, 8)  # documents packed in one row (SEQ tokens)
 
 
-def _documents():
+def _documents(lens=DOCS):
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB, (n,), generator=g) for n in DOCS]
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in lens]
 
 
 def _doc_loss(model, ids, pos, labels, **extra):
@@ -292,6 +292,29 @@ def _doc_loss(model, ids, pos, labels, **extra):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1),
                                              ignore_index=-100, reduction="sum")
     return loss, int((labels != -100).sum())
+
+
+def _packed_positions(docs):
+    return torch.cat([torch.arange(len(d)) for d in docs])[None]
+
+
+def _targets(docs):
+    return [torch.nn.functional.pad(d[1:], (0, 1), value=-100) for d in docs]
+
+
+def _per_document(model_type, docs, targets):
+    """This process alone, ndp's attention: each document in a call of its own, (the mean loss over every
+    document's labelled tokens, {name: grad})."""
+    import ndp.hf
+
+    ndp.hf.register_attention()
+    model = tiny_model(model_type).train()
+    model.set_attn_implementation("ndp_ring")
+    total, count = 0.0, 0
+    for d, t in zip(docs, targets):
+        loss, n = _doc_loss(model, d[None], torch.arange(len(d))[None], t[None])
+        total, count = total + loss, count + n
+    return _loss_and_grads(model, total / count)
 
 
 def packed(model_type):
@@ -310,20 +333,15 @@ def packed(model_type):
             model(input_ids=docs[0][None])
     except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
         return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
-    targets = [torch.nn.functional.pad(d[1:], (0, 1), value=-100) for d in docs]
+    targets = _targets(docs)
 
     def run():
         ndp.hf.parallelize(model.train(), ndp.ParallelismConfig(), None)
         cu = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
-        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
-        loss, n = _doc_loss(model, torch.cat(docs)[None], pos, torch.cat(targets)[None], **document_table(cu, "cpu"))
+        loss, n = _doc_loss(model, torch.cat(docs)[None], _packed_positions(docs), torch.cat(targets)[None],
+                            **document_table(cu, "cpu"))
         got, grads = _loss_and_grads(model, loss / n)  # first: a refusal needs no reference
-        ref_model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
-        total, count = 0.0, 0
-        for d, t in zip(docs, targets):
-            loss, n = _doc_loss(ref_model, d[None], torch.arange(len(d))[None], t[None])
-            total, count = total + loss, count + n
-        ref_loss, ref_grads = _loss_and_grads(ref_model, total / count)
+        ref_loss, ref_grads = _per_document(model_type, docs, targets)
         floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
         return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
                                             for k, g in ref_grads.items()])
@@ -344,6 +362,26 @@ def cp(model_type, impl, world):
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
         logits = _forward(model, b["input_ids"], b["position_ids"])
         return _against(model, logits, b["labels"], ref_loss, ref_grads)
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
+
+
+def cp_packed(model_type, impl, world, compile=False, lens=DOCS):
+    """cp ``world`` (this rank's part): documents of `lens` tokens (:func:`packed`'s) in one row through parallelize
+    (``compile``: the decoder layers compiled) + shard_batch (positions restarting: sharded per document, with the
+    shards' document table) + ndp.hf.loss vs each document in a call of its own on one process."""
+    import ndp
+    import ndp.hf
+
+    def run():
+        docs = _documents(lens)
+        ref_loss, ref_grads = _per_document(model_type, docs, _targets(docs))
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"), compile=compile)
+        b = ndp.hf.shard_batch(model, input_ids=torch.cat(docs)[None], labels=torch.cat(_targets(docs))[None],
+                               position_ids=_packed_positions(docs))
+        labels = b.pop("labels")
+        return _against(model, model(**b).logits, labels, ref_loss, ref_grads)
 
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
 

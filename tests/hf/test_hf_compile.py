@@ -4,6 +4,7 @@ and inductor equal eager, fp32, loss/logits and every gradient) on 1 process and
 construction as its only graph breaks; a batch that is not this rank's shard still raises on every rank."""
 import os
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -116,3 +117,30 @@ def _cp_body(rank, world):
 @pytest.mark.timeout(400)
 def test_parallelize_compile_under_cp_equals_eager(tmp_path):
     spawn(_cp_body, 2, tmp_path, timeout_s=300)
+
+
+def _packed_cp_body(rank, world):
+    import transformers
+    from transformers.models.stablelm import modeling_stablelm
+
+    transformers.logging.set_verbosity_error()
+    # documents that give every rank as many tokens (uneven shards would differ in shape across the ring: refused)
+    even = (12, 16, 4)
+    for compile in (False, True):
+        dynamo.reset()
+        assert _zoo.cp_packed("stablelm", "ring", world, compile=compile, lens=even)[0] == "EXACT", compile
+    # a model that builds no mask through transformers' mask interface either: nothing carries the table
+    dynamo.reset()
+    with mock.patch.object(modeling_stablelm, "create_causal_mask", lambda **kwargs: None):
+        got = _zoo.cp_packed("stablelm", "ring", world, compile=True, lens=even)
+    assert got[0] == "REFUSED" and "StableLmForCausalLM ran a packed batch (3 documents)" in got[1], got
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_packed_documents_reach_compiled_layers_that_drop_the_table(tmp_path):
+    """StableLM's decoder layers do not hand cu_seq_lens_q to their attention: ndp's mask marker carries the
+    forward's document table there. Before, eager refused the packed batch at the position check, and compiled
+    layers (which skip that check) attended across the shards' documents: the gradients up to 161% off, silently.
+    Where no ndp mask reaches the layers either, the forward is refused on every rank, before the loss."""
+    spawn(_packed_cp_body, 2, tmp_path, timeout_s=300)

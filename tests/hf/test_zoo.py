@@ -9,6 +9,9 @@ against one process on the whole batch (the loss and every gradient).
 (e) 1 process: documents packed in one row (position_ids restarting, ``cu_seq_lens_q``) against each document in
 a call of its own (the loss and every gradient); a model whose layers would let the documents see each other is
 refused by name (``ndp.hf.check_packed_model``).
+(f) cp 2, ring: (e)'s packed row sharded per document by ``shard_batch`` (the shards' document table) against each
+document in a call of its own on one process; a model whose layers do not hand the table to the attention gets it
+through ndp's mask marker, or is refused.
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
 
@@ -35,6 +38,7 @@ MIN_EXACT_CP = 107
 MIN_EXACT_FUSED = 154
 MIN_EXACT_TP = 58
 MIN_EXACT_PACKED = 105
+MIN_EXACT_CP_PACKED = 105
 
 
 def _quiet():
@@ -51,7 +55,12 @@ def _parallel_body(rank, world, fams, impl, out):
 
     _quiet()
     for mt in fams:
-        r = _zoo.tp(mt, world) if impl == "tp" else _zoo.cp(mt, impl, world)
+        if impl == "tp":
+            r = _zoo.tp(mt, world)
+        elif impl == "packed":
+            r = _zoo.cp_packed(mt, "ring", world)
+        else:
+            r = _zoo.cp(mt, impl, world)
         rs = [None] * world
         dist.all_gather_object(rs, r)
         if rank == 0:
@@ -123,6 +132,15 @@ def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(900)  # 336-347 s measured
+def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path):
+    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    results = run_parallel(fams, str(tmp_path), "packed")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_PACKED)
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_zoo_tp2_exact_or_refused(single_results, tmp_path):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT"]
@@ -138,18 +156,19 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "tp")}
+    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "packed", "tp")}
     print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'packed':10s} {'cp 2 ring':10s} {'ulysses':10s} "
-          f"{'tp 2':10s} detail")
+          f"{'cp packed':10s} {'tp 2':10s} detail")
     for mt, r in single.items():
-        c, u, t = (runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "tp"))
+        c, u, cp, t = (runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "packed", "tp"))
         f, p = fused[mt], packed[mt]
-        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, p, c, u, t) if x[0] not in ("EXACT", "-")), "")
-        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {p[0]:10s} {c[0]:10s} {u[0]:10s} {t[0]:10s} "
+        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, p, c, u, cp, t) if x[0] not in ("EXACT", "-")),
+                                                   "")
+        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {p[0]:10s} {c[0]:10s} {u[0]:10s} {cp[0]:10s} {t[0]:10s} "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
-        print(f"{'tp 2' if impl == 'tp' else f'cp 2 {impl}'}:", dict(collections.Counter(r[0] for r in res.values())))
+        print({"tp": "tp 2", "packed": "cp 2 packed"}.get(impl, f"cp 2 {impl}") + ":", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

@@ -101,8 +101,8 @@ def _shard_positions_error(pos, ctx, seq, impl):
         f"that are not rank {ctx.rank}'s shard of a sequence of {total} tokens: {expected}, got "
         f"{_short(pos[0].tolist())}, and no document table (cu_seq_lens_q) for packed documents. Pass the batch "
         f"through ndp.hf.shard_batch(model, ...) (a packed batch with its position_ids restarting or cu_seq_lens_q) "
-        f"and give the model the position_ids (and cu_seq_lens_q) it returns; a model whose layers do not hand "
-        f"cu_seq_lens_q down to the attention cannot take packed documents under context parallelism.")
+        f"and give the model (its forward, where ndp's mask takes the table to layers that do not hand it down) the "
+        f"position_ids (and cu_seq_lens_q) it returns.")
 
 
 def _short(xs):

@@ -66,7 +66,6 @@ _REFUSED = {"sinks": "per-token attention sinks", "head_mask": "a head mask",
 _PENDING: dict = {}
 
 
-
 @dataclass
 class _Documents:
     """Under CP, the document table of the forward running now (``cu``: cu_seqlens), the length of its rows on this

@@ -23,6 +23,9 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
   averages on, so the averaged gradients are those of the global mean loss.
+- ``gather_for_metrics``: under CP, a per-rank value (a 0-dim tensor: TRL's token counts and sums) of the padded
+  last evaluation batch is cut by data-parallel batch, all its CP ranks' parts kept (Accelerate cuts the gathered
+  entries one by one, as if each were a batch's).
 """
 from __future__ import annotations
 
@@ -152,6 +155,15 @@ class Accelerator(accelerate.Accelerator):
         if labels is not None and kwargs.get("num_items_in_batch") is None:
             extra["num_items_in_batch"] = _items_per_rank(labels, model)
         return args, {**kwargs, **extra}
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        state = self.gradient_state
+        if not (self.parallelism_config and self.parallelism_config.cp_enabled and torch.is_tensor(input_data)
+                and input_data.dim() == 0 and state.end_of_dataloader and state.remainder > 0):
+            return super().gather_for_metrics(input_data, use_gather_object)
+        # the world's entries in rank order, data-parallel major: each data-parallel batch's CP (and TP) ranks in a run
+        mesh = self.torch_device_mesh
+        return self.gather(input_data)[:state.remainder * (mesh.size() // mesh_axis(mesh, "dp").size())]
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, *,

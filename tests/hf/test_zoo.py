@@ -170,5 +170,6 @@ if __name__ == "__main__":
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
-        print({"tp": "tp 2", "packed": "cp 2 packed"}.get(impl, f"cp 2 {impl}") + ":", dict(collections.Counter(r[0] for r in res.values())))
+        name = {"tp": "tp 2", "packed": "cp 2 packed"}.get(impl, f"cp 2 {impl}")
+        print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

@@ -51,7 +51,7 @@ from ndp.parallel.parallelize import tie_experts
 from ndp.train.checkpoint import stateful_params
 
 __all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers",
-           "saved_optimizer_state"]
+           "saved_optimizer_state", "batch_ranks"]
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
 ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
@@ -162,8 +162,7 @@ class Accelerator(accelerate.Accelerator):
                 and input_data.dim() == 0 and state.end_of_dataloader and state.remainder > 0):
             return super().gather_for_metrics(input_data, use_gather_object)
         # the world's entries in rank order, data-parallel major: each data-parallel batch's CP (and TP) ranks in a run
-        mesh = self.torch_device_mesh
-        return self.gather(input_data)[:state.remainder * (mesh.size() // mesh_axis(mesh, "dp").size())]
+        return self.gather(input_data)[:state.remainder * batch_ranks(self.torch_device_mesh)]
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, *,
@@ -198,6 +197,12 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def batch_ranks(mesh) -> int:
+    """How many ranks hold each data-parallel batch whole (its CP and TP ranks): the world over the data-parallel
+    ranks."""
+    return mesh.size() // mesh_axis(mesh, "dp").size()
 
 
 def _gather_head_with_forward(wrapper, head) -> None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from .accelerate import Accelerator, fsdp2_state_on_cpu, saved_optimizer_state
+from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, saved_optimizer_state
 from .hf.batch import PACKING_KEYS, document_positions, without_padding
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -183,8 +183,7 @@ class NdpTrainerMixin:
         parallelism_config)."""
         if getattr(self.accelerator, "parallelism_config", None) is None:
             return 1
-        mesh = self.accelerator.torch_device_mesh
-        return mesh.size() // mesh_axis(mesh, "dp").size()
+        return batch_ranks(self.accelerator.torch_device_mesh)
 
     def _gather_over_dp(self, tensor):
         """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the

@@ -347,11 +347,7 @@ def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, fami
     by name (labels -100), and the losses are one process's on the same batches. StableLM's decoder layers do not
     hand the document table to their attention (ndp's mask carries it; refused before)."""
     model_dir = str(tmp_path / "model")
-    if family == "llama":
-        _save_tiny_llama(model_dir)
-    else:
-        _save_tiny_family(model_dir, family)
-    layer = {"llama": "LlamaDecoderLayer", "stablelm": "StableLmDecoderLayer"}[family]
+    layer = _save_tiny(model_dir, family)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, layer, timeout_s=300)
     want, _ = _one_process(model_dir, _padded_samples(), steps=3, dp=2, clip=1.0, collate=COLLATORS[collate]())
     got = torch.load(tmp_path / "padded.pt")
@@ -540,13 +536,7 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
     from step 2, with or without CP)."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
-    if family == "llama":
-        _save_tiny_llama(model_dir)
-        _save_word_tokenizer(model_dir)
-    else:
-        _save_tiny_family(model_dir, family)
-    got, want = _sft_against(tmp_path, model_dir, packing, eval_packing, dp,
-                             layer={"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer"}[family])
+    got, want = _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer=_save_tiny(model_dir, family))
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
     # TRL's metrics: num_tokens counted each CP shard, ndp's pads and a padded batch's pads included (78 tokens
@@ -557,6 +547,21 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
 
     assert tokens(got) == tokens(want)
     assert got["metrics"] == [pytest.approx(m, rel=1e-6) for m in want["metrics"]]
+
+
+# The decoder layer class FSDP2 wraps, by family of the tests' tiny models.
+DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer", "stablelm": "StableLmDecoderLayer",
+                  "olmoe": "OlmoeDecoderLayer"}
+
+
+def _save_tiny(model_dir, family):
+    """The tests' tiny Llama or a zoo family's tiny model, with the word tokenizer; its decoder layer class."""
+    if family == "llama":
+        _save_tiny_llama(model_dir)
+        _save_word_tokenizer(model_dir)
+    else:
+        _save_tiny_family(model_dir, family)
+    return DECODER_LAYERS[family]
 
 
 def _save_tiny_family(model_dir, family):
@@ -571,7 +576,7 @@ def _save_tiny_family(model_dir, family):
 def _sft_moe_refused_rank(rank, world, tmp, model_dir):
     _rank_env(rank, world)
     trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
-                           layer="OlmoeDecoderLayer")
+                           layer=DECODER_LAYERS["olmoe"])
     # TRL's default router_aux_loss_coef: the architecture's (0.01), the load-balancing loss on
     with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM adds its routers' load-balancing loss "
                                                  r".*router_aux_loss_coef=0.01.*SFTConfig\(router_aux_loss_coef="):
@@ -586,10 +591,10 @@ def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path)
     switch that turns it off; turned off, the run equals one process's."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
-    _save_tiny_family(model_dir, "olmoe")
+    layer = _save_tiny(model_dir, "olmoe")
     (tmp_path / "refused").mkdir()  # a rendezvous of its own
     spawn(_sft_moe_refused_rank, 2, tmp_path / "refused", str(tmp_path / "refused"), model_dir, timeout_s=300)
-    got, want = _sft_against(tmp_path, model_dir, True, None, 1, layer="OlmoeDecoderLayer", router_aux_loss_coef=0.0)
+    got, want = _sft_against(tmp_path, model_dir, True, None, 1, layer=layer, router_aux_loss_coef=0.0)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
 

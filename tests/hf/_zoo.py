@@ -4,6 +4,7 @@
 builds one with random float64 weights, every size field shrunk (hidden 64, 2-4 layers, 4 heads of 16, 2 KV heads,
 tiny vocab, MoE with 4 experts), or raises when the family cannot be built that way (a multimodal wrapper that needs
 a processor, a missing optional dependency)."""
+import functools
 import inspect
 
 import torch
@@ -27,7 +28,9 @@ TINY = dict(
     q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
     attention_dropout=0.0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, hidden_dropout=0.0,
     attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0, dropout=0.0, ffn_dropout=0.0, activation_dropout=0.0,
-    router_jitter_noise=0.0, input_jitter_noise=0.0, residual_dropout=0.0, use_cache=False, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,  # Gemma 3n/4: 262144 x 256 per layer
+    router_jitter_noise=0.0, input_jitter_noise=0.0, residual_dropout=0.0, use_cache=False, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
 )
 
 
@@ -40,7 +43,8 @@ def families() -> list[str]:
         except Exception:  # cannot even build its default config: reported by tiny_model
             out.append(model_type)
             continue
-        if getattr(cfg, "is_encoder_decoder", False) or "is_decoder" in cfg.__dict__ or "add_cross_attention" in cfg.__dict__:
+        if (getattr(cfg, "is_encoder_decoder", False) or "is_decoder" in cfg.__dict__
+                or "add_cross_attention" in cfg.__dict__):
             continue
         out.append(model_type)
     return out
@@ -94,7 +98,6 @@ FIXES = {
     "dbrx": lambda c: c.attn_config.__dict__.update(rope_theta=10000.0, clip_qkv=8.0),
     "cohere_compass_text": lambda c: setattr(c, "rope_parameters", {"full_attention": {"rope_type": "default",
                                                                                         "rope_theta": 10000.0}}),
-    # 4 layers, the last 2 reading the keys/values of the first 2 (KV sharing), per-layer inputs of 16
     # the attention reads the hidden states joined to the embeddings (2 x hidden); sizes derived at __init__
     "zamba": lambda c: c.__dict__.update(attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=4,
                                          num_key_value_heads=4),
@@ -109,9 +112,9 @@ FIXES = {
     "xlstm": lambda c: c.__dict__.update(embedding_dim=64, num_blocks=2, num_heads=4),
     "dots3_note_text": lambda c: setattr(c, "head_dim", 16),
     "dots3_note": lambda c: setattr(c.text_config, "head_dim", 16),
+    # 4 layers, the last 2 reading the keys/values of the first 2 (KV sharing)
     "gemma3n_text": lambda c: c.__dict__.update(num_hidden_layers=4, num_kv_shared_layers=2,
-                                                layer_types=c.layer_types[:2] * 2, vocab_size_per_layer_input=VOCAB,
-                                                hidden_size_per_layer_input=16,
+                                                layer_types=c.layer_types[:2] * 2,
                                                 activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]),
 }
 
@@ -349,6 +352,21 @@ def packed(model_type):
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
 
 
+@functools.cache
+def _mesh(sizes):
+    import ndp
+
+    return ndp.ParallelismConfig(**dict(sizes)).build_device_mesh("cpu")
+
+
+def mesh(cfg):
+    """`cfg`'s mesh, one per set of degrees in this process: a DeviceMesh's process groups (gloo threads and
+    sockets) live until the process ends, so a sweep that built one per family slowed family by family (tp 2 over
+    the zoo: 374 s, most of it system time, with 18 threads more per family; 65 s with one mesh)."""
+    return _mesh(frozenset((k, getattr(cfg, k)) for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size",
+                                                           "ulysses_size")))
+
+
 def cp(model_type, impl, world):
     """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`."""
     import ndp
@@ -357,7 +375,7 @@ def cp(model_type, impl, world):
     def run():
         ref_loss, ref_grads = reference(model_type)
         cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
         ids, labels, pos = batch()
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
         logits = _forward(model, b["input_ids"], b["position_ids"])
@@ -377,7 +395,7 @@ def cp_packed(model_type, impl, world, compile=False, lens=DOCS):
         docs = _documents(lens)
         ref_loss, ref_grads = _per_document(model_type, docs, _targets(docs))
         cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"), compile=compile)
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg), compile=compile)
         b = ndp.hf.shard_batch(model, input_ids=torch.cat(docs)[None], labels=torch.cat(_targets(docs))[None],
                                position_ids=_packed_positions(docs))
         labels = b.pop("labels")
@@ -415,7 +433,7 @@ def tp(model_type, world):
 
     def run():
         cfg = ndp.ParallelismConfig(tp_size=world)
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
         ref_loss, ref_grads = reference(model_type)
         ids, labels, pos = batch()
         return _against(model, _forward(model, ids, pos), labels, ref_loss, ref_grads)

@@ -67,7 +67,7 @@ def run_packed(model_type, mode, world, impl, lens=DOCS):
     ref_loss, ref_grads = reference(model_type, lens)
     extra = dict(ulysses_size=2) if impl == "usp" else {}
     cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, **extra)
-    mesh = cfg.build_device_mesh("cpu") if world > 1 else None
+    mesh = _zoo.mesh(cfg) if world > 1 else None
     model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), cfg, mesh)
     if world == 1:
         ndp.hf.register_attention()
@@ -97,7 +97,7 @@ def run_odd_length(model_type, world, impl, seq=30):
     ref_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
     ref_loss.backward()
     cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl)
-    model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), cfg, cfg.build_device_mesh("cpu"))
+    model = ndp.hf.parallelize(_zoo.tiny_model(model_type).train(), cfg, _zoo.mesh(cfg))
     with pytest.raises(ValueError, match="zigzag sharding needs seqlen divisible by 2[*]cp_size"):
         ndp.hf.shard_batch(model, input_ids=ids, labels=labels, pad=False)
     b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels)
@@ -148,7 +148,7 @@ def _short_batch_refused_unpadded(world):
     import ndp.hf
 
     cfg = ndp.ParallelismConfig(cp_size=world)
-    model = ndp.hf.parallelize(_zoo.tiny_model("llama").train(), cfg, cfg.build_device_mesh("cpu"))
+    model = ndp.hf.parallelize(_zoo.tiny_model("llama").train(), cfg, _zoo.mesh(cfg))
     b = collated("flash_attn_kwargs", [3])
     with pytest.raises(ValueError, match=rf"documents \[3\] leaves {world - 1} of the {world} context-parallel ranks "
                                          r"without a token .* \(pad=False\)"):

@@ -32,11 +32,12 @@ def _loss_and_grads(model, batch):
 
 def _tp_body(rank, world, layout):
     cfg = ndp.ParallelismConfig(**layout)
+    mesh = cfg.build_device_mesh("cpu")
     for family in FAMILIES:
         ref = tiny_model(family)
         batch = _batch(ref.config.vocab_size)
         want, want_grads = _loss_and_grads(ref, batch)
-        model = ndp.hf.parallelize(tiny_model(family), cfg, cfg.build_device_mesh("cpu"))
+        model = ndp.hf.parallelize(tiny_model(family), cfg, mesh)
         got, grads = _loss_and_grads(model, batch)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=lambda m: f"{family} loss: {m}")
         assert set(grads) == set(want_grads)

@@ -362,11 +362,12 @@ def _mesh(sizes):
 
 
 def mesh(cfg):
-    """`cfg`'s mesh, one per set of degrees in this process: a DeviceMesh's process groups (gloo threads and
-    sockets) live until the process ends, so a sweep that built one per family slowed family by family (tp 2 over
-    the zoo: 374 s, most of it system time, with 18 threads more per family; 65 s with one mesh)."""
-    return _mesh(frozenset((k, getattr(cfg, k)) for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size",
-                                                           "ulysses_size")))
+    """`cfg`'s mesh, one per set of degrees (and CP algorithm: usp's ulysses_size needs it) in this process: a
+    DeviceMesh's process groups (gloo threads and sockets) live until the process ends, so a sweep that built one
+    per family slowed family by family (tp 2 over the zoo: 374 s, most of it system time, with 18 threads more per
+    family; 65 s with one mesh)."""
+    degrees = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ulysses_size", "cp_impl")
+    return _mesh(frozenset((k, getattr(cfg, k)) for k in degrees))
 
 
 def cp(model_type, impl, world):

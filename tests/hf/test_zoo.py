@@ -9,9 +9,9 @@ against one process on the whole batch (the loss and every gradient).
 (e) 1 process: documents packed in one row (position_ids restarting, ``cu_seq_lens_q``) against each document in
 a call of its own (the loss and every gradient); a model whose layers would let the documents see each other is
 refused by name (``ndp.hf.check_packed_model``).
-(f) cp 2, ring: (e)'s packed row sharded per document by ``shard_batch`` (the shards' document table) against each
-document in a call of its own on one process; a model whose layers do not hand the table to the attention gets it
-through ndp's mask marker, or is refused.
+(f) cp 2, ring, Ulysses and all-gather: (e)'s packed row sharded per document by ``shard_batch`` (the shards'
+document table) against each document in a call of its own on one process; a model whose layers do not hand the
+table to the attention gets it through ndp's mask marker, or is refused.
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
 
@@ -57,8 +57,8 @@ def _parallel_body(rank, world, fams, impl, out):
     for mt in fams:
         if impl == "tp":
             r = _zoo.tp(mt, world)
-        elif impl == "packed":
-            r = _zoo.cp_packed(mt, "ring", world)
+        elif impl.startswith("packed:"):
+            r = _zoo.cp_packed(mt, impl.split(":")[1], world)
         else:
             r = _zoo.cp(mt, impl, world)
         rs = [None] * world
@@ -74,7 +74,7 @@ def run_single():
 
 
 def run_parallel(fams, tmp, impl="ring"):
-    out = os.path.join(tmp, f"zoo_{impl}.jsonl")
+    out = os.path.join(tmp, f"zoo_{impl.replace(':', '_')}.jsonl")
     open(out, "w").close()
     spawn(_parallel_body, 2, tmp, fams, impl, out, timeout_s=60)
     res = {}
@@ -122,7 +122,7 @@ def test_zoo_packed_documents_exact_or_refused():
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(900)  # 225-453 s measured on the 2-core machines (slower days); hangs fail in 60 s (spawn)
+@pytest.mark.timeout(900)  # 94-102 s measured on the 2-core machines; hangs fail in 60 s (spawn)
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
@@ -132,10 +132,11 @@ def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(900)  # 336-347 s measured
-def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path):
+@pytest.mark.timeout(900)  # 83-89 s measured
+@pytest.mark.parametrize("impl", ["ring", "ulysses", "allgather"])
+def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path, impl):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
-    results = run_parallel(fams, str(tmp_path), "packed")
+    results = run_parallel(fams, str(tmp_path), f"packed:{impl}")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_PACKED)
 
@@ -156,20 +157,19 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in ("ring", "ulysses", "packed", "tp")}
-    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'packed':10s} {'cp 2 ring':10s} {'ulysses':10s} "
-          f"{'cp packed':10s} {'tp 2':10s} detail")
+    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "tp")
+    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in impls}
+    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'packed':10s} "
+          + " ".join(f"{i.replace('packed:', 'cp packed '):10s}" for i in impls) + " detail")
     for mt, r in single.items():
-        c, u, cp, t = (runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in ("ring", "ulysses", "packed", "tp"))
-        f, p = fused[mt], packed[mt]
-        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in (f, p, c, u, cp, t) if x[0] not in ("EXACT", "-")),
-                                                   "")
-        print(f"{mt:28s} {r[0]:10s} {f[0]:10s} {p[0]:10s} {c[0]:10s} {u[0]:10s} {cp[0]:10s} {t[0]:10s} "
+        cols = [fused[mt], packed[mt]] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
+        detail = r[1] if r[0] != "EXACT" else next((x[1] for x in cols if x[0] not in ("EXACT", "-")), "")
+        print(f"{mt:28s} {r[0]:10s} " + " ".join(f"{x[0]:10s}" for x in cols) + " "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
-        name = {"tp": "tp 2", "packed": "cp 2 packed"}.get(impl, f"cp 2 {impl}")
+        name = "tp 2" if impl == "tp" else f"cp 2 {impl.replace('packed:', 'packed ')}"
         print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

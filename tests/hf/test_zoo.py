@@ -159,12 +159,12 @@ if __name__ == "__main__":
     fused, packed = run_fused(), run_packed()
     impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "tp")
     runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in impls}
-    print(f"{'family':28s} {'1 process':10s} {'fused loss':10s} {'packed':10s} "
-          + " ".join(f"{i.replace('packed:', 'cp packed '):10s}" for i in impls) + " detail")
+    names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace('packed:', 'packed ')}" for i in impls]
+    print(f"{'family':28s} " + " ".join(f"{n:{max(10, len(n))}s}" for n in names) + " detail")
     for mt, r in single.items():
-        cols = [fused[mt], packed[mt]] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
+        cols = [r, fused[mt], packed[mt]] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
         detail = r[1] if r[0] != "EXACT" else next((x[1] for x in cols if x[0] not in ("EXACT", "-")), "")
-        print(f"{mt:28s} {r[0]:10s} " + " ".join(f"{x[0]:10s}" for x in cols) + " "
+        print(f"{mt:28s} " + " ".join(f"{x[0]:{max(10, len(n))}s}" for x, n in zip(cols, names)) + " "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))

@@ -43,7 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
-from ndp.hf.batch import PACKING_KEYS, packed_cu, shard_rows
+from ndp.hf.batch import PACKING_KEYS, REAL_TOKENS, packed_cu, shard_rows
+from ndp.hf.router import shard_tokens
 from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
                           is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
@@ -113,7 +114,6 @@ class Accelerator(accelerate.Accelerator):
                 raise ValueError(f"ndp.accelerate runs context parallelism for transformers models; got a "
                                  f"{type(model).__name__}. Use ndp.parallelize with a ModelPlan for other modules.")
             ndp.hf.check_model(model, cfg)
-            _check_no_router_aux_loss(model, cfg.cp_size)
             apply_cp(model, cfg, mesh, ndp.hf.hf_plan(model))
             setattr(model, PARALLEL_ATTR, Parallelized(cfg, mesh))
             # first: the document table it adds is what ndp.hf's position check reads
@@ -182,9 +182,12 @@ class Accelerator(accelerate.Accelerator):
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):
             b.resize_(s.shape).copy_(s)
+        # the shard's tokens of the batch, for an MoE's load-balancing loss (ndp.hf.router)
+        real = next((getattr(s, REAL_TOKENS) for s in shards if hasattr(s, REAL_TOKENS)), None)
         self._ndp_step = extra
         try:
-            yield
+            with shard_tokens(real):
+                yield
         finally:
             self._ndp_step = None
             for b, old in zip(buffers, saved):
@@ -214,21 +217,6 @@ def _gather_head_with_forward(wrapper, head) -> None:
     reduce-scatters its gradient at the end of the backward, as for any unit whose forward hooks did not run."""
     if isinstance(head, FSDPModule) and len(head._get_fsdp_state()._modules) == 1:
         wrapper.register_forward_pre_hook(lambda module, args: head.unshard())
-
-
-def _check_no_router_aux_loss(model, cp_size) -> None:
-    """Refuse a model that adds its routers' load-balancing loss to its loss (what the Trainer and TRL train on):
-    the loss multiplies token means per expert, which over a rank's shard of the sequence are not the batch's."""
-    text = model.config.get_text_config()
-    coef = getattr(text, "router_aux_loss_coef", None)
-    if getattr(text, "output_router_logits", False) and coef != 0:
-        raise ndp.hf.Unsupported(
-            f"{type(model).__name__} adds its routers' load-balancing loss to its loss (output_router_logits=True, "
-            f"router_aux_loss_coef={coef}): under context parallelism (cp_size={cp_size}) each rank would compute it "
-            f"over its shard of the sequence (per-expert token means of the shard, not of the batch), a different "
-            f"loss than one process trains. Turn it off (model.config.output_router_logits = False; TRL: "
-            f"SFTConfig(router_aux_loss_coef=0.0), which TRL otherwise enables for every MoE model) or train the "
-            f"model without context parallelism.")
 
 
 def fsdp2_state_on_cpu(kwargs) -> None:

@@ -24,6 +24,8 @@ and overrides, nothing patched:
   table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
   none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss;
+- ``compute_loss``: under CP, an MoE's load-balancing loss in the model's loss is each rank's share of its
+  batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses);
 - ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
@@ -44,6 +46,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, saved_optimizer_state
 from .hf.batch import PACKING_KEYS, document_positions, without_padding
+from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
 
@@ -111,6 +114,14 @@ class NdpTrainerMixin:
                                  buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
                                  names=names), inputs
 
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        if self._cp_config() is None:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        # the Trainer sums the ranks' losses (its num_items_in_batch counts every rank's tokens, its loss is
+        # multiplied by the ranks' number): an MoE's load-balancing loss inside the model's is each rank's share
+        with losses_summed():
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = self._cp_config()
         if pc is None:
@@ -124,15 +135,16 @@ class NdpTrainerMixin:
         # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
         part = torch.stack(self._cp_loss_part(model, inputs)).to(self.args.device, torch.float64)
         dist.all_reduce(part, group=self.accelerator.torch_device_mesh["cp"].get_group())
-        return (part[0] / part[1].clamp(min=1)).float(), None, None
+        return (part[0] / part[1].clamp(min=1) + part[2]).float(), None, None
 
     def _cp_loss_part(self, model, inputs):
-        """(loss, weight) of this rank's CP shard; the weighted mean over the CP group is the data-parallel batch's
-        evaluation loss. transformers' loss-only evaluation step normalises by the tokens counted before sharding
-        (over the data-parallel ranks, as its own step counts them), each shard weighing the same."""
+        """(loss, weight, summed) of this rank's CP shard: the weighted mean of the losses over the CP group plus
+        the sum of `summed` is the data-parallel batch's evaluation loss. transformers' loss-only evaluation step
+        normalises by the tokens counted before sharding (over the data-parallel ranks, as its own step counts
+        them), each shard weighing the same; an MoE's load-balancing loss is in it already (each rank's share)."""
         inputs = self._prepare_inputs(inputs)
         loss, _ = self._cp_shard_loss(model, inputs, self._get_num_items_in_batch([inputs], self.args.device))
-        return loss, torch.ones_like(loss)
+        return loss, torch.ones_like(loss), torch.zeros_like(loss)
 
     def _cp_shard_loss(self, model, inputs, num_items_in_batch=None):
         """compute_loss on this rank's CP shard of a prepared batch, without gradient, and the shard's labelled
@@ -291,9 +303,13 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
 
     def _cp_loss_part(self, model, inputs):
         # TRL's own evaluation step counts no tokens before the loss: each batch is normalised by its own labelled
-        # tokens, so each shard's loss weighs by its own
-        loss, labelled = self._cp_shard_loss(model, self._prepare_inputs(inputs))
-        return loss * labelled, labelled.to(loss.dtype)
+        # tokens, so each shard's token loss weighs by its own; an MoE's load-balancing loss (TRL adds coef x
+        # aux_loss, each rank's share x cp_size) is the sum of the shares
+        with recorded_shares() as shares:
+            loss, labelled = self._cp_shard_loss(model, self._prepare_inputs(inputs))
+        aux = self.router_aux_loss_coef * shares[-1] if shares and self.aux_loss_enabled else torch.zeros_like(loss)
+        loss = loss - aux * self._cp_config().cp_size
+        return loss * labelled, labelled.to(loss.dtype), aux.to(loss.dtype)
 
 
 _PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")

@@ -20,6 +20,7 @@ from .batch import parallel_state, shard_batch
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
                      decoder_layers, head_counts, layer_stacks, outside_layers, text_config)
+from .router import aux_loss_on, check_router_loss, guard_router_loss
 
 # Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
 DEFAULT_TP_PLAN = {
@@ -43,10 +44,13 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
 
     Raises:
         ValueError: the heads cannot be split by tp / the Ulysses degree.
-        Unsupported: (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``).
+        Unsupported: (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
+            load-balancing loss, turned on, that ndp cannot compute over the CP shards (``ndp.hf.router``).
     """
     if config.cp_size > 1:
         check_cp_model(model)
+        if aux_loss_on(model):
+            check_router_loss(model)
     for heads, kv in head_counts(text_config(model)):
         config.check_heads(heads, kv)
 
@@ -82,6 +86,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         if ctx.enabled:
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)
+            guard_router_loss(m, ctx)
 
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),

@@ -23,6 +23,11 @@ from .masks import padding_of
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # The [batch, seq] targets transformers' losses read (-100: no target): a pad token gets -100 in each.
 LABEL_KEYS = ("labels", "shift_labels")
+# The tokens a run without CP counts (1) and the pads it never sees (0: ndp's, and a padded batch's whose mask CP
+# makes all ones), as an attribute: of the all-ones mask ``without_padding`` returns (the batch's own mask), then of
+# the shard's position_ids (their shard), for what averages over tokens outside the attention (an MoE's
+# load-balancing loss, ``ndp.hf.router``). Sharded as a row of that name, padded with 0.
+REAL_TOKENS = "_ndp_real_tokens"
 
 
 def parallel_state(model, what):
@@ -83,6 +88,8 @@ def packed_cu(tensors) -> torch.Tensor | None:
 def _pad_value(name, pad_id):
     if name in LABEL_KEYS:
         return -100
+    if name == REAL_TOKENS:
+        return 0
     if name == "attention_mask":
         return 1  # pads sit after every real token: under a causal mask no real token sees them
     return pad_id
@@ -153,7 +160,9 @@ def without_padding(tensors: dict) -> dict:
         if labelled:
             raise ValueError(f"{name} at padded positions must be -100 under context parallelism; {labelled} pads "
                              f"have a label (their outputs differ from the padded model's). {fix}")
-    return dict(tensors, attention_mask=torch.ones_like(mask))
+    ones = torch.ones_like(mask)
+    setattr(ones, REAL_TOKENS, mask)
+    return dict(tensors, attention_mask=ones)
 
 
 def _take_dp_rows(state, rows):
@@ -298,15 +307,33 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     """This rank's context-parallel piece of ``[batch, seq]`` rows (what :func:`shard_batch` does after the
     data-parallel split): packed rows (`cu`: their global document table) per document, dense rows padded (`pad`)
     and sharded in ``ctx.layout``; position_ids added when missing. `pad` pads by the rows' names (``labels``,
-    ``shift_labels``: -100): rows under other names are not padded (pass pad=False)."""
+    ``shift_labels``: -100): rows under other names are not padded (pass pad=False). The shard's position_ids
+    carry its tokens of the batch as ``REAL_TOKENS``."""
+    if not rows:
+        return {}
+    rows = dict(rows, **{REAL_TOKENS: _real_tokens(rows)})
     if cu is not None:
-        return _shard_packed(rows, cu, ctx, pad, pad_id)
-    if rows and "position_ids" not in rows:
-        rows = dict(rows, position_ids=_positions_in_rows(next(iter(rows.values()))))  # cu None: dense rows
-    if pad and rows:
-        rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
-    return {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
+        out = _shard_packed(rows, cu, ctx, pad, pad_id)
+    else:
+        if "position_ids" not in rows:
+            rows["position_ids"] = _positions_in_rows(rows[REAL_TOKENS])  # cu None: dense rows
+        if pad:
+            rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
+        out = {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
+    setattr(out["position_ids"], REAL_TOKENS, out.pop(REAL_TOKENS))
+    return out
+
+
+def _real_tokens(rows):
+    """[batch, seq] 1 where a run without CP counts a token: the batch's attention_mask (the one ``without_padding``
+    made all ones kept it), else every token."""
+    mask = rows.get("attention_mask")
+    mask = getattr(mask, REAL_TOKENS, mask)
+    if torch.is_tensor(mask) and mask.dim() == 2:
+        return mask.to(torch.int8)
+    like = next(iter(rows.values()))
+    return torch.ones(like.shape[:2], dtype=torch.int8, device=like.device)
 
 
 __all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "document_positions",
-           "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS"]
+           "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS"]

@@ -143,8 +143,12 @@ def tiny_config(model_type: str):
 REFERENCE_ATTENTION = {"blt": "sdpa"}  # eager gives NaN on cross-attention rows whose every key is masked
 
 
-def tiny_model(model_type: str, seed: int = 0):
+def tiny_model(model_type: str, seed: int = 0, **fields):
+    """The family's tiny float64 model (eval mode), `fields` set on its config and its text config."""
     cfg = tiny_config(model_type)
+    for c in {id(c): c for c in (cfg, cfg.get_text_config())}.values():
+        for name, value in fields.items():
+            setattr(c, name, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64,
                                              attn_implementation=REFERENCE_ATTENTION.get(model_type, "eager"),
@@ -407,12 +411,71 @@ def cp_packed(model_type, impl, world, compile=False, lens=DOCS):
     return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
 
 
-def _against(model, logits, labels, ref_loss, ref_grads):
-    """Largest relative difference of ndp.hf.loss's mean and of every gradient from the reference's."""
+# ------------------------------------------------------------------- MoE load-balancing loss (ndp.hf.router)
+AUX_COEF = 0.5  # large, so that a wrong load-balancing term shows in every router's gradient
+
+
+def has_aux_loss(model_type) -> bool:
+    """The family's causal LM adds its routers' load-balancing loss (its module's load_balancing_loss_func)."""
+    import importlib
+    import sys
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{model_type}"), name)
+    except Exception:  # noqa: BLE001 - not importable under that name: tiny_model reports it
+        return False
+    return hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+
+
+def aux_model(model_type):
+    """:func:`tiny_model` with its routers' load-balancing loss on (coefficient AUX_COEF), in the training mode;
+    Doge with its experts (``is_moe``, off by default)."""
+    moe = dict(is_moe=True) if hasattr(tiny_config(model_type), "is_moe") else {}
+    model = tiny_model(model_type, output_router_logits=True, router_aux_loss_coef=AUX_COEF, **moe).train()
+    if hasattr(model, "router_aux_loss_coef"):  # what the family's forward multiplies by, read at its init
+        model.router_aux_loss_coef = AUX_COEF
+    return model
+
+
+def cp_aux(model_type, impl, world):
+    """cp ``world`` (this rank's part): :func:`cp` with the family's load-balancing loss on, ``ndp.hf.loss +
+    AUX_COEF x aux_loss`` against one process's mean loss + AUX_COEF x its aux_loss."""
+    import ndp
     import ndp.hf
+
+    ids, labels, pos = batch()
+    try:
+        model = aux_model(model_type)
+        out = model(**_reference_inputs(model, ids, pos))
+        ref_loss, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(
+            out.logits.flatten(0, 1), labels.flatten()) + AUX_COEF * out.aux_loss)
+    except Exception as e:  # noqa: BLE001 - the family's own forward fails with the loss on: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+
+    def run():
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
+        model = ndp.hf.parallelize(aux_model(model_type), cfg, mesh(cfg))
+        b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
+        out = model(**_inputs(model, b["input_ids"], b["position_ids"]))
+        return _against(model, out.logits, b["labels"], ref_loss, ref_grads, aux=AUX_COEF * out.aux_loss)
+
+    return classify(run, 1e-5 if model_type in FP32_INSIDE else TOL)
+
+
+def _against(model, logits, labels, ref_loss, ref_grads, aux=None):
+    """Largest relative difference of ndp.hf.loss's mean (plus `aux`, each rank's load-balancing term: their mean
+    over the ranks is the batch's) and of every gradient from the reference's."""
+    import ndp.hf
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    if aux is not None:
+        loss = loss + aux
+        term = aux.detach().clone()
+        dist.all_reduce(term)
+        mean = mean + term / dist.get_world_size()
     loss.backward()
     rel = _rel(mean.double(), ref_loss)
     # a gradient that is zero in exact arithmetic (a key bias) is rounding noise: measured against the largest

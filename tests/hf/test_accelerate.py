@@ -137,10 +137,12 @@ def _train_one_process(model, tokens, steps, dp, clip=None, collate=None):
     for s in range(steps):
         b = collate(tokens[dp * s:dp * (s + 1)]) if collate else {"input_ids": tokens[dp * s:dp * (s + 1)]}
         # no cache: with one, transformers does not find packed documents in the position_ids (one row attends all)
-        logits = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"),
-                       position_ids=b.get("position_ids"), use_cache=False).logits
+        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"),
+                    position_ids=b.get("position_ids"), use_cache=False)
         labels = b.get("labels", b["input_ids"])
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        if getattr(out, "aux_loss", None) is not None:  # an MoE's load-balancing loss, as its forward adds it
+            loss = loss + model.router_aux_loss_coef * out.aux_loss
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -340,12 +342,14 @@ def _padded_trainer_rank(rank, world, tmp, model_dir, collate, layer):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family, collate", [("llama", "flatten"), ("llama", "pad"), ("stablelm", "flatten")])
+@pytest.mark.parametrize("family, collate", [("llama", "flatten"), ("llama", "pad"), ("stablelm", "flatten"),
+                                             ("olmoe", "pad")])
 def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, family, collate):
     """A padding collator's batches and packed ones (DataCollatorWithFlattening with its document table; the last
     batch one document, sharded as rows) under cp 2, of lengths the CP layout cannot split: ndp's Trainer pads them
     by name (labels -100), and the losses are one process's on the same batches. StableLM's decoder layers do not
-    hand the document table to their attention (ndp's mask carries it; refused before)."""
+    hand the document table to their attention (ndp's mask carries it; refused before). OLMoE adds its routers'
+    load-balancing loss to its loss: each rank's share of the batch's, the batch's pads left out (ndp.hf.router)."""
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, layer, timeout_s=300)
@@ -498,7 +502,7 @@ def _sft_losses(trainer, eval_loss):
             "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in TRL_METRICS} for h in logs]}
 
 
-TRL_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
+TRL_METRICS = ("num_tokens", "mean_token_accuracy", "entropy", "aux_loss")
 
 
 def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDecoderLayer", **overrides):
@@ -565,38 +569,31 @@ def _save_tiny(model_dir, family):
 
 
 def _save_tiny_family(model_dir, family):
-    """A zoo family's tiny model (fp32, seeded) and the word tokenizer, its vocabulary the tokenizer's 256 words."""
+    """A zoo family's tiny model (fp32, seeded) and the word tokenizer, its vocabulary the tokenizer's 256 words;
+    an MoE (olmoe) with its routers' load-balancing loss on, at a coefficient large enough to show in every loss."""
     cfg = _zoo.tiny_config(family)
     cfg.vocab_size = 256
+    if family == "olmoe":
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.5
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
     _save_word_tokenizer(model_dir)
 
 
-def _sft_moe_refused_rank(rank, world, tmp, model_dir):
-    _rank_env(rank, world)
-    trainer = _sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
-                           layer=DECODER_LAYERS["olmoe"])
-    # TRL's default router_aux_loss_coef: the architecture's (0.01), the load-balancing loss on
-    with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM adds its routers' load-balancing loss "
-                                                 r".*router_aux_loss_coef=0.01.*SFTConfig\(router_aux_loss_coef="):
-        trainer.train()
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_sft_trainer_moe_aux_loss_under_cp_is_refused_until_turned_off(tmp_path):
-    """TRL adds an MoE's load-balancing loss by default; under CP each rank would compute it over its shard of the
-    sequence (a different loss than one process's): refused on every rank before any step, by name, with the
-    switch that turns it off; turned off, the run equals one process's."""
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_trainer_moe_load_balancing_loss_under_cp_matches_one_process(tmp_path, packing):
+    """TRL adds an MoE's load-balancing loss (its aux_loss) by default; under CP each rank's is its share of the
+    batch's, scaled for FSDP's averaging (ndp.hf.router): losses, eval loss and metrics are one process's, on rows
+    with pads (ndp's and the collator's: left out of the loss's token means) and packed documents. Before, each rank
+    computed it over its shard (refused)."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
-    layer = _save_tiny(model_dir, "olmoe")
-    (tmp_path / "refused").mkdir()  # a rendezvous of its own
-    spawn(_sft_moe_refused_rank, 2, tmp_path / "refused", str(tmp_path / "refused"), model_dir, timeout_s=300)
-    got, want = _sft_against(tmp_path, model_dir, True, None, 1, layer=layer, router_aux_loss_coef=0.0)
+    got, want = _sft_against(tmp_path, model_dir, packing, None, 1, layer=_save_tiny(model_dir, "olmoe"))
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
+    assert got["metrics"] == [pytest.approx(m, rel=1e-6) for m in want["metrics"]]
 
 
 def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():

@@ -12,6 +12,9 @@ refused by name (``ndp.hf.check_packed_model``).
 (f) cp 2, ring, Ulysses and all-gather: (e)'s packed row sharded per document by ``shard_batch`` (the shards'
 document table) against each document in a call of its own on one process; a model whose layers do not hand the
 table to the attention gets it through ndp's mask marker, or is refused.
+(g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
+(``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
+loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name.
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
 
@@ -39,6 +42,7 @@ MIN_EXACT_FUSED = 154
 MIN_EXACT_TP = 58
 MIN_EXACT_PACKED = 105
 MIN_EXACT_CP_PACKED = 105
+MIN_EXACT_CP_AUX = 16
 
 
 def _quiet():
@@ -59,6 +63,8 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.tp(mt, world)
         elif impl.startswith("packed:"):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
+        elif impl.startswith("aux:"):
+            r = _zoo.cp_aux(mt, impl.split(":")[1], world)
         else:
             r = _zoo.cp(mt, impl, world)
         rs = [None] * world
@@ -139,6 +145,20 @@ def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path, imp
     results = run_parallel(fams, str(tmp_path), f"packed:{impl}")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_PACKED)
+
+
+def aux_families(single):
+    """The built families (CP not known broken) whose causal LM adds a load-balancing loss."""
+    return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN and _zoo.has_aux_loss(mt)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zoo_cp2_load_balancing_loss_exact_or_refused(single_results, tmp_path):
+    fams = aux_families(single_results)
+    results = run_parallel(fams, str(tmp_path), "aux:ring")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_AUX)
 
 
 @pytest.mark.distributed

@@ -45,40 +45,33 @@ _SHARD_TOKENS: contextvars.ContextVar = contextvars.ContextVar("ndp_shard_tokens
 
 
 @contextlib.contextmanager
+def _holding(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def losses_summed():
     """Inside, the load-balancing loss in a model's ``loss`` is each CP rank's share of its batch's: for a caller
     that sums the ranks' losses (transformers' Trainer: ``num_items_in_batch`` over every rank's tokens and the loss
     multiplied by the ranks' number)."""
-    token = _SUMMED.set(True)
-    try:
-        yield
-    finally:
-        _SUMMED.reset(token)
+    return _holding(_SUMMED, True)
 
 
-@contextlib.contextmanager
 def recorded_shares():
     """Inside, each forward's share of its batch's load-balancing loss (detached, not scaled) is appended to the list
     this yields: for a caller that combines a loss's token mean and its load-balancing loss over the CP ranks
     apart (TRL's evaluation normalises each shard's token loss by its own tokens)."""
-    shares = []
-    token = _RECORD.set(shares)
-    try:
-        yield shares
-    finally:
-        _RECORD.reset(token)
+    return _holding(_RECORD, [])
 
 
-@contextlib.contextmanager
 def shard_tokens(tokens):
     """Inside, a forward's tokens of the batch are `tokens` (its shard's ``REAL_TOKENS``): for a caller that shards
     the batch around the forward (ndp.accelerate's ``maybe_context_parallel``), whose model may get copies of the
     shard's tensors (FSDP2 moves its inputs to its device)."""
-    token = _SHARD_TOKENS.set(tokens)
-    try:
-        yield
-    finally:
-        _SHARD_TOKENS.reset(token)
+    return _holding(_SHARD_TOKENS, tokens)
 
 
 def family_loss(model: nn.Module):
@@ -181,15 +174,21 @@ def guard_router_loss(model: nn.Module, ctx) -> None:
     @torch.compiler.disable
     def exact(module, args, kwargs, output):
         aux = getattr(output, "aux_loss", None)
-        logits = getattr(output, "router_logits", None) or (held.pop() if held else None)
+        # the family's forward returns its router logits; TRL's fused LM head returns none, and adds the loss with
+        # the text config's coefficient (the family's forward with the one it read at its init)
+        made = getattr(output, "router_logits", None)
+        logits = made or (held.pop() if held else None)
         if not torch.is_tensor(aux):
             return None  # no router logits asked for
+        if not logits:
+            raise Unsupported(f"{type(module).__name__} returned a load-balancing loss (aux_loss) without its router "
+                              f"logits: ndp cannot compute it over the context-parallel group.")
         check_router_loss(module)
         experts, top_k = expert_counts(module)
         share = balance_loss(logits, experts, top_k, _tokens(kwargs, logits[0].shape[0]), ctx.group)
-        coef = getattr(module, "router_aux_loss_coef", None)
-        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-        if output.loss is not None and kwargs.get("labels") is not None:  # the family added it to its loss
+        if output.loss is not None and kwargs.get("labels") is not None:  # the forward added it to its loss
+            coef = getattr(module, "router_aux_loss_coef", None) if made else None
+            coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
             inside = share if _SUMMED.get() else share * ctx.size
             output.loss = output.loss - coef * aux.to(output.loss.device) + coef * inside
         output.aux_loss = share * ctx.size
@@ -201,5 +200,5 @@ def guard_router_loss(model: nn.Module, ctx) -> None:
     model.register_forward_hook(exact, with_kwargs=True)
 
 
-__all__ = ["balance_loss", "check_router_loss", "guard_router_loss", "losses_summed", "recorded_shares", "shard_tokens", "aux_loss_on",
-           "family_loss", "expert_counts"]
+__all__ = ["balance_loss", "check_router_loss", "guard_router_loss", "losses_summed", "recorded_shares",
+           "shard_tokens", "aux_loss_on", "family_loss", "expert_counts"]

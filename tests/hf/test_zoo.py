@@ -177,9 +177,10 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "tp")
-    runs = {impl: run_parallel(fams, tempfile.mkdtemp(), impl) for impl in impls}
-    names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace('packed:', 'packed ')}" for i in impls]
+    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "aux:ring", "tp")
+    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux:") else fams, tempfile.mkdtemp(), impl)
+            for impl in impls}
+    names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace(':', ' ')}" for i in impls]
     print(f"{'family':28s} " + " ".join(f"{n:{max(10, len(n))}s}" for n in names) + " detail")
     for mt, r in single.items():
         cols = [r, fused[mt], packed[mt]] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
@@ -190,6 +191,6 @@ if __name__ == "__main__":
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
-        name = "tp 2" if impl == "tp" else f"cp 2 {impl.replace('packed:', 'packed ')}"
+        name = "tp 2" if impl == "tp" else f"cp 2 {impl.replace(':', ' ')}"
         print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import ndp
 import ndp.hf
+from ndp.hf.router import aux_loss_on
 from ndp.parallel import ActivationOffload, clip_grad_norm_, mesh_axis, param_bytes
 
 from . import checkpoint as ckpt
@@ -187,6 +188,19 @@ class _Run:
     loss_group: object           # the dp_cp group the loss is summed over (None: one rank)
 
 
+def _check_token_loss_only(model) -> None:
+    """ndp-train trains the token loss alone: a model whose config adds its routers' load-balancing loss to its
+    loss is refused, on every rank before any work, rather than trained without it."""
+    if aux_loss_on(model):
+        text = model.config.get_text_config()
+        raise ndp.hf.Unsupported(
+            f"{type(model).__name__}'s config adds its routers' load-balancing loss to its loss "
+            f"(output_router_logits=True, router_aux_loss_coef={text.router_aux_loss_coef}), and ndp-train trains the "
+            f"token loss alone. Set output_router_logits to false in the model's config.json to train without it, or "
+            f"train with ndp.trainer.Trainer / SFTTrainer, or ndp.hf.loss + router_aux_loss_coef x aux_loss, which "
+            f"add it exactly under context parallelism.")
+
+
 def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int, int]:
     """The model (parallelized), optimizer, schedule and data of a run; also (param bytes of the largest rank,
     the whole model's parameter bytes)."""
@@ -195,6 +209,7 @@ def _build(cfg: TrainConfig, device: torch.device, rank: int) -> tuple[_Run, int
     model = build_model(cfg.model, seed=cfg.seed, init=cfg.init)
     if cfg.pack_docs:  # refused on every rank before any work, not at the first packed batch
         ndp.hf.check_packed_model(model)
+    _check_token_loss_only(model)
     if cfg.init == "full":
         model = model.to(device)
     param_total = sum(t.numel() * t.element_size() for t in model.parameters())

@@ -129,6 +129,22 @@ def test_pack_docs_is_refused_for_a_model_that_would_let_documents_see_each_othe
     assert len(train(TrainConfig(**cfg)).losses) == 1
 
 
+def test_a_model_whose_config_adds_its_load_balancing_loss_is_refused_not_trained_without_it(tmp_path):
+    # ndp-train trains the token loss alone: OLMoE's config asking for its routers' loss would have been dropped
+    from transformers import OlmoeConfig
+
+    OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                router_aux_loss_coef=0.01).save_pretrained(tmp_path / "moe")
+    cfg = dict(model=str(tmp_path / "moe"), seq_len=32, batch_size=2, steps=1, device="cpu", progress=False)
+    with pytest.raises(ndp.hf.Unsupported, match=r"OlmoeForCausalLM's config adds its routers' load-balancing loss "
+                                                 r".*router_aux_loss_coef=0.01.*output_router_logits to false"):
+        train(TrainConfig(**cfg))
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(dict(config, output_router_logits=False)))
+    assert len(train(TrainConfig(**cfg)).losses) == 1
+
+
 def test_export_dir_must_be_writable(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"--export-hf .*file.* is a file; it must be a directory"):

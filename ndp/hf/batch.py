@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ndp.cp
 from ndp.cp.sharding import seq_multiple
-from ndp.parallel import CP_ATTR, PARALLEL_ATTR
+from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_device
 
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 
@@ -273,7 +273,9 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
             packed batch, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` as
             ``DataCollatorWithFlattening`` makes them.
     Returns:
-        dict of the same names; position_ids added when missing (global positions; packed: positions inside each
+        dict of the same names, on the device the model computes on (the mesh's: this process's current GPU; keep
+        them there: the position_ids carry which tokens are pads, ``REAL_TOKENS``, which a copy drops);
+        position_ids added when missing (global positions; packed: positions inside each
         document), so that RoPE sees true positions. Dense: ``[batch (/ dp_size), seq / cp_size]``. Packed under
         CP: ``[1, local_tokens]`` (documents balanced by
         ``shard_packed``) plus ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global table the attention needs),
@@ -287,6 +289,9 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
             restarting between real tokens).
     """
     state, ctx = parallel_state(model, "shard_batch")
+    device = mesh_device(state.mesh)
+    if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
+        tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
     rows = _rows(tensors)
     if global_batch and state.config.dp_size > 1:
         if "cu_seq_lens_q" in tensors:

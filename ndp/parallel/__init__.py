@@ -5,7 +5,7 @@ provides the plan of Hugging Face causal LMs.
 """
 from .config import CP_IMPLS, CP_LAYOUTS, MESH_AXES, ParallelismConfig, as_config
 from .init import init_weights, is_meta, materialize, module_seed, param_bytes, to_empty
-from .mesh import CPContext, adopt_mesh, build_device_mesh, check_mesh, cp_context, mesh_axis
+from .mesh import CPContext, adopt_mesh, build_device_mesh, check_mesh, cp_context, mesh_axis, mesh_device
 from .offload import ActivationOffload, OffloadStats
 from .parallelize import (AC_MODES, CP_ATTR, PARALLEL_ATTR, TP_STYLES, ModelPlan, Parallelized, ac_mode, apply_ac,
                           apply_cp, apply_fsdp, apply_tp, clip_grad_norm_, default_plan, fsdp_mesh,
@@ -13,7 +13,7 @@ from .parallelize import (AC_MODES, CP_ATTR, PARALLEL_ATTR, TP_STYLES, ModelPlan
 
 __all__ = ["ParallelismConfig", "as_config", "adopt_mesh", "check_mesh", "parallelize", "apply_tp", "apply_cp",
            "apply_fsdp", "apply_ac", "ac_mode", "AC_MODES", "ActivationOffload", "OffloadStats", "ModelPlan",
-           "CPContext", "build_device_mesh", "cp_context", "mesh_axis", "clip_grad_norm_", "default_plan", "fsdp_mesh",
-           "is_transformers_model", "TP_STYLES", "match_modules",
+           "CPContext", "build_device_mesh", "cp_context", "mesh_axis", "mesh_device", "clip_grad_norm_",
+           "default_plan", "fsdp_mesh", "is_transformers_model", "TP_STYLES", "match_modules",
            "CP_IMPLS", "CP_LAYOUTS", "MESH_AXES", "CP_ATTR", "PARALLEL_ATTR", "Parallelized",
            "init_weights", "materialize", "is_meta", "module_seed", "param_bytes", "to_empty"]

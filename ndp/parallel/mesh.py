@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -107,6 +108,16 @@ def _flatten(mesh: DeviceMesh, name: str, parts: tuple) -> DeviceMesh:
         raise ValueError(f"the DeviceMesh's flattened axis {name!r} does not join the axes {parts} ndp reads it as "
                          f"({e}); build the mesh with config.build_device_mesh(device_type) or Accelerate's "
                          f"ParallelismConfig.build_device_mesh") from e
+
+
+def mesh_device(mesh: DeviceMesh | None) -> torch.device | None:
+    """The device this process computes on for `mesh`: its current GPU for a CUDA mesh, the CPU for a CPU one;
+    None without a mesh."""
+    if mesh is None:
+        return None
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def mesh_axis(mesh: DeviceMesh, name: str):

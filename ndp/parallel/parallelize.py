@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
 
 from .config import ParallelismConfig, as_config
 from .init import is_meta, materialize, param_bytes, reset_parameters
-from .mesh import CPContext, adopt_mesh, check_mesh, cp_context, mesh_axis
+from .mesh import CPContext, adopt_mesh, check_mesh, cp_context, mesh_axis, mesh_device
 
 logger = logging.getLogger(__name__)
 
@@ -323,9 +323,7 @@ def _check_one_dtype_per_module(model: nn.Module) -> None:
 def _init_device(mesh: DeviceMesh | None, device) -> torch.device:
     if device is not None:
         return torch.device(device)
-    if mesh is not None and mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return mesh_device(mesh) or torch.device("cpu")
 
 
 def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | None, *,

@@ -1,7 +1,8 @@
-"""An MoE's load-balancing loss under context parallelism (``ndp.hf.router``): with the router logits of every
-family that adds one, ``ndp.hf.loss + coef x aux_loss`` under cp 2 gives one process's loss and every gradient
-(float64, 1e-6), on rows of a length the layout cannot split (ndp's pads), right-padded rows (the batch's pads, its
-mask made all ones under CP) and packed documents; a family whose loss ndp does not reproduce is refused by name."""
+"""An MoE's load-balancing loss under context parallelism (``ndp.hf.router``): for OLMoE, Mixtral, Qwen2-MoE and
+gpt-oss (every family: the zoo's pass (g)), ``ndp.hf.loss + coef x aux_loss`` under cp 2 gives one process's loss and
+every gradient (float64, 1e-6), and so does the model's own loss through ndp's Accelerator, on rows of a length the
+layout cannot split (ndp's pads), right-padded rows (the batch's pads, its mask made all ones under CP) and packed
+documents; a family whose loss ndp does not reproduce is refused by name."""
 import os
 import sys
 
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ndp  # noqa: E402
 import ndp.accelerate  # noqa: E402
 import ndp.hf  # noqa: E402
-from ndp.hf.router import expert_counts, balance_loss, check_router_loss, family_loss  # noqa: E402
+from ndp.hf.router import balance_loss, check_router_loss, expert_counts, family_loss  # noqa: E402
 from dist import spawn  # noqa: E402
 import _zoo  # noqa: E402
 import test_packed  # noqa: E402

@@ -330,14 +330,27 @@ def _pad_collate(samples):
 def _padded_trainer_rank(rank, world, tmp, model_dir, collate, layer):
     _rank_env(rank, world)
     # the tokens seen: the pad collator's without its pads (its attention mask), the flattening one's all (no pads)
-    args = _trainer_args(tmp, {"cp_size": 2}, layer, per_device_train_batch_size=2,
+    args = _trainer_args(tmp, {"cp_size": 2}, layer, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                          include_num_input_tokens_seen="non_padding" if collate == "pad" else "all")
     trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args,
                        train_dataset=_padded_samples(), data_collator=COLLATORS[collate]())
     trainer.train()
+    ev = trainer.evaluate(eval_dataset=_padded_samples()[:4]) if collate == "pad" else {}
     if rank == 0:
         torch.save({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                    "seen": trainer.state.num_input_tokens_seen}, os.path.join(tmp, "padded.pt"))
+                    "seen": trainer.state.num_input_tokens_seen, "eval": ev.get("eval_loss")},
+                   os.path.join(tmp, "padded.pt"))
+
+
+def _eval_one_process(model, samples, collate):
+    """The Trainer's evaluation loss on one process: the mean over batches of 2 of each batch's loss (its token mean,
+    plus an MoE's load-balancing term, as its forward adds it)."""
+    losses = []
+    with torch.no_grad():
+        for i in range(0, len(samples), 2):
+            b = collate(samples[i:i + 2])
+            losses.append(float(model(**b, use_cache=False).loss))
+    return sum(losses) / len(losses)
 
 
 @pytest.mark.distributed
@@ -353,9 +366,11 @@ def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, fami
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, layer, timeout_s=300)
-    want, _ = _one_process(model_dir, _padded_samples(), steps=3, dp=2, clip=1.0, collate=COLLATORS[collate]())
+    want, model = _one_process(model_dir, _padded_samples(), steps=3, dp=2, clip=1.0, collate=COLLATORS[collate]())
     got = torch.load(tmp_path / "padded.pt")
     assert got["losses"] == pytest.approx(want, abs=1e-4)  # logged to 4 digits
+    if collate == "pad":  # the trained model's evaluation on padded batches, 2 of 4 rows, lengths 63, 40, 52, 23
+        assert got["eval"] == pytest.approx(_eval_one_process(model, _padded_samples()[:4], _pad_collate), rel=1e-5)
     # the batch's tokens, counted once: not each rank's shard (the Trainer counts after training_step, and ndp
     # shards the batch's tensors in place), ndp's pads not among them
     assert got["seen"] == sum(PADDED_LENGTHS)

@@ -100,9 +100,7 @@ def check_router_loss(model: nn.Module) -> None:
     if fn is None:
         return
     experts, top_k = expert_counts(model)
-    same = (tuple(inspect.signature(fn).parameters) == _PARAMS and isinstance(experts, int)
-            and isinstance(top_k, int) and _matches(fn, experts, top_k))
-    if not same:
+    if not _reproduces(fn, experts, top_k):
         raise Unsupported(
             f"{type(model).__name__} adds its routers' load-balancing loss ({fn.__module__}.load_balancing_loss_func, "
             f"num_experts={experts}, top_k={top_k}) in a form ndp does not reproduce over context-parallel shards: "
@@ -111,8 +109,11 @@ def check_router_loss(model: nn.Module) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _matches(fn, experts, top_k) -> bool:
-    """The family's function equals ndp's on random router logits of two layers, with and without a mask."""
+def _reproduces(fn, experts, top_k) -> bool:
+    """The family's function takes ndp's arguments and equals ndp's formula on random router logits of two layers,
+    with and without a mask (once per function and expert counts: the forward hook asks at every forward)."""
+    if tuple(inspect.signature(fn).parameters) != _PARAMS or not (isinstance(experts, int) and isinstance(top_k, int)):
+        return False
     gen = torch.Generator().manual_seed(0)
     logits = tuple(torch.randn(6, experts, generator=gen) for _ in range(2))
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])

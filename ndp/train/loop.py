@@ -192,7 +192,7 @@ def _check_token_loss_only(model) -> None:
     """ndp-train trains the token loss alone: a model whose config adds its routers' load-balancing loss to its
     loss is refused, on every rank before any work, rather than trained without it."""
     if aux_loss_on(model):
-        text = model.config.get_text_config()
+        text = ndp.hf.text_config(model)
         raise ndp.hf.Unsupported(
             f"{type(model).__name__}'s config adds its routers' load-balancing loss to its loss "
             f"(output_router_logits=True, router_aux_loss_coef={text.router_aux_loss_coef}), and ndp-train trains the "

@@ -8,6 +8,11 @@ alone and give a different model. Such a model is refused by name (:class:`Unsup
 any work. Token mixers and attention outside the decoder layers (a multimodal model's vision or audio tower) run on
 their own modality's inputs, never on the sharded text: they are allowed, and refused when they run under CP
 (:func:`outside_layers`; ``ndp.hf.attention.guard_outside_layers``), so text-only batches train exactly.
+
+A head that reads chosen positions of each row rather than every token's output (sequence classification's last
+non-pad token, question answering's span over the row, a multiple-choice token) would read them in each rank's shard
+(or, over packed documents, in the row's last document alone): refused too. Per-token heads (causal LM, token
+classification) and the base model are exact.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import re
 
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
 
 
 class Unsupported(ValueError):
@@ -27,6 +33,10 @@ class Unsupported(ValueError):
 _RECURRENT = re.compile(r"Mamba|Mixer|SSM|Recurrent|RGLRU|Rwkv|RWKV|LSTM|Lstm|xLSTM|DeltaNet|LinearAttention|"
                         r"Lightning|ShortConv|GatedConv|Retention")
 _INDEXER = re.compile(r"Indexer")
+# Class-name markers of heads that read chosen positions of a row (transformers' sequence-classification,
+# question-answering, multiple-choice and next-sentence heads, GPT-2's double heads; remote code named alike).
+_POOLING_HEAD = re.compile(r"For(SequenceClassification|QuestionAnswering\w*|MultipleChoice|NextSentencePrediction)$|"
+                           r"DoubleHeadsModel$")
 
 
 def text_config(model: nn.Module):
@@ -167,25 +177,47 @@ def _mixing_outside_attention(model: nn.Module) -> str | None:
     return None
 
 
+def _pooling_head(model: nn.Module) -> str | None:
+    """What in the model's head reads chosen positions of each row (a noun phrase), else None."""
+    if isinstance(model, (GenericForSequenceClassification, GenericForQuestionAnswering)) or \
+            _POOLING_HEAD.search(type(model).__name__):
+        return ("its head reads chosen positions of each row (a pooled last token, an answer span, a choice token) "
+                "rather than every token's output")
+    return None
+
+
 def check_cp_model(model: nn.Module) -> None:
     """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring)."""
+    name = type(model).__name__
+    head = _pooling_head(model)
+    if head:
+        raise Unsupported(
+            f"{name}: {head}, and under context parallelism each rank holds a shard of the row: the positions it "
+            f"reads would be the shard's. Run it with cp_size=1, or put a per-token head (causal LM, token "
+            f"classification) under CP.")
     what = _mixing_outside_attention(model)
     if what:
         raise Unsupported(
-            f"{type(model).__name__}: {what} would see this rank's shard alone under context parallelism (ndp "
-            f"replaces the attention call only and cannot pass their state between ranks). Run it with cp_size=1.")
+            f"{name}: {what} would see this rank's shard alone under context parallelism (ndp replaces the attention "
+            f"call only and cannot pass their state between ranks). Run it with cp_size=1.")
 
 
 def check_packed_model(model: nn.Module) -> None:
     """Raise :class:`Unsupported` when packed documents (several in one row) would not stay apart in this model:
-    ndp's attention keeps them apart, a token mixer outside it (:func:`check_cp_model`'s) runs across the row."""
+    ndp's attention keeps them apart, a token mixer outside it (:func:`check_cp_model`'s) runs across the row, a
+    pooling head reads one position of the row for all its documents."""
+    packed = "packed documents (several in one row: position_ids restarting at 0, cu_seq_lens_q or seq_idx)"
+    fix = ("Train it on one document per row (unpacked rows, padded with labels -100), e.g. ndp-train without "
+           "--pack-docs.")
+    head = _pooling_head(model)
+    if head:
+        raise Unsupported(f"{type(model).__name__}: {packed} would not stay apart: {head}, one set for all the "
+                          f"documents of a row. {fix}")
     what = _mixing_outside_attention(model)
     if what:
         raise Unsupported(
-            f"{type(model).__name__}: packed documents (several in one row: position_ids restarting at 0, "
-            f"cu_seq_lens_q or seq_idx) would not stay apart: {what} would run across the documents of a row "
-            f"(ndp's attention keeps them apart, nothing else does). Train it on one document per row (unpacked "
-            f"rows, padded with labels -100), e.g. ndp-train without --pack-docs.")
+            f"{type(model).__name__}: {packed} would not stay apart: {what} would run across the documents of a row "
+            f"(ndp's attention keeps them apart, nothing else does). {fix}")
 
 
 __all__ = ["Unsupported", "text_config", "attention_modules", "decoder_layers", "outside_layers",

@@ -1,6 +1,8 @@
 """A new user's mistakes under CP get one clear error on every rank, before any work: a batch that did not go
 through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize
-without a mesh in a multi-process job, a vision or audio tower (outside the decoder layers) run under CP."""
+without a mesh in a multi-process job, a vision or audio tower (outside the decoder layers) run under CP, a head
+that reads chosen positions of a row (sequence classification, question answering) under CP or packing."""
+import copy
 import os
 import re
 import sys
@@ -9,7 +11,10 @@ import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
-from transformers import CONFIG_MAPPING, AutoConfig, DataCollatorWithFlattening
+import transformers
+from transformers import (CONFIG_MAPPING, AutoConfig, DataCollatorWithFlattening, LlamaConfig,
+                          LlamaForSequenceClassification, LlamaForTokenClassification)
+from transformers.models.auto import modeling_auto
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,8 +22,9 @@ import ndp  # noqa: E402
 import ndp.hf  # noqa: E402
 from dist import spawn  # noqa: E402
 from ndp.hf.attention import guard_outside_layers  # noqa: E402
-from ndp.hf.models import (check_cp_model, cp_attention_modules, decoder_layers, head_counts,  # noqa: E402
-                           outside_layers)
+from ndp.hf.models import (_pooling_head, check_cp_model, check_packed_model, cp_attention_modules,  # noqa: E402
+                           decoder_layers, head_counts, outside_layers)
+from ndp.testing import assert_close  # noqa: E402
 from ndp.train.presets import build_model  # noqa: E402
 from _zoo import tiny_model  # noqa: E402
 
@@ -134,3 +140,62 @@ def test_heads_set_per_layer_are_checked_layer_by_layer():
     ndp.hf.check_model(model, ndp.ParallelismConfig(tp_size=64))
     with pytest.raises(ValueError, match="num_heads=64, num_kv_heads=64, tp_size=128"):
         ndp.hf.check_model(model, ndp.ParallelismConfig(tp_size=128))
+
+
+def _head_classes(*tasks):
+    """transformers' classes of the auto mappings MODEL_FOR_<task>_MAPPING_NAMES that this version exports."""
+    names = {n for t in tasks for v in getattr(modeling_auto, f"MODEL_FOR_{t}_MAPPING_NAMES").values()
+             for n in ([v] if isinstance(v, str) else v)}
+    return sorted((getattr(transformers, n) for n in names if hasattr(transformers, n)), key=lambda c: c.__name__)
+
+
+def _stand_in(cls):
+    return cls.__new__(cls)  # the class alone is what the check reads: no config, no weights
+
+
+def test_every_head_reading_chosen_positions_is_refused_under_cp_and_packing():
+    # Sequence classification pools each row's last non-pad token: under cp 2 (zigzag) rank 1's "last" token is
+    # the middle of the row (its logits differed from one process's, rank 0's matched); question answering and
+    # multiple choice read spans and choice tokens of the row alike. Every such class transformers maps is refused
+    # (and a remote-code class named alike); every causal-LM and token-classification head passes.
+    pooling = _head_classes("SEQUENCE_CLASSIFICATION", "QUESTION_ANSWERING", "MULTIPLE_CHOICE",
+                            "NEXT_SENTENCE_PREDICTION") + [transformers.GPT2DoubleHeadsModel]
+    per_token = _head_classes("CAUSAL_LM", "TOKEN_CLASSIFICATION")
+    assert len(pooling) > 200 and len(per_token) > 250
+    for cls in pooling:
+        with pytest.raises(ndp.hf.Unsupported, match=rf"^{cls.__name__}: its head reads chosen positions of each "
+                                                     rf"row .* the positions it reads would be the shard's\. Run it "
+                                                     rf"with cp_size=1"):
+            check_cp_model(_stand_in(cls))
+        with pytest.raises(ndp.hf.Unsupported, match=r"packed documents .* would not stay apart: its head reads "
+                                                     r"chosen positions .* one set for all the documents of a row"):
+            check_packed_model(_stand_in(cls))
+    remote = type("MyLongForSequenceClassification", (nn.Module,), {})
+    with pytest.raises(ndp.hf.Unsupported, match="^MyLongForSequenceClassification: its head"):
+        check_cp_model(remote())
+    assert [cls.__name__ for cls in per_token if _pooling_head(_stand_in(cls))] == []
+
+
+def _heads_body(rank, world):
+    import ndp
+    import ndp.hf
+
+    cfg = ndp.ParallelismConfig(cp_size=world)
+    mesh = cfg.build_device_mesh("cpu")
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    with pytest.raises(ndp.hf.Unsupported, match="LlamaForSequenceClassification: its head reads chosen positions"):
+        ndp.parallelize(LlamaForSequenceClassification(config), cfg, mesh)  # on each rank, before any collective
+    # a per-token head is exact: this rank's shard of one process's logits
+    torch.manual_seed(0)
+    whole = LlamaForTokenClassification(config).double().eval()  # eval: no dropout in its head
+    model = ndp.parallelize(copy.deepcopy(whole), cfg, mesh)
+    ids = torch.randint(1, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    b = ndp.hf.shard_batch(model, input_ids=ids)
+    want = ndp.cp.shard_sequence(whole(input_ids=ids).logits, dim=1, layout=cfg.cp_layout)
+    assert_close(model(**b).logits, want, torch.float64)
+
+
+def test_a_pooling_head_is_refused_on_every_rank_and_a_per_token_head_is_exact_under_cp(tmp_path):
+    spawn(_heads_body, 2, tmp_path, timeout_s=60)

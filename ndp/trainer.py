@@ -9,6 +9,9 @@ and overrides, nothing patched:
 - ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: with a ``parallelism_config``, the Trainer's
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
+- ``_build_accelerator_args`` also refuses, under CP, a TRL trainer whose loss is not a sum over tokens
+  (DPO, KTO, reward modelling, GKD: per-sequence sums or pooled scores, each rank holding a shard of every
+  sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact;
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
   whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
@@ -63,7 +66,10 @@ class NdpTrainerMixin:
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
-        if args.get("parallelism_config") is not None and not torch.cuda.is_available():
+        pc = args.get("parallelism_config")
+        if pc is not None and pc.cp_enabled:
+            _check_token_loss_trainer(type(self), pc.cp_size)  # before the Accelerator is built
+        if pc is not None and not torch.cuda.is_available():
             args["cpu"] = True
             if args.get("fsdp_plugin") is not None:
                 fsdp2_state_on_cpu(args)
@@ -223,6 +229,20 @@ def _load_param_groups(optimizer, groups) -> None:
                          f"{ours}: resume with the optimizer and model the checkpoint was saved with.")
     optimizer.load_state_dict({"state": {},
                                "param_groups": [dict(g, params=o["params"]) for g, o in zip(groups, own)]})
+
+
+def _check_token_loss_trainer(cls, cp_size) -> None:
+    """Refuse, at construction on every rank, a TRL trainer whose loss ndp cannot compute from CP shards: under CP
+    each rank holds a shard of every sequence, exact for a sum over tokens (transformers.Trainer's loss,
+    trl.SFTTrainer's), not for what TRL's other trainers compute per sequence (DPO's and KTO's log-probability sums
+    inside a non-linear loss, a reward model's pooled score, GKD's teacher run on the shard)."""
+    owner = next((c for c in cls.__mro__ if "compute_loss" in vars(c) and c.__module__.split(".")[0] == "trl"), None)
+    if owner is not None and owner is not trl.SFTTrainer:
+        raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
+                         f"which ndp's context parallelism (cp_size={cp_size}) cannot compute from each rank's shard "
+                         f"of the sequences (ndp serves a sum over tokens: transformers.Trainer's loss, "
+                         f"trl.SFTTrainer's). Train it with cp_size=1 (data, tensor or fully sharded parallelism "
+                         f"only).")
 
 
 def _check_token_batch(inputs, cp_size) -> None:

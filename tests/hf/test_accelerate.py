@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -774,3 +775,47 @@ def test_trainer_refuses_a_cp_batch_it_cannot_shard_by_tokens(batch, match):
     trainer.accelerator = Accel()
     with pytest.raises(ValueError, match=match):
         trainer._prepare_context_parallel_inputs(None, batch)
+
+
+def _preferences():
+    """A preference dataset of the word tokenizer's words (prompt, chosen, rejected)."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(3)
+    words = lambda n: " ".join(f"t{i}" for i in torch.randint(2, 256, (n,), generator=g).tolist())  # noqa: E731
+    return Dataset.from_dict({"prompt": [words(6), words(9)], "chosen": [" " + words(7), " " + words(4)],
+                              "rejected": [" " + words(5), " " + words(8)]})
+
+
+def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_path):
+    # DPO sums each sequence's log-probabilities inside a non-linear loss: under CP each rank would sum its shard's
+    # (with equal-length chosen / rejected rows nothing else stopped it). Refused when the trainer is built, before
+    # the Accelerator (no collective: one process here); the same trainer without CP is built.
+    trl = pytest.importorskip("trl")
+    model_dir = str(tmp_path / "model")
+    _save_tiny(model_dir, "llama")
+    dpo = type("NdpDPO", (ndp.trainer.NdpTrainerMixin, trl.DPOTrainer), {})
+
+    def build(par):
+        args = _trainer_args(str(tmp_path), par, cls=trl.DPOConfig, bf16=False)
+        return dpo(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_preferences(),
+                   processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+    with pytest.raises(ValueError, match=r"NdpDPO takes its loss from trl\.trainer\.dpo_trainer\.DPOTrainer, which "
+                                         r"ndp's context parallelism \(cp_size=2\) cannot compute .* Train it with "
+                                         r"cp_size=1"):
+        build({"cp_size": 2})
+    AcceleratorState._reset_state(True)
+    assert isinstance(build(None), trl.DPOTrainer)
+    # the rule reads which class's compute_loss the trainer runs: TRL's other trainers are refused (GKD too, an
+    # SFTTrainer whose loss runs a teacher on the shard), a subclass's own loss on top of transformers' Trainer or
+    # trl.SFTTrainer is the user's (not refused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # trl.experimental says its API may change
+        from trl.experimental.gkd import GKDTrainer
+    own = {"compute_loss": lambda self, *a, **k: None}
+    for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer):
+        with pytest.raises(ValueError, match=f"takes its loss from .*{cls.__name__}"):
+            ndp.trainer._check_token_loss_trainer(cls, 2)
+    for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, type("Mine", (ndp.trainer.Trainer,), own),
+                type("MySft", (ndp.trainer.SFTTrainer,), own)):
+        ndp.trainer._check_token_loss_trainer(cls, 2)

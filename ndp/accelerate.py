@@ -140,20 +140,13 @@ class Accelerator(accelerate.Accelerator):
         return result
 
     def _ndp_forward_kwargs(self, model, args, kwargs):
-        """Inside maybe_context_parallel: the document table and num_items_in_batch for the model's loss."""
+        """Inside maybe_context_parallel: the document table (the labels and num_items_in_batch of the model's loss:
+        ``ndp.hf.batch.guard_labels``, which enable_cp registered)."""
         if self._ndp_step is None:
             return None
-        if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-            raise ValueError("under context parallelism a model given `labels` shifts them inside this rank's "
-                             "shard, which misplaces the targets at every shard edge. Shift them before sharding: "
-                             "batch['shift_labels'] = F.pad(labels[:, 1:], (0, 1), value=-100), and pass it among "
-                             "maybe_context_parallel's buffers (transformers' loss prefers it over labels).")
         extra = dict(self._ndp_step)
         if "cu_seq_lens_q" not in extra and kwargs.get("cu_seq_lens_q") is not None:
             extra.update(_dense_table(kwargs["cu_seq_lens_q"]))
-        labels = kwargs.get("shift_labels")
-        if labels is not None and kwargs.get("num_items_in_batch") is None:
-            extra["num_items_in_batch"] = _items_per_rank(labels, model)
         return args, {**kwargs, **extra}
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
@@ -273,17 +266,6 @@ def _dense_table(cu):
                          f"restarting at each document): the shards would not be the table's. Pass the batch's "
                          f"position_ids among the buffers (DataCollatorWithFlattening makes them).")
     return dict.fromkeys(PACKING_KEYS)
-
-
-def _items_per_rank(shift_labels, model):
-    """The labelled tokens of the whole data-parallel x context-parallel batch over the ranks FSDP averages
-    gradients on (the model's loss is its shard's sum over this number)."""
-    state = getattr(model, PARALLEL_ATTR)
-    count = (shift_labels != -100).sum().to(torch.float64).reshape(1)
-    group = mesh_axis(state.mesh, "dp_cp")
-    if group.size() > 1:
-        dist.all_reduce(count, group=group.get_group())
-    return (count / state.config.fsdp_size).clamp(min=1e-12).to(torch.float32)[0]
 
 
 def shard_buffers(buffers, seq_dims, ctx, position_ids=None, names=None):

@@ -16,7 +16,7 @@ from ndp.parallel import parallelize as _parallelize
 
 from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_positions, ndp_attention_forward,
                         register_attention)
-from .batch import parallel_state, shard_batch
+from .batch import guard_labels, parallel_state, shard_batch
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
                      decoder_layers, head_counts, layer_stacks, outside_layers, text_config)
@@ -83,6 +83,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         register_attention()
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
         guard_packed(m)
+        guard_labels(m, ctx)
         if ctx.enabled:
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)

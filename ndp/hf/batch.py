@@ -9,6 +9,7 @@ attention of every layer runs the documents apart, on every rank.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import ndp.cp
@@ -18,6 +19,7 @@ from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_device
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 
 from .masks import padding_of
+from .models import Unsupported, takes_shift_labels
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -28,6 +30,10 @@ LABEL_KEYS = ("labels", "shift_labels")
 # the shard's position_ids (their shard), for what averages over tokens outside the attention (an MoE's
 # load-balancing loss, ``ndp.hf.router``). Sharded as a row of that name, padded with 0.
 REAL_TOKENS = "_ndp_real_tokens"
+# The labels shard_batch returns are shifted already (labels[:, i]: token i's target), marked as an attribute (of a
+# view of them): the model given them as `labels` (``model(**batch)``) reads them as transformers' shift_labels
+# (:func:`guard_labels`) instead of shifting them a second time.
+SHIFTED = "_ndp_shifted"
 
 
 def parallel_state(model, what):
@@ -303,9 +309,64 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     if not ctx.enabled:
         if cu is not None and rows and "position_ids" not in rows:
             rows["position_ids"] = _positions_in_documents(cu, next(iter(rows.values())))
-        return {**tensors, **rows}
+        return _mark_shifted({**tensors, **rows})
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return shard_rows(without_padding(rows), ctx, cu=cu, pad=pad, pad_id=pad_id if isinstance(pad_id, int) else 0)
+    return _mark_shifted(shard_rows(without_padding(rows), ctx, cu=cu, pad=pad,
+                                    pad_id=pad_id if isinstance(pad_id, int) else 0))
+
+
+def _mark_shifted(batch: dict) -> dict:
+    labels = batch.get("labels")
+    if torch.is_tensor(labels):
+        batch["labels"] = labels.view_as(labels)  # the caller's own tensor stays unmarked
+        setattr(batch["labels"], SHIFTED, True)
+    return batch
+
+
+def items_per_rank(shift_labels, model):
+    """The labelled tokens of the batch, summed over the ranks FSDP averages gradients on (``dp_cp``), divided by
+    their number (fsdp_size): a rank's loss summed over its shard and divided by this is the one ``ndp.hf.loss``
+    returns, whose gradient FSDP's average makes the batch mean's."""
+    state, _ = parallel_state(model, "items_per_rank")
+    count = (shift_labels != -100).sum().to(torch.float64).reshape(1)
+    group = state.axis("dp_cp")
+    if group is not None and group.size() > 1:
+        dist.all_reduce(count, group=group.get_group())
+    return (count / state.config.fsdp_size).clamp(min=1e-12).to(torch.float32)[0]
+
+
+def guard_labels(model, ctx) -> None:
+    """A forward pre-hook on `model` for its own loss (``labels`` given). The labels :func:`shard_batch` returns
+    are shifted: they become ``shift_labels``, with ``num_items_in_batch`` from :func:`items_per_rank` unless given,
+    so ``model(**batch).loss`` is the loss ``ndp.hf.loss`` returns (transformers' shifts ``labels`` again:
+    every target one token late). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside each
+    shard, the targets at every shard edge misplaced), and so is a model whose loss ignores ``shift_labels`` and
+    ``num_items_in_batch`` (:func:`~ndp.hf.models.takes_shift_labels`). Refused the same way on every rank, which
+    all run the forward with their labels, before any layer."""
+
+    def hook(module, args, kwargs):
+        labels = kwargs.get("labels")
+        marked = getattr(labels, SHIFTED, False)
+        if labels is None or not (marked or ctx.enabled):
+            return None
+        shift = kwargs.get("shift_labels")
+        if shift is None and not marked:
+            raise ValueError("under context parallelism a model given `labels` shifts them inside this rank's "
+                             "shard, which misplaces the targets at every shard edge. Shift them before sharding: "
+                             "batch['shift_labels'] = F.pad(labels[:, 1:], (0, 1), value=-100), and pass it among "
+                             "maybe_context_parallel's buffers (transformers' loss prefers it over labels), or "
+                             "take the batch from ndp.hf.shard_batch.")
+        if not takes_shift_labels(module):
+            raise Unsupported(f"{type(module).__name__} computes its loss itself from `labels` (not transformers' "
+                              f"causal-LM loss: shift_labels and num_items_in_batch are ignored), so on a shard of "
+                              f"the batch it is that shard's mean. Compute the loss from the logits: "
+                              f"ndp.hf.loss(model(**batch without labels).logits, labels, model).")
+        extra = {"shift_labels": labels} if shift is None else {}
+        if kwargs.get("num_items_in_batch") is None:
+            extra["num_items_in_batch"] = items_per_rank(extra.get("shift_labels", shift), module)
+        return args, {**kwargs, **extra}
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
@@ -340,5 +401,6 @@ def _real_tokens(rows):
     return torch.ones(like.shape[:2], dtype=torch.int8, device=like.device)
 
 
-__all__ = ["shard_batch", "shard_rows", "packed_cu", "pad_rows", "document_table", "document_positions",
-           "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS"]
+__all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
+           "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
+           "SHIFTED"]

@@ -177,6 +177,24 @@ def _mixing_outside_attention(model: nn.Module) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_calls_loss_function(cls) -> bool:
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function(" in src
+
+
+def takes_shift_labels(model: nn.Module) -> bool:
+    """Whether the model's own loss (``labels`` given) is transformers' causal-LM loss, which reads the targets from
+    ``shift_labels`` when given and divides by ``num_items_in_batch`` (every forward hands its kwargs on); False
+    for a model that computes its loss itself (BART's decoder family, Whisper, XLNet: a mean over this rank's
+    tokens of ``labels`` as given)."""
+    fn = getattr(model, "loss_function", None)
+    return _forward_calls_loss_function(type(model)) and getattr(fn, "__name__", "") == "ForCausalLMLoss"
+
+
 def _pooling_head(model: nn.Module) -> str | None:
     """What in the model's head reads chosen positions of each row (a noun phrase), else None."""
     if isinstance(model, (GenericForSequenceClassification, GenericForQuestionAnswering)) or \
@@ -220,5 +238,5 @@ def check_packed_model(model: nn.Module) -> None:
             f"(ndp's attention keeps them apart, nothing else does). {fix}")
 
 
-__all__ = ["Unsupported", "text_config", "attention_modules", "decoder_layers", "outside_layers",
-           "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model"]
+__all__ = ["Unsupported", "text_config", "takes_shift_labels", "attention_modules", "decoder_layers",
+           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model"]

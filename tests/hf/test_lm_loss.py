@@ -10,6 +10,8 @@ import ndp
 import ndp.hf
 from dist import spawn
 from ndp.train.presets import build_model
+import _zoo
+from ndp.testing import assert_close
 
 
 def _batch(vocab=256, seq=32, seed=0):
@@ -159,3 +161,40 @@ def test_tensor_parallel_keeps_a_tied_input_embedding_whole():
         plan = ndp.hf.hf_plan(model).tp_plan
         assert ("model.embed_tokens" in plan) is not tie
         assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+
+
+def _own_loss_body(rank, world):
+    # model(**batch) on shard_batch's batch, labels included: transformers shifted the (already shifted) labels a
+    # second time (every target one token late) and averaged each shard alone; now the model's own loss is
+    # ndp.hf.loss's, under CP and under data parallelism alone.
+    ids, labels, pos = _batch()
+    for cfg in (ndp.ParallelismConfig(cp_size=2), ndp.ParallelismConfig(dp_shard_size=2)):
+        model = ndp.hf.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), cfg,
+                                   cfg.build_device_mesh("cpu"))
+        b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids, labels=labels, position_ids=pos)
+        own = model(**b).loss
+        own.backward()
+        got = own.detach(), _grads(model)
+        want = ndp.hf.loss(model(**{k: v for k, v in b.items() if k != "labels"}).logits, b["labels"], model)
+        want.backward()
+        # transformers' loss computes in float32 (logits.float()): float32's tolerances
+        assert_close(got[0], want.detach(), torch.float32)
+        for n, g in _grads(model).items():
+            assert_close(got[1][n], g, torch.float32, "grad", msg=f"{cfg} {n}")
+    # labels not from shard_batch (not shifted before sharding, as far as ndp can tell): refused under CP
+    with pytest.raises(ValueError, match=r"model given `labels` shifts them inside this rank's shard.*shard_batch"):
+        model_cp = ndp.hf.parallelize(build_model("tiny-llama", seed=0), ndp.ParallelismConfig(cp_size=2),
+                                      ndp.ParallelismConfig(cp_size=2).build_device_mesh("cpu"))
+        b = ndp.hf.shard_batch(model_cp, input_ids=ids, position_ids=pos)
+        model_cp(**b, labels=b["input_ids"].clone())
+    # a family whose loss ignores shift_labels and num_items_in_batch (BART's decoder): refused, not a shard's mean
+    cfg = ndp.ParallelismConfig(cp_size=2)
+    bart = ndp.hf.parallelize(_zoo.tiny_model("bart"), cfg, cfg.build_device_mesh("cpu"))
+    b = ndp.hf.shard_batch(bart, input_ids=ids % 64, labels=labels % 64, position_ids=pos)
+    with pytest.raises(ndp.hf.Unsupported, match=r"BartForCausalLM computes its loss itself .* ndp\.hf\.loss\("):
+        bart(**b)
+
+
+@pytest.mark.distributed
+def test_the_models_own_loss_on_shard_batch_labels_is_ndp_loss(tmp_path):
+    spawn(_own_loss_body, 2, tmp_path)

@@ -45,7 +45,8 @@ def _config_bytes(name, model, seq_len, batch) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, m.config.vocab_size, (batch // pc.dp_size, seq_len), generator=g)
     pos = torch.arange(seq_len).expand_as(ids)
-    b = ndp.hf.shard_batch(m, input_ids=ids, labels=ids, position_ids=pos)
+    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)  # shifted before sharding
+    b = ndp.hf.shard_batch(m, input_ids=ids, labels=labels, position_ids=pos)
     seen = {}
 
     def pack(t):

@@ -118,6 +118,21 @@ def pad_rows(rows, multiple, pad_id=0):
     return out
 
 
+def _refuse_unshifted(rows) -> None:
+    """Labels equal to the input_ids at every labelled token (two token values at least) are transformers'
+    convention, shifted inside the model; shard_batch's are shifted before sharding (a shifted row equals its
+    input_ids only where a token repeats), and these would train each token to predict itself."""
+    ids, labels = rows.get("input_ids"), rows.get("labels")
+    if not (torch.is_tensor(ids) and torch.is_tensor(labels)):
+        return
+    seen = labels != -100
+    if int(seen.sum()) >= 2 and bool((labels[seen] == ids[seen]).all()) and ids[seen].unique().numel() > 1:
+        raise ValueError("shard_batch got labels equal to the input_ids at every labelled token: transformers' "
+                         "convention, shifted inside the model, which under CP would shift inside each shard. "
+                         "shard_batch takes labels shifted before sharding (labels[:, i] is token i's target): "
+                         "labels = F.pad(labels[:, 1:], (0, 1), value=-100).")
+
+
 def _refuse_restarts(pos, mask) -> None:
     """A batch with an attention_mask is rows, as transformers reads it (position_ids then place RoPE only): under
     CP, positions that restart between real tokens would be sharded as packed documents, which they are not."""
@@ -287,7 +302,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         ``shard_packed``) plus ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global table the attention needs),
         ``max_length_q``/``max_length_k``; pass all but ``labels`` to the model.
     Raises:
-        ValueError: the model was not parallelized by ndp; tensors of different shapes; a document table that does
+        ValueError: the model was not parallelized by ndp; tensors of different shapes; labels equal to the
+            input_ids at every labelled token (not shifted); a document table that does
             not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
             (pad=False) a length the layout cannot shard, or a packed batch that leaves a rank without a token (also
             with pad=True when it has no labels); under CP, an ``attention_mask`` with padding that
@@ -299,6 +315,7 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
         tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
     rows = _rows(tensors)
+    _refuse_unshifted(rows)
     if global_batch and state.config.dp_size > 1:
         if "cu_seq_lens_q" in tensors:
             raise ValueError("shard_batch(global_batch=True) cannot split a packed batch with cu_seq_lens_q over "

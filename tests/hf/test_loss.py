@@ -3,6 +3,7 @@ test_quickstart.py (the README script at dp_shard 2 x cp 2 and other layouts aga
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DataCollatorWithFlattening
 
 import ndp
 import ndp.hf
@@ -79,6 +80,23 @@ def test_loss_and_shard_batch_errors():
     # one process: the global batch is this rank's batch
     b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids)
     assert b["input_ids"] is ids
+
+
+def test_shard_batch_refuses_labels_not_shifted():
+    # transformers' convention (labels = input_ids; DataCollatorWithFlattening's labels, -100 at each document's
+    # first token): taken as shifted, every token would be trained to predict itself. Shifted labels pass, also
+    # where a token repeats (a shifted row equals its input_ids only there).
+    model = _model()
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    flat = DataCollatorWithFlattening()([{"input_ids": r} for r in ids.tolist()])
+    for labels in (ids.clone(), flat["labels"].view(2, 16)):
+        with pytest.raises(ValueError, match=r"labels equal to the input_ids at every labelled token.*"
+                                             r"F\.pad\(labels\[:, 1:\], \(0, 1\), value=-100\)"):
+            ndp.hf.shard_batch(model, input_ids=ids, labels=labels)
+    runs = torch.tensor([[5, 5, 5, 7, 7, 9]])
+    for labels in (F.pad(ids[:, 1:], (0, 1), value=-100), F.pad(runs[:, 1:], (0, 1), value=-100)):
+        rows = ids if labels.shape == ids.shape else runs
+        assert ndp.hf.shard_batch(model, input_ids=rows, labels=labels)["labels"].equal(labels)
 
 
 def _dp_slice_body(rank, world):

@@ -28,7 +28,11 @@ and overrides, nothing patched:
   none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss;
 - ``compute_loss``: under CP, an MoE's load-balancing loss in the model's loss is each rank's share of its
-  batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses);
+  batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses); label smoothing
+  (``label_smoothing_factor``) on a causal LM shifts its labels as the Trainer means (whose test by class name
+  fails under FSDP2, which renames the class: it did not shift at all), under CP the labels shifted before sharding
+  (the smoother would shift each shard's); a ``compute_loss_func`` under CP is refused (it would get each rank's
+  shard of the logits and labels);
 - ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
@@ -38,6 +42,7 @@ and overrides, nothing patched:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, saved_optimizer_state
@@ -121,11 +127,19 @@ class NdpTrainerMixin:
                                  names=names), inputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        if self._cp_config() is None:
-            return super().compute_loss(model, inputs, *args, **kwargs)
+        pc = self._cp_config()
+        if pc is None:
+            with _smoothing_shifted(self, model, None):
+                return super().compute_loss(model, inputs, *args, **kwargs)
+        if self.compute_loss_func is not None:
+            raise ValueError(f"ndp.trainer: compute_loss_func under context parallelism (cp_size={pc.cp_size}) would "
+                             f"get each rank's shard of the logits and labels, and a loss that shifts the labels or "
+                             f"averages inside would be the shard's. Compute it in a compute_loss override from "
+                             f"inputs['shift_labels'] (shifted before sharding) with num_items_in_batch, or train "
+                             f"with cp_size=1.")
         # the Trainer sums the ranks' losses (its num_items_in_batch counts every rank's tokens, its loss is
         # multiplied by the ranks' number): an MoE's load-balancing loss inside the model's is each rank's share
-        with losses_summed():
+        with losses_summed(), _smoothing_shifted(self, model, inputs.get("shift_labels")):
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -215,6 +229,38 @@ class NdpTrainerMixin:
         if state.end_of_dataloader and state.remainder > 0:
             tensor = tensor[:state.remainder]
         return tensor
+
+
+@contextlib.contextmanager
+def _smoothing_shifted(trainer, model, shifted):
+    """The Trainer's label smoother shifts a causal LM's labels, which it recognises by the class name; FSDP2
+    renames the class (``FSDPLlamaForCausalLM``), so under FSDP2 it did not shift (every token trained to predict
+    itself, with or without CP), and under CP a shift inside each shard would misplace every shard's edges. For the
+    call, a causal LM's labels are shifted as the Trainer means them: the labels shifted before sharding
+    (`shifted`: ``shift_labels``, under CP), else shifted by the smoother."""
+    smoother = trainer.label_smoother
+    if smoother is None:
+        yield
+        return
+    causal = _is_causal_lm(trainer.accelerator.unwrap_model(model))
+
+    def as_meant(outputs, labels, shift_labels=False, num_items_in_batch=None):
+        if causal and shifted is not None:
+            return smoother(outputs, shifted, num_items_in_batch=num_items_in_batch)
+        return smoother(outputs, labels, shift_labels=causal, num_items_in_batch=num_items_in_batch)
+
+    trainer.label_smoother = as_meant
+    try:
+        yield
+    finally:
+        trainer.label_smoother = smoother
+
+
+def _is_causal_lm(model) -> bool:
+    """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class."""
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ([v] if isinstance(v, str) else v)}
+    inner = getattr(getattr(model, "base_model", None), "model", None)  # a PEFT model's
+    return any(c.__name__ in names for m in (model, inner) if m is not None for c in type(m).__mro__)
 
 
 def _fsdp2(trainer) -> bool:

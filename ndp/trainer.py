@@ -25,7 +25,8 @@ and overrides, nothing patched:
   to ndp's ``maybe_context_parallel`` by name, without the SDPA-only check: any length trains (rows the CP layout
   cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed batch's document
   table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
-  none). The Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
+  none); NEFTune's noise keeps the batch's magnitude (it reads the row length from the shard). The Trainer's own
+  ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
   micro-batch) normalises the loss;
 - ``compute_loss``: under CP, an MoE's load-balancing loss in the model's loss is each rank's share of its
   batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses); label smoothing
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -122,9 +124,11 @@ class NdpTrainerMixin:
         inputs = {k: v for k, v in inputs.items() if k not in PACKING_KEYS}
         buffers = [inputs[k] for k in names]
         # named: a length the CP layout cannot split is padded (labels -100), as shard_batch pads
-        return functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
-                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
-                                 names=names), inputs
+        cp_context = functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
+                                       buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
+                                       names=names)
+        embeddings = _unpeft(self.accelerator.unwrap_model(model)).get_input_embeddings()
+        return functools.partial(_neftune_of_batch, cp_context, embeddings, like.shape[1], buffers[0]), inputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         pc = self._cp_config()
@@ -256,11 +260,33 @@ def _smoothing_shifted(trainer, model, shifted):
         trainer.label_smoother = smoother
 
 
+@contextlib.contextmanager
+def _neftune_of_batch(cp_context, embeddings, seq, shard):
+    """NEFTune (``neftune_noise_alpha``) scales its noise by alpha / sqrt(row length x width), the length read from
+    the embeddings' output: under CP this rank's shard, sqrt(cp_size) x the batch's noise. Inside the CP context,
+    alpha is scaled by sqrt(shard length / the batch's length) for the step: the batch's magnitude."""
+    with cp_context():
+        alpha = getattr(embeddings, "neftune_noise_alpha", None)
+        if alpha is None:
+            yield
+            return
+        embeddings.neftune_noise_alpha = alpha * math.sqrt(shard.shape[1] / seq)  # the buffer, sharded in place
+        try:
+            yield
+        finally:
+            embeddings.neftune_noise_alpha = alpha
+
+
+def _unpeft(model):
+    """A PEFT model's wrapped transformers model (where the Trainer's NEFTune and label smoothing look), else the
+    model."""
+    return model.base_model.model if type(model).__module__.startswith("peft") else model
+
+
 def _is_causal_lm(model) -> bool:
     """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class."""
     names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ([v] if isinstance(v, str) else v)}
-    inner = getattr(getattr(model, "base_model", None), "model", None)  # a PEFT model's
-    return any(c.__name__ in names for m in (model, inner) if m is not None for c in type(m).__mro__)
+    return any(c.__name__ in names for c in type(_unpeft(model)).__mro__)
 
 
 def _fsdp2(trainer) -> bool:

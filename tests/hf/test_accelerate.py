@@ -1,5 +1,6 @@
 """ndp on Accelerate's inputs: its ParallelismConfig and the DeviceMesh it builds (axes of size 1 left out,
 flattened axes of its own) go straight into ndp.parallelize; loss and every gradient match one process."""
+import math
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig,
-                          LlamaForCausalLM, PreTrainedTokenizerFast, TrainingArguments)
+                          LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback, TrainingArguments)
 
 import ndp
 import ndp.accelerate
@@ -325,6 +326,41 @@ def test_trainer_label_smoothing_under_fsdp2_and_cp_matches_one_process(tmp_path
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
     for n, w in want["weights"].items():
         assert_close(got["weights"][n], w, torch.float32, msg=n)
+
+
+class _EmbeddingsMax(TrainerCallback):
+    """Records, per training forward, the input embeddings' largest |output| after NEFTune's noise (its hook is
+    registered when training starts, before this one)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.seen = []
+        model.get_input_embeddings().register_forward_hook(
+            lambda m, i, out: self.seen.append(out.detach().abs().max().item()) if m.training else None)
+
+
+def _neftune_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    probe = _EmbeddingsMax()
+    args = _trainer_args(tmp, {"cp_size": 2}, neftune_noise_alpha=1e4, max_steps=2)
+    trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_samples(),
+                       callbacks=[probe])
+    trainer.train()
+    torch.save(probe.seen, os.path.join(tmp, f"neftune{rank}.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_trainer_neftune_noise_under_cp_has_the_batchs_magnitude(tmp_path):
+    """NEFTune adds uniform noise of magnitude alpha / sqrt(row length x width), reading the length from the
+    embeddings' output: under cp 2 the shard's 32 tokens, sqrt(2) x the 64-token rows' magnitude (221 for 156). At
+    alpha 1e4 the noise dwarfs the embeddings, so the largest |output| of 32 x 64 uniform draws is the magnitude."""
+    model_dir = str(tmp_path / "model")
+    _save_tiny_llama(model_dir)
+    spawn(_neftune_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    magnitude = 1e4 / math.sqrt(64 * 64)  # the tiny Llama's width, _samples' rows
+    for rank in range(2):
+        seen = torch.load(tmp_path / f"neftune{rank}.pt")
+        assert len(seen) == 2 and seen == pytest.approx([magnitude] * 2, rel=1e-2), (rank, seen)
 
 
 def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class):

@@ -17,8 +17,8 @@ and overrides, nothing patched:
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
   evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
   without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
-  partial losses as samples and report a wrong loss); ``compute_metrics`` under CP is refused by name (the logits
-  are sharded);
+  partial losses as samples and report a wrong loss); ``compute_metrics`` and predictions (``Trainer.predict``)
+  under CP are refused by name (the logits are sharded: predict returned none);
 - ``_prepare_context_parallel_inputs``: every per-token tensor of the batch (input_ids, labels, shift_labels made
   before sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is
   labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as token_type_ids) goes
@@ -150,10 +150,11 @@ class NdpTrainerMixin:
         pc = self._cp_config()
         if pc is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if self.compute_metrics is not None:
-            raise ValueError(f"ndp.trainer: compute_metrics under context parallelism (cp_size={pc.cp_size}) would see "
-                             f"each rank's shard of the logits; evaluate the loss only (compute_metrics=None) or "
-                             f"compute metrics without CP.")
+        if self.compute_metrics is not None or not prediction_loss_only:
+            what = "compute_metrics" if self.compute_metrics is not None else "predictions (Trainer.predict)"
+            raise ValueError(f"ndp.trainer: {what} under context parallelism (cp_size={pc.cp_size}) would see "
+                             f"each rank's shard of the logits; evaluate the loss only (compute_metrics=None, "
+                             f"prediction_loss_only=True) or predict and compute metrics without CP.")
         if not all(inputs.get(k) is not None for k in self.label_names):
             return None, None, None  # no labels, no loss; the logits are sharded
         # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it

@@ -356,13 +356,18 @@ def guard_labels(model, ctx) -> None:
     """A forward pre-hook on `model` for its own loss (``labels`` given). The labels :func:`shard_batch` returns
     are shifted: they become ``shift_labels``, with ``num_items_in_batch`` from :func:`items_per_rank` unless given,
     so ``model(**batch).loss`` is the loss ``ndp.hf.loss`` returns (transformers' shifts ``labels`` again:
-    every target one token late). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside each
+    every target one token late). A model parallelized with ``loss_parallel`` refuses ``labels`` (its logits are
+    vocabulary shards: ``ndp.hf.lm_loss``). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside each
     shard, the targets at every shard edge misplaced), and so is a model whose loss ignores ``shift_labels`` and
     ``num_items_in_batch`` (:func:`~ndp.hf.models.takes_shift_labels`). Refused the same way on every rank, which
     all run the forward with their labels, before any layer."""
 
     def hook(module, args, kwargs):
         labels = kwargs.get("labels")
+        if labels is not None and getattr(module, "ndp_loss_parallel", False):
+            raise Unsupported(f"{type(module).__name__} was parallelized with loss_parallel: its logits are vocabulary "
+                              f"shards, which transformers' loss cannot take. Pass the labels to "
+                              f"ndp.hf.lm_loss(model, labels, **batch without labels) instead of the model.")
         marked = getattr(labels, SHIFTED, False)
         if labels is None or not (marked or ctx.enabled):
             return None

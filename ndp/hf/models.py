@@ -59,13 +59,18 @@ def head_counts(cfg) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _calls_interface(cls) -> bool:
-    # transformers' attention modules look their implementation up in ALL_ATTENTION_FUNCTIONS at each forward.
+def _forward_names(cls, name: str) -> bool:
+    """Whether the source of ``cls.forward`` names `name` (False where there is no source)."""
     try:
         src = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return "ALL_ATTENTION_FUNCTIONS" in src
+    return name in src
+
+
+def _calls_interface(cls) -> bool:
+    # transformers' attention modules look their implementation up in ALL_ATTENTION_FUNCTIONS at each forward.
+    return _forward_names(cls, "ALL_ATTENTION_FUNCTIONS")
 
 
 def attention_modules(model: nn.Module) -> list[str]:
@@ -177,22 +182,13 @@ def _mixing_outside_attention(model: nn.Module) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_calls_loss_function(cls) -> bool:
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return "self.loss_function(" in src
-
-
 def takes_shift_labels(model: nn.Module) -> bool:
     """Whether the model's own loss (``labels`` given) is transformers' causal-LM loss, which reads the targets from
     ``shift_labels`` when given and divides by ``num_items_in_batch`` (every forward hands its kwargs on); False
     for a model that computes its loss itself (BART's decoder family, Whisper, XLNet: a mean over this rank's
     tokens of ``labels`` as given)."""
     fn = getattr(model, "loss_function", None)
-    return _forward_calls_loss_function(type(model)) and getattr(fn, "__name__", "") == "ForCausalLMLoss"
+    return _forward_names(type(model), "self.loss_function(") and getattr(fn, "__name__", "") == "ForCausalLMLoss"
 
 
 def _pooling_head(model: nn.Module) -> str | None:

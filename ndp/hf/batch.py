@@ -300,7 +300,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         document), so that RoPE sees true positions. Dense: ``[batch (/ dp_size), seq / cp_size]``. Packed under
         CP: ``[1, local_tokens]`` (documents balanced by
         ``shard_packed``) plus ``cu_seq_lens_q``/``cu_seq_lens_k`` (the global table the attention needs),
-        ``max_length_q``/``max_length_k``; pass all but ``labels`` to the model.
+        ``max_length_q``/``max_length_k``. Pass it all to the model (its own loss is then ``ndp.hf.loss``'s: the
+        labels are marked as shifted, ``SHIFTED``), or all but ``labels`` for ``ndp.hf.loss`` on the logits.
     Raises:
         ValueError: the model was not parallelized by ndp; tensors of different shapes; labels equal to the
             input_ids at every labelled token (not shifted); a document table that does
@@ -357,8 +358,8 @@ def guard_labels(model, ctx) -> None:
     are shifted: they become ``shift_labels``, with ``num_items_in_batch`` from :func:`items_per_rank` unless given,
     so ``model(**batch).loss`` is the loss ``ndp.hf.loss`` returns (transformers' shifts ``labels`` again:
     every target one token late). A model parallelized with ``loss_parallel`` refuses ``labels`` (its logits are
-    vocabulary shards: ``ndp.hf.lm_loss``). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside each
-    shard, the targets at every shard edge misplaced), and so is a model whose loss ignores ``shift_labels`` and
+    vocabulary shards: ``ndp.hf.lm_loss``). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside
+    each shard, the targets at every shard edge misplaced), and so is a model whose loss ignores ``shift_labels`` and
     ``num_items_in_batch`` (:func:`~ndp.hf.models.takes_shift_labels`). Refused the same way on every rank, which
     all run the forward with their labels, before any layer."""
 

@@ -127,8 +127,7 @@ class NdpTrainerMixin:
         cp_context = functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                        buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
                                        names=names)
-        embeddings = _unpeft(self.accelerator.unwrap_model(model)).get_input_embeddings()
-        return functools.partial(_neftune_of_batch, cp_context, embeddings, like.shape[1], buffers[0]), inputs
+        return functools.partial(_neftune_of_batch, cp_context, self, model, like.shape[1], buffers[0]), inputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         pc = self._cp_config()
@@ -262,13 +261,17 @@ def _smoothing_shifted(trainer, model, shifted):
 
 
 @contextlib.contextmanager
-def _neftune_of_batch(cp_context, embeddings, seq, shard):
+def _neftune_of_batch(cp_context, trainer, model, seq, shard):
     """NEFTune (``neftune_noise_alpha``) scales its noise by alpha / sqrt(row length x width), the length read from
     the embeddings' output: under CP this rank's shard, sqrt(cp_size) x the batch's noise. Inside the CP context,
     alpha is scaled by sqrt(shard length / the batch's length) for the step: the batch's magnitude."""
     with cp_context():
+        if getattr(trainer, "neftune_noise_alpha", None) is None:
+            yield
+            return
+        embeddings = _unpeft(trainer.accelerator.unwrap_model(model)).get_input_embeddings()
         alpha = getattr(embeddings, "neftune_noise_alpha", None)
-        if alpha is None:
+        if alpha is None:  # evaluation: the Trainer turns NEFTune on for training only
             yield
             return
         embeddings.neftune_noise_alpha = alpha * math.sqrt(shard.shape[1] / seq)  # the buffer, sharded in place

@@ -1,5 +1,6 @@
 """ndp on Accelerate's inputs: its ParallelismConfig and the DeviceMesh it builds (axes of size 1 left out,
 flattened axes of its own) go straight into ndp.parallelize; loss and every gradient match one process."""
+import contextlib
 import math
 import os
 import re
@@ -827,8 +828,10 @@ def test_trainer_hands_every_per_token_tensor_by_name_and_positions_per_document
     class Accel:
         parallelism_config = AccelerateConfig(cp_size=2)
 
+        @contextlib.contextmanager
         def maybe_context_parallel(self, **kwargs):
-            return kwargs
+            self.kwargs = kwargs
+            yield
 
     trainer = type("T", (ndp.trainer.NdpTrainerMixin,), {})()
     trainer.accelerator = Accel()
@@ -838,7 +841,8 @@ def test_trainer_hands_every_per_token_tensor_by_name_and_positions_per_document
     batch = dict(input_ids=ids, labels=labels, token_type_ids=torch.zeros_like(ids), cu_seq_lens_q=cu,
                  cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
     cp, inputs = trainer._prepare_context_parallel_inputs(None, batch)
-    kwargs = cp()
+    with cp():
+        kwargs = trainer.accelerator.kwargs
     assert kwargs["names"] == ["input_ids", "labels", "token_type_ids", "shift_labels", "position_ids"]
     assert all(a is inputs[k] for a, k in zip(kwargs["buffers"], kwargs["names"]))
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2]]

@@ -361,8 +361,10 @@ def guard_labels(model, ctx) -> None:
     vocabulary shards: ``ndp.hf.lm_loss``). Under CP ``labels`` without ``shift_labels`` are refused (shifted inside
     each shard, the targets at every shard edge misplaced), and so is a model whose loss ignores ``shift_labels`` and
     ``num_items_in_batch`` (:func:`~ndp.hf.models.takes_shift_labels`). Refused the same way on every rank, which
-    all run the forward with their labels, before any layer."""
+    all run the forward with their labels, before any layer. Run eagerly under torch.compile (it reads tensor
+    attributes, the model class's source, and may all-reduce a count)."""
 
+    @torch.compiler.disable
     def hook(module, args, kwargs):
         labels = kwargs.get("labels")
         if labels is not None and getattr(module, "ndp_loss_parallel", False):

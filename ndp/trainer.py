@@ -26,8 +26,8 @@ and overrides, nothing patched:
   cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed batch's document
   table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
   none); NEFTune's noise keeps the batch's magnitude (it reads the row length from the shard). The Trainer's own
-  ``num_items_in_batch`` (counted before sharding over every data-parallel rank and
-  micro-batch) normalises the loss;
+  ``num_items_in_batch`` (counted before sharding over every data-parallel rank and micro-batch) normalises the
+  loss;
 - ``compute_loss``: under CP, an MoE's load-balancing loss in the model's loss is each rank's share of its
   batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses); label smoothing
   (``label_smoothing_factor``) on a causal LM shifts its labels as the Trainer means (whose test by class name
@@ -266,12 +266,10 @@ def _neftune_of_batch(cp_context, trainer, model, seq, shard):
     the embeddings' output: under CP this rank's shard, sqrt(cp_size) x the batch's noise. Inside the CP context,
     alpha is scaled by sqrt(shard length / the batch's length) for the step: the batch's magnitude."""
     with cp_context():
-        if getattr(trainer, "neftune_noise_alpha", None) is None:
-            yield
-            return
-        embeddings = _unpeft(trainer.accelerator.unwrap_model(model)).get_input_embeddings()
-        alpha = getattr(embeddings, "neftune_noise_alpha", None)
-        if alpha is None:  # evaluation: the Trainer turns NEFTune on for training only
+        on = getattr(trainer, "neftune_noise_alpha", None) is not None
+        embeddings = _unpeft(trainer.accelerator.unwrap_model(model)).get_input_embeddings() if on else None
+        alpha = getattr(embeddings, "neftune_noise_alpha", None)  # None in evaluation: NEFTune trains only
+        if alpha is None:
             yield
             return
         embeddings.neftune_noise_alpha = alpha * math.sqrt(shard.shape[1] / seq)  # the buffer, sharded in place
@@ -287,10 +285,14 @@ def _unpeft(model):
     return model.base_model.model if type(model).__module__.startswith("peft") else model
 
 
+# The class names of transformers' causal-LM mapping: the Trainer's test for shifting a model's labels.
+_CAUSAL_LM_NAMES = frozenset(n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                             for n in ([v] if isinstance(v, str) else v))
+
+
 def _is_causal_lm(model) -> bool:
     """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class."""
-    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ([v] if isinstance(v, str) else v)}
-    return any(c.__name__ in names for c in type(_unpeft(model)).__mro__)
+    return any(c.__name__ in _CAUSAL_LM_NAMES for c in type(_unpeft(model)).__mro__)
 
 
 def _fsdp2(trainer) -> bool:

@@ -43,8 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
-from ndp.hf.batch import PACKING_KEYS, REAL_TOKENS, packed_cu, shard_rows
-from ndp.hf.router import shard_tokens
+from ndp.hf.batch import PACKING_KEYS, REAL_TOKENS, packed_cu, shard_positions, shard_rows
 from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
                           is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
@@ -175,11 +174,11 @@ class Accelerator(accelerate.Accelerator):
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):
             b.resize_(s.shape).copy_(s)
-        # the shard's tokens of the batch, for an MoE's load-balancing loss (ndp.hf.router)
-        real = next((getattr(s, REAL_TOKENS) for s in shards if hasattr(s, REAL_TOKENS)), None)
+        # the shard's facts of the batch (its tokens, its longest position), which the buffers the model gets lack
+        positions = next((s for s in shards if hasattr(s, REAL_TOKENS)), None)
         self._ndp_step = extra
         try:
-            with shard_tokens(real):
+            with shard_positions(positions):
                 yield
         finally:
             self._ndp_step = None

@@ -17,6 +17,7 @@ from ndp.parallel import parallelize as _parallelize
 from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_positions, ndp_attention_forward,
                         register_attention)
 from .batch import guard_labels, parallel_state, shard_batch
+from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
                      decoder_layers, head_counts, layer_stacks, outside_layers, text_config)
@@ -87,6 +88,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         if ctx.enabled:
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)
+            guard_rope(m, ctx)
             guard_router_loss(m, ctx)
 
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two

@@ -170,13 +170,10 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     elif causal is None:
         causal = bool(getattr(module, "is_causal", True))
     window = _window(sliding_window, causal)
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if not (q.dtype == k.dtype == v.dtype):
-        # Under autocast transformers' RoPE returns fp32 q/k next to a low-precision v: compute in the
-        # autocast dtype, as the model's other matmuls do.
-        dt = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype)
-        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    q, k, v = _one_dtype(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
     batch, seq = q.shape[0], q.shape[1]
+    if cp_on and _temperature_tuned(module):
+        q = _row_temperature(module, q, ctx, cu)
     used = None if spec is None else spec.q_offset + seq - spec.kv_offset  # keys up to the newest query's position
     if used is not None and used != k.shape[1]:
         k, v = _written_keys(k, v, used, causal)
@@ -226,6 +223,40 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out, None
+
+
+def _one_dtype(q, k, v):
+    """Under autocast transformers' RoPE returns fp32 q/k next to a low-precision v: computed in the autocast dtype,
+    as the model's other matmuls are."""
+    if q.dtype == k.dtype == v.dtype:
+        return q, k, v
+    dt = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else v.dtype
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
+def _temperature_tuned(module) -> bool:
+    """Llama 4's NoPE layers: each query scaled by a temperature of its index in the call (transformers'
+    ``attn_temperature_tuning``), 0 .. seq - 1 whatever the position_ids."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+
+
+def _row_temperature(module, q, ctx, cu):
+    """`q` ``[B, S, H, D]`` of a temperature-tuned layer under CP: transformers scaled each query by
+    ``log1p(floor((i + 1) / floor_scale)) x attn_scale + 1`` of its index i in this rank's shard; rescaled to its
+    index in the row (a run without CP), which differs past floor_scale tokens (8192 in Llama 4's configs: every
+    long-context batch). Packed documents under CP are refused (each document's indices restart)."""
+    if cu is not None:
+        raise Unsupported(f"{type(module).__name__} scales its queries by their index in the row "
+                          f"(attn_temperature_tuning), and packed documents under context parallelism give each rank "
+                          f"pieces of documents. Train unpacked rows under CP, or packed ones without CP.")
+    seq = q.shape[1]
+    row = _dense_shard_positions(seq * ctx.size, ctx.size, ctx.rank, ctx.layout, str(q.device))[0]
+    shard = torch.arange(seq, device=q.device)
+
+    def temperature(i):  # transformers' formula, in its float32, then in the query's dtype
+        return (torch.log1p(torch.floor((i.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0).to(q.dtype)
+
+    return q * (temperature(row) / temperature(shard)).view(1, seq, 1, 1)
 
 
 def _written_keys(k, v, used, causal):
@@ -296,12 +327,14 @@ def guard_positions(model, ctx) -> None:
     forward (``_FORWARD_DOCUMENTS``, for ndp's mask interface to hand to every attention call); without one, the
     batch is checked once per forward, before the decoder layers run, to be this rank's shard (what the attention
     checks per call in eager mode, where compiled layers cannot: a read of the positions' values), refused on every
-    rank of the CP group as the attention would. Run eagerly under torch.compile (a graph break at the forward's
-    start and end): the table is the forward's, not a value of the graph."""
+    rank of the CP group as the attention would; so are a KV cache and ``logits_to_keep``. Run eagerly under
+    torch.compile (a graph break at the forward's start and end): the table is the forward's, not a value of the
+    graph."""
     held = []
 
     @torch.compiler.disable
     def enter(module, args, kwargs):
+        _refuse_shard_positions(module, kwargs, ctx)
         ref = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if torch.is_tensor(t)),
                    None)
         rows = ref is not None and ref.dim() >= 2
@@ -361,6 +394,24 @@ def _packed(kwargs) -> bool:
         return True
     return (kwargs.get("attention_mask") is None and torch.is_tensor(pos) and pos.dim() == 2
             and bool(position_restarts(pos).any()))
+
+
+def _refuse_shard_positions(module, kwargs, ctx) -> None:
+    """Under CP, arguments that name positions of the sequence get this rank's shard: a KV cache
+    (``past_key_values``: generation) and ``logits_to_keep`` other than 0 (the last N positions, or chosen ones).
+    Refused on every rank."""
+    keep = kwargs.get("logits_to_keep")
+    if kwargs.get("past_key_values") is not None:
+        what = "a KV cache (past_key_values: generate, or a prefix)"
+    elif keep is not None and not (isinstance(keep, int) and keep == 0):
+        what = f"logits_to_keep={keep}" if isinstance(keep, int) else "logits_to_keep (positions)"
+    else:
+        return
+    raise_on_cp_ranks(Unsupported(
+        f"{type(module).__name__} got {what} under context parallelism (cp_size={ctx.size}): it would hold or keep "
+        f"positions of this rank's shard ({ctx.layout} layout), not of the sequence. ndp's context parallelism runs "
+        f"whole sequences: pass logits_to_keep=0 and take the positions you want from the logits with the shard's "
+        f"position_ids; generate with the model outside context parallelism."), ctx, f"ndp_{ctx.impl} attention")
 
 
 def raise_on_cp_ranks(error: BaseException, ctx, what: str) -> None:

@@ -8,6 +8,9 @@ attention of every layer runs the documents apart, on every rank.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +37,13 @@ REAL_TOKENS = "_ndp_real_tokens"
 # view of them): the model given them as `labels` (``model(**batch)``) reads them as transformers' shift_labels
 # (:func:`guard_labels`) instead of shifting them a second time.
 SHIFTED = "_ndp_shifted"
+# The batch's longest position + 1 (max(position_ids) + 1 before ndp pads it: what a run without CP reads as the
+# sequence length), as an attribute of the shard's position_ids (a tensor, no host sync): the length transformers'
+# dynamic and LongRoPE frequencies follow (``ndp.hf.rope``).
+LONGEST = "_ndp_longest"
+# Inside shard_positions(): the shard's position_ids as shard_rows made them (carrying REAL_TOKENS and LONGEST), for
+# a forward whose model gets its shard in other tensors (ndp.accelerate copies each shard into the caller's buffer).
+_SHARD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("ndp_shard_positions", default=None)
 
 
 def parallel_state(model, what):
@@ -333,6 +343,25 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
                                     pad_id=pad_id if isinstance(pad_id, int) else 0))
 
 
+@contextlib.contextmanager
+def shard_positions(position_ids):
+    """Inside, a forward's facts of the batch (``REAL_TOKENS``, ``LONGEST``: :func:`shard_attribute`) are those of
+    `position_ids`, the shard's as :func:`shard_rows` returned them: for a caller that hands the model its shard in
+    other tensors (ndp.accelerate's ``maybe_context_parallel``)."""
+    token = _SHARD_POSITIONS.set(position_ids)
+    try:
+        yield
+    finally:
+        _SHARD_POSITIONS.reset(token)
+
+
+def shard_attribute(kwargs, name):
+    """Attribute `name` (``REAL_TOKENS``, ``LONGEST``) of the shard a forward with `kwargs` runs on: of the
+    position_ids :func:`shard_positions` holds, else of the forward's; None where ndp did not shard it."""
+    held = _SHARD_POSITIONS.get()
+    return getattr(held if held is not None else kwargs.get("position_ids"), name, None)
+
+
 def _mark_shifted(batch: dict) -> dict:
     labels = batch.get("labels")
     if torch.is_tensor(labels):
@@ -399,9 +428,10 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
     data-parallel split): packed rows (`cu`: their global document table) per document, dense rows padded (`pad`)
     and sharded in ``ctx.layout``; position_ids added when missing. `pad` pads by the rows' names (``labels``,
     ``shift_labels``: -100): rows under other names are not padded (pass pad=False). The shard's position_ids
-    carry its tokens of the batch as ``REAL_TOKENS``."""
+    carry its tokens of the batch as ``REAL_TOKENS`` and the batch's longest position as ``LONGEST``."""
     if not rows:
         return {}
+    longest = _longest(rows, cu)
     rows = dict(rows, **{REAL_TOKENS: _real_tokens(rows)})
     if cu is not None:
         out = _shard_packed(rows, cu, ctx, pad, pad_id)
@@ -412,7 +442,20 @@ def shard_rows(rows, ctx, *, cu=None, pad=True, pad_id=0):
             rows = pad_rows(rows, seq_multiple(ctx.size, ctx.layout), pad_id)
         out = {k: ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout) for k, t in rows.items()}
     setattr(out["position_ids"], REAL_TOKENS, out.pop(REAL_TOKENS))
+    setattr(out["position_ids"], LONGEST, longest)
     return out
+
+
+def _longest(rows, cu) -> torch.Tensor:
+    """The rows' max(position_ids) + 1 before padding (``LONGEST``); without position_ids the longest document (a
+    packed batch: positions restart at each) or the rows' length (dense rows: 0 .. seq - 1)."""
+    pos = rows.get("position_ids")
+    like = next(iter(rows.values()))
+    if torch.is_tensor(pos):
+        return pos.max().reshape(1) + 1
+    if cu is not None:
+        return (cu[1:] - cu[:-1]).max().reshape(1).to(like.device, torch.int64)
+    return torch.full((1,), like.shape[1], device=like.device, dtype=torch.int64)
 
 
 def _real_tokens(rows):
@@ -428,4 +471,4 @@ def _real_tokens(rows):
 
 __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
-           "SHIFTED"]
+           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute"]

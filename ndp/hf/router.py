@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import REAL_TOKENS
+from .batch import REAL_TOKENS, shard_attribute
 from .models import Unsupported, text_config
 
 _PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
@@ -40,8 +40,6 @@ _PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 _SUMMED: contextvars.ContextVar = contextvars.ContextVar("ndp_losses_summed", default=False)
 # Inside recorded_shares(): the list each forward's share is appended to.
 _RECORD: contextvars.ContextVar = contextvars.ContextVar("ndp_router_record", default=None)
-# Inside shard_tokens(): the REAL_TOKENS of the shard the forward runs on.
-_SHARD_TOKENS: contextvars.ContextVar = contextvars.ContextVar("ndp_shard_tokens", default=None)
 
 
 @contextlib.contextmanager
@@ -65,13 +63,6 @@ def recorded_shares():
     this yields: for a caller that combines a loss's token mean and its load-balancing loss over the CP ranks
     apart (TRL's evaluation normalises each shard's token loss by its own tokens)."""
     return _holding(_RECORD, [])
-
-
-def shard_tokens(tokens):
-    """Inside, a forward's tokens of the batch are `tokens` (its shard's ``REAL_TOKENS``): for a caller that shards
-    the batch around the forward (ndp.accelerate's ``maybe_context_parallel``), whose model may get copies of the
-    shard's tensors (FSDP2 moves its inputs to its device)."""
-    return _holding(_SHARD_TOKENS, tokens)
 
 
 def family_loss(model: nn.Module):
@@ -149,11 +140,9 @@ def balance_loss(gate_logits, experts: int, top_k: int, tokens, group) -> torch.
 
 
 def _tokens(kwargs, rows: int):
-    """This rank's token weights: the shard's REAL_TOKENS (ndp sharded the batch: :func:`shard_tokens`, else those
-    its position_ids carry), else its attention_mask (as the family reads it), else every token."""
-    tokens = _SHARD_TOKENS.get()
-    if tokens is None:
-        tokens = getattr(kwargs.get("position_ids"), REAL_TOKENS, None)
+    """This rank's token weights: the shard's REAL_TOKENS (ndp sharded the batch:
+    :func:`~ndp.hf.batch.shard_attribute`), else its attention_mask (as the family reads it), else every token."""
+    tokens = shard_attribute(kwargs, REAL_TOKENS)
     mask = kwargs.get("attention_mask")
     if tokens is None and torch.is_tensor(mask) and mask.dim() == 2:
         tokens = mask
@@ -202,4 +191,4 @@ def guard_router_loss(model: nn.Module, ctx) -> None:
 
 
 __all__ = ["balance_loss", "check_router_loss", "guard_router_loss", "losses_summed", "recorded_shares",
-           "shard_tokens", "aux_loss_on", "family_loss", "expert_counts"]
+           "aux_loss_on", "family_loss", "expert_counts"]

@@ -115,6 +115,9 @@ FIXES = {
     "dots3_note_text": lambda c: setattr(c, "head_dim", 16),
     "dots3_note": lambda c: setattr(c.text_config, "head_dim", 16),
     # 4 layers, the last 2 reading the keys/values of the first 2 (KV sharing)
+    # a NoPE layer (the second), whose queries Llama 4 scales by their index past floor_scale tokens (8192)
+    "llama4_text": lambda c: c.__dict__.update(no_rope_layers=[1, 0], floor_scale=4),
+    "llama4": lambda c: c.text_config.__dict__.update(no_rope_layers=[1, 0], floor_scale=4),
     "gemma3n_text": lambda c: c.__dict__.update(num_hidden_layers=4, num_kv_shared_layers=2,
                                                 layer_types=c.layer_types[:2] * 2,
                                                 activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]),
@@ -156,6 +159,25 @@ def tiny_model(model_type: str, seed: int = 0, **fields):
                                              attn_implementation=REFERENCE_ATTENTION.get(model_type, "eager"),
                                              experts_implementation="eager")
     return model.eval()
+
+
+def rope_model(kind, threshold, **fields):
+    """A tiny float64 model (:func:`tiny_model`, `fields` set) whose RoPE changes above `threshold` tokens: Phi-3
+    with LongRoPE (its long factors far from the short ones) or Llama with dynamic NTK; queries and keys scaled so
+    that the attention, and the logits, follow the rotation."""
+    if kind == "longrope":
+        half = TINY["head_dim"] // 2  # a factor per rotated pair
+        rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0, short_factor=[1.0] * half,
+                    long_factor=[4.0 + i for i in range(half)], original_max_position_embeddings=threshold)
+        model = tiny_model("phi3", original_max_position_embeddings=threshold, rope_parameters=rope, **fields)
+    else:
+        model = tiny_model("llama", max_position_embeddings=threshold,
+                           rope_parameters=dict(rope_type=kind, rope_theta=10000.0, factor=4.0), **fields)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("qkv_proj", "q_proj", "k_proj")):
+                p.mul_(10)
+    return model.train()
 
 
 # ------------------------------------------------------------------------------------------------ the checks

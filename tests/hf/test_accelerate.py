@@ -448,13 +448,15 @@ def _eval_one_process(model, samples, collate):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family, collate", [("llama", "flatten"), ("llama", "pad"), ("stablelm", "flatten"),
-                                             ("olmoe", "pad")])
+                                             ("olmoe", "pad"), ("phi3_longrope", "pad")])
 def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, family, collate):
     """A padding collator's batches and packed ones (DataCollatorWithFlattening with its document table; the last
     batch one document, sharded as rows) under cp 2, of lengths the CP layout cannot split: ndp's Trainer pads them
     by name (labels -100), and the losses are one process's on the same batches. StableLM's decoder layers do not
     hand the document table to their attention (ndp's mask carries it; refused before). OLMoE adds its routers'
-    load-balancing loss to its loss: each rank's share of the batch's, the batch's pads left out (ndp.hf.router)."""
+    load-balancing loss to its loss: each rank's share of the batch's, the batch's pads left out (ndp.hf.router).
+    Phi-3's LongRoPE chooses its frequencies from the batch's longest position (ndp.hf.rope): the one without ndp's
+    pads, which the buffers the model gets do not carry (63 tokens: short factors; 64 would take the long)."""
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, layer, timeout_s=300)
@@ -662,7 +664,7 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
 
 # The decoder layer class FSDP2 wraps, by family of the tests' tiny models.
 DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer", "stablelm": "StableLmDecoderLayer",
-                  "olmoe": "OlmoeDecoderLayer"}
+                  "olmoe": "OlmoeDecoderLayer", "phi3_longrope": "Phi3DecoderLayer"}
 
 
 def _save_tiny(model_dir, family):
@@ -677,7 +679,12 @@ def _save_tiny(model_dir, family):
 
 def _save_tiny_family(model_dir, family):
     """A zoo family's tiny model (fp32, seeded) and the word tokenizer, its vocabulary the tokenizer's 256 words;
-    an MoE (olmoe) with its routers' load-balancing loss on, at a coefficient large enough to show in every loss."""
+    an MoE (olmoe) with its routers' load-balancing loss on, at a coefficient large enough to show in every loss;
+    phi3_longrope: Phi-3 with LongRoPE (``_zoo.rope_model``)."""
+    if family == "phi3_longrope":  # its long factors past 63 tokens: the first padded batch's length
+        _zoo.rope_model("longrope", 63, vocab_size=256).float().save_pretrained(model_dir)
+        _save_word_tokenizer(model_dir)
+        return
     cfg = _zoo.tiny_config(family)
     cfg.vocab_size = 256
     if family == "olmoe":

@@ -15,10 +15,12 @@ and overrides, nothing patched:
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
   whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
-  evaluation gathers one entry per data-parallel rank (``gather_function``), so the eval loss is the one a run
-  without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather the CP ranks'
-  partial losses as samples and report a wrong loss); ``compute_metrics`` and predictions (``Trainer.predict``)
-  under CP are refused by name (the logits are sharded: predict returned none);
+  evaluation gathers one entry per data-parallel rank (``gather_function``, under TP too), so the eval loss is
+  the one a run without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather
+  the CP ranks' partial losses as samples and report a wrong loss; under TP each batch's loss once per TP rank,
+  and the last partial step cut to its first entries: dp_shard 2 x tp 2 on 5 rows weighed 4 rows twice);
+  ``compute_metrics`` and predictions (``Trainer.predict``) under CP are refused by name (the logits are sharded:
+  predict returned none);
 - ``_prepare_context_parallel_inputs``: every per-token tensor of the batch (input_ids, labels, shift_labels made
   before sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is
   labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as token_type_ids) goes
@@ -92,8 +94,9 @@ class NdpTrainerMixin:
         # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place (without CP
         # too: its FSDP2 ties MoE experts)
         self.accelerator = Accelerator(**args)
-        if args["parallelism_config"].cp_enabled:
-            # evaluation gathers one entry per data-parallel rank (the CP ranks of one hold one batch)
+        if self._ranks_per_batch() > 1:
+            # evaluation gathers one entry per data-parallel rank (its CP and TP ranks hold one batch: gathered from
+            # every rank, each batch counted once per rank and the last, partial step cut to its first entries)
             self.gather_function = self._gather_over_dp
 
     def _cp_config(self):
@@ -390,9 +393,11 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         counted = self._total_train_tokens
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        # TRL counts the training tokens (its num_tokens metric) of the batch it gets: under CP each rank's shard,
-        # ndp's pads included, a padded batch's mask made all ones; the batch's are counted from its unsharded tensors
-        tokens = _trl_batch_tokens(self._ndp_unsharded) if self._cp_config() is not None else None
+        # TRL counts the training tokens (its num_tokens metric) of the batch it gets, gathered from every rank: under
+        # CP each rank's shard, ndp's pads included, a padded batch's mask made all ones; each batch once per CP and
+        # TP rank. Counted here from the batch's unsharded tensors, once per data-parallel rank
+        held = self._ndp_unsharded if self._cp_config() is not None else inputs
+        tokens = _trl_batch_tokens(held) if self._ranks_per_batch() > 1 else None
         if tokens is not None and self.model.training:
             tokens = self.accelerator.gather(tokens.to(self.args.device)).sum().item()
             self._total_train_tokens = counted + tokens // self._ranks_per_batch()

@@ -239,11 +239,11 @@ def _trainer_args(tmp, par, layer="LlamaDecoderLayer", state_dict_type=None, cls
     return cls(**{**kw, **overrides})
 
 
-def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False):
+def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False, par=None):
     _rank_env(rank, world)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    args = _trainer_args(tmp, {"dp_shard_size": 2, "cp_size": 2}, max_steps=steps, gradient_accumulation_steps=ga,
-                         per_device_eval_batch_size=1, torch_compile=compile,
+    args = _trainer_args(tmp, par or {"dp_shard_size": 2, "cp_size": 2}, max_steps=steps,
+                         gradient_accumulation_steps=ga, per_device_eval_batch_size=1, torch_compile=compile,
                          torch_compile_backend="aot_eager" if compile else None, include_num_input_tokens_seen=True)
     trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
@@ -263,13 +263,17 @@ def _samples():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("ga, steps, compile", [(1, 5, False), (2, 2, False), (1, 3, True)])
-def test_trainer_dp_shard_2_cp_2_matches_one_process(tmp_path, ga, steps, compile):
-    # dp_shard 2 x cp 2; with gradient accumulation the Trainer's num_items_in_batch spans the micro-batches;
-    # torch_compile: the Trainer compiles the model (ndp's attention and CP ops inside the graphs).
+@pytest.mark.parametrize("ga, steps, compile, par", [
+    (1, 5, False, None), (2, 2, False, None), (1, 3, True, None),
+    pytest.param(1, 3, False, {"dp_shard_size": 2, "tp_size": 2}, id="tp2")])
+def test_trainer_on_dp_shard_2_with_cp_2_or_tp_2_matches_one_process(tmp_path, ga, steps, compile, par):
+    # dp_shard 2 x cp 2 (par None); with gradient accumulation the Trainer's num_items_in_batch spans the
+    # micro-batches; torch_compile: the Trainer compiles the model (ndp's attention and CP ops inside the graphs).
+    # dp_shard 2 x tp 2: the evaluation gathered each batch's loss once per TP rank and cut the last, partial step
+    # to its first entries (5 rows: 5.549458 against 5.548819), and the token count is each batch's once.
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, compile, timeout_s=300)
+    spawn(_trainer_rank, 4, tmp_path, str(tmp_path), model_dir, ga, steps, compile, par, timeout_s=300)
     got = torch.load(tmp_path / "trainer.pt")
     data = torch.stack([s["input_ids"] for s in _samples()])
     losses, model = _one_process(model_dir, data, steps=steps, dp=2 * ga, clip=1.0)
@@ -614,12 +618,14 @@ def _sft_losses(trainer, eval_loss):
 TRL_METRICS = ("num_tokens", "mean_token_accuracy", "entropy", "aux_loss")
 
 
-def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDecoderLayer", **overrides):
-    """ndp's SFTTrainer at dp_shard dp x cp 2, and what it must equal: one TRL SFTTrainer process at dp 1, ndp's at
-    dp_shard dp alone (TRL normalises each rank's evaluation batch by its own tokens: not one process's mean)."""
+def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDecoderLayer", split="cp_size",
+                 **overrides):
+    """ndp's SFTTrainer at dp_shard dp x cp 2 (`split`: or tp_size 2), and what it must equal: one TRL SFTTrainer
+    process at dp 1, ndp's at dp_shard dp alone (TRL normalises each rank's evaluation batch by its own tokens: not
+    one process's mean)."""
     import trl
     args = (str(tmp_path), model_dir, packing, eval_packing)
-    spawn(_sft_rank, 2 * dp, tmp_path, *args, {"dp_shard_size": dp, "cp_size": 2}, layer, overrides, timeout_s=300)
+    spawn(_sft_rank, 2 * dp, tmp_path, *args, {"dp_shard_size": dp, split: 2}, layer, overrides, timeout_s=300)
     got = torch.load(tmp_path / "sft.pt")
     if dp > 1:
         (tmp_path / "dp").mkdir()  # a rendezvous of its own
@@ -635,10 +641,10 @@ def _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer="LlamaDec
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family, packing, eval_packing, dp", [
-    ("llama", True, None, 1), ("llama", True, False, 1), ("llama", False, None, 1), ("llama", False, None, 2),
-    ("opt", False, None, 1)])
-def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, packing, eval_packing, dp):
+@pytest.mark.parametrize("family, packing, eval_packing, dp, split", [
+    ("llama", True, None, 1, "cp_size"), ("llama", True, False, 1, "cp_size"), ("llama", False, None, 1, "cp_size"),
+    ("llama", False, None, 2, "cp_size"), ("opt", False, None, 1, "cp_size"), ("llama", False, None, 2, "tp_size")])
+def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, packing, eval_packing, dp, split):
     """TRL's evaluation step neither shards the batch for CP nor counts its tokens (every rank's attention got the
     whole batch: refused); with packing, the evaluation data went unpacked (eval_packing None) and untruncated
     (eval_packing False): TRL's constructor saw packing off. Prompt-completion data: a completion-only loss, uneven
@@ -646,15 +652,17 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
     final norm it finds among the base model's children, and OPT's (decoder.final_layer_norm) is not one, so the
     head was a unit of its own, gathered only when called as a module; TRL's fused LM head reads its weight
     directly, and its gradient missed the reduce-scatter (the head moved 0.92x one process's, the losses 1e-4 off
-    from step 2, with or without CP)."""
+    from step 2, with or without CP). dp_shard 2 x tp 2 against dp_shard 2: the evaluation gathered each batch's
+    loss once per TP rank (eval loss 5.4394 against 5.4343) and TRL counted each batch's tokens once per TP rank."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
-    got, want = _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer=_save_tiny(model_dir, family))
+    got, want = _sft_against(tmp_path, model_dir, packing, eval_packing, dp, layer=_save_tiny(model_dir, family),
+                             split=split)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
     # TRL's metrics: num_tokens counted each CP shard, ndp's pads and a padded batch's pads included (78 tokens
     # after 3 steps counted 84); at dp 2 Accelerate cut the padded last evaluation batch entry by entry, keeping
-    # rank 0's shard alone (eval_entropy 5e-6 off)
+    # rank 0's shard alone (eval_entropy 5e-6 off); under tp 2 TRL counted each batch once per TP rank
     def tokens(run):
         return [{k: v for k, v in m.items() if k.endswith("num_tokens")} for m in run["metrics"]]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,44 @@ def _refuse_unshifted(rows) -> None:
                          "convention, shifted inside the model, which under CP would shift inside each shard. "
                          "shard_batch takes labels shifted before sharding (labels[:, i] is token i's target): "
                          "labels = F.pad(labels[:, 1:], (0, 1), value=-100).")
+
+
+def _refuse_other_batches(state, rows) -> None:
+    """The ranks of a CP group, and of a TP group, each take their part of one batch: rows that differ between them
+    (a sampler over every rank rather than the data-parallel ones) would train on pieces of several batches,
+    silently. Compared by four numbers (the shape, the names, a position-weighted sum of the integer rows): their
+    maximum and minimum over the CP group, then over the TP group (one all-reduce each), so every rank holding the
+    batch decides alike."""
+    groups = [(axis, state.axis(axis)) for axis in ("cp", "tp")]
+    groups = [(axis, g) for axis, g in groups if g is not None and g.size() > 1]
+    if not groups or not rows:
+        return
+    mine = _fingerprint(rows)
+    both = torch.cat([mine, -mine])
+    for _, g in groups:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g.get_group())
+    if torch.equal(both[:4], -both[4:]):
+        return
+    dp = state.axis("dp")
+    dp_rank = dp.get_local_rank() if dp is not None and dp.size() > 1 else 0
+    ranks = 1
+    for _, g in groups:
+        ranks *= g.size()
+    axes = " and ".join(axis for axis, _ in groups) + (" axes" if len(groups) > 1 else " axis")
+    raise ValueError(f"shard_batch got other rows on the {ranks} ranks that each take their part of one batch (the "
+                     f"{axes}): the step would train on pieces of several batches. Give every rank of a data-parallel group the same batch: sample over the "
+                     f"{state.config.dp_size} data-parallel ranks (DistributedSampler(dataset, num_replicas="
+                     f"{state.config.dp_size}, rank={dp_rank}) here), not over every rank; or pass the global batch, "
+                     f"the same everywhere, with global_batch=True.")
+
+
+def _fingerprint(rows) -> torch.Tensor:
+    """[batch, seq, crc32 of the names, a position-weighted sum of the integer rows' values] (int64)."""
+    like = next(iter(rows.values()))
+    weights = torch.arange(like.numel(), device=like.device).reshape(like.shape) % 9973 + 1
+    total = sum((t.long() * weights).sum() for t in rows.values() if not t.is_floating_point())
+    head = torch.tensor([*like.shape, zlib.crc32(",".join(sorted(rows)).encode())], device=like.device)
+    return torch.cat([head, torch.as_tensor(total, device=like.device).reshape(1)]).to(torch.int64)
 
 
 def _refuse_restarts(pos, mask) -> None:
@@ -313,7 +352,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         ``max_length_q``/``max_length_k``. Pass it all to the model (its own loss is then ``ndp.hf.loss``'s: the
         labels are marked as shifted, ``SHIFTED``), or all but ``labels`` for ``ndp.hf.loss`` on the logits.
     Raises:
-        ValueError: the model was not parallelized by ndp; tensors of different shapes; labels equal to the
+        ValueError: the model was not parallelized by ndp; tensors of different shapes; rows that differ between the
+            ranks of a CP or TP group (each must be given its data-parallel batch whole); labels equal to the
             input_ids at every labelled token (not shifted); a document table that does
             not cover the rows; (global_batch) a batch size that does not divide by the data-parallel size;
             (pad=False) a length the layout cannot shard, or a packed batch that leaves a rank without a token (also
@@ -326,6 +366,7 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
         tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
     rows = _rows(tensors)
+    _refuse_other_batches(state, rows)
     _refuse_unshifted(rows)
     if global_batch and state.config.dp_size > 1:
         if "cu_seq_lens_q" in tensors:

@@ -1,7 +1,8 @@
 """A new user's mistakes under CP get one clear error on every rank, before any work: a batch that did not go
 through shard_batch (dense or packed), a packed batch without its document table, a dense 4-D mask, parallelize
 without a mesh in a multi-process job, a vision or audio tower (outside the decoder layers) run under CP, a head
-that reads chosen positions of a row (sequence classification, question answering) under CP or packing."""
+that reads chosen positions of a row (sequence classification, question answering) under CP or packing, another
+batch on each rank of a CP or TP group."""
 import copy
 import os
 import re
@@ -78,6 +79,37 @@ def _mistakes_body(rank, world):
 
 def test_cp_mistakes_raise_on_every_rank(tmp_path):
     spawn(_mistakes_body, 2, tmp_path, timeout_s=60)
+
+
+def _other_batches_body(rank, world):
+    cfg = ndp.ParallelismConfig(cp_size=2, tp_size=2)
+    model = ndp.hf.parallelize(build_model("tiny-llama", seed=0, dtype=torch.float64), cfg,
+                               cfg.build_device_mesh("cpu"))
+
+    def rows(seed):
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
+        return dict(input_ids=ids, labels=F.pad(ids[:, 1:], (0, 1), value=-100))
+
+    match = r"other rows on the 4 ranks that each take their part of one batch \(the cp and tp axes\).*" \
+            r"DistributedSampler\(dataset, num_replicas=1, rank=0\)"
+    # a sampler over every rank: each rank its own batch; then one rank's alone (its TP partner agrees with the
+    # other CP rank's partner: every rank still refuses, none left waiting in a collective)
+    for seeds in ((0, 1, 2, 3), (0, 1, 0, 0)):
+        with pytest.raises(ValueError, match=match):
+            ndp.hf.shard_batch(model, **rows(seeds[rank]))
+    b = ndp.hf.shard_batch(model, **rows(7))  # one batch: sharded, and the model's loss is the batch's
+    ref = build_model("tiny-llama", seed=0, dtype=torch.float64)
+    want = F.cross_entropy(ref(**{k: v for k, v in rows(7).items() if k != "labels"}).logits.flatten(0, 1),
+                           rows(7)["labels"].flatten(), ignore_index=-100)
+    loss = model(**b).loss.detach()
+    torch.distributed.all_reduce(loss, group=model.ndp_cp.group)
+    assert_close(loss / 2, want.detach(), torch.float32)  # transformers computes its loss in float32
+
+
+def test_other_batches_on_the_ranks_of_one_batch_are_refused_on_every_rank(tmp_path):
+    """The classic sampler mistake (DistributedSampler over every rank, not the data-parallel ones) gave each CP
+    and TP rank its own batch, and shard_batch took each rank's piece of another batch: trained silently."""
+    spawn(_other_batches_body, 4, tmp_path, timeout_s=60)
 
 
 def _towers_body(rank, world):

@@ -167,10 +167,11 @@ def _refuse_other_batches(state, rows) -> None:
         ranks *= g.size()
     axes = " and ".join(axis for axis, _ in groups) + (" axes" if len(groups) > 1 else " axis")
     raise ValueError(f"shard_batch got other rows on the {ranks} ranks that each take their part of one batch (the "
-                     f"{axes}): the step would train on pieces of several batches. Give every rank of a data-parallel group the same batch: sample over the "
-                     f"{state.config.dp_size} data-parallel ranks (DistributedSampler(dataset, num_replicas="
-                     f"{state.config.dp_size}, rank={dp_rank}) here), not over every rank; or pass the global batch, "
-                     f"the same everywhere, with global_batch=True.")
+                     f"{axes}): the step would train on pieces of several batches. Give every rank of a "
+                     f"data-parallel group the same batch: sample over the {state.config.dp_size} data-parallel "
+                     f"ranks (DistributedSampler(dataset, num_replicas={state.config.dp_size}, rank={dp_rank}) "
+                     f"here), not over every rank; or pass the global batch, the same everywhere, with "
+                     f"global_batch=True.")
 
 
 def _fingerprint(rows) -> torch.Tensor:

@@ -23,9 +23,10 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
   averages on, so the averaged gradients are those of the global mean loss.
-- ``gather_for_metrics``: under CP, a per-rank value (a 0-dim tensor: TRL's token counts and sums) of the padded
-  last evaluation batch is cut by data-parallel batch, all its CP ranks' parts kept (Accelerate cuts the gathered
-  entries one by one, as if each were a batch's).
+- ``gather_for_metrics``: under CP or TP, gathered from the dp x cp ranks (a TP rank's entries are copies:
+  Accelerate gathered each batch's once per TP rank), and a per-rank value (a 0-dim tensor: TRL's token counts and
+  sums) of the padded last evaluation batch cut by data-parallel batch, all its CP ranks' parts kept (Accelerate
+  cuts the gathered entries one by one, as if each were a batch's).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin
+from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin, recursively_apply
 from torch.distributed.fsdp import FSDPModule
 
 import ndp.hf
@@ -149,12 +150,21 @@ class Accelerator(accelerate.Accelerator):
         return args, {**kwargs, **extra}
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
-        state = self.gradient_state
-        if not (self.parallelism_config and self.parallelism_config.cp_enabled and torch.is_tensor(input_data)
-                and input_data.dim() == 0 and state.end_of_dataloader and state.remainder > 0):
+        """Accelerate's, each data-parallel batch's entries once: gathered from its CP ranks (each holds a part of
+        a per-rank value, e.g. TRL's token sums) but not its TP ranks (each holds a copy), and the padded last batch
+        cut by data-parallel batch, its CP ranks' parts kept together (Accelerate gathers every rank and cuts entry
+        by entry)."""
+        mesh = self.torch_device_mesh if self.parallelism_config else None
+        if mesh is None or use_gather_object or batch_ranks(mesh) == 1:
             return super().gather_for_metrics(input_data, use_gather_object)
-        # the world's entries in rank order, data-parallel major: each data-parallel batch's CP (and TP) ranks in a run
-        return self.gather(input_data)[:state.remainder * batch_ranks(self.torch_device_mesh)]
+        state, cp = self.gradient_state, mesh_axis(mesh, "cp").size()
+        cut = state.end_of_dataloader and state.remainder > 0
+
+        def gather(t):
+            parts = gather_over(t.reshape(1) if t.dim() == 0 else t, mesh_axis(mesh, "dp_cp"))
+            return parts[:state.remainder * (cp if t.dim() == 0 else 1)] if cut else parts
+
+        return recursively_apply(gather, input_data, error_on_other_type=True)
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None, *,
@@ -192,6 +202,16 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def gather_over(tensor, axis) -> torch.Tensor:
+    """`tensor` of every rank of the 1-D mesh `axis`, concatenated along dim 0 in rank order (itself alone on an axis
+    of one rank)."""
+    if axis.size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(axis.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=axis.get_group())
+    return torch.cat(parts)
 
 
 def batch_ranks(mesh) -> int:

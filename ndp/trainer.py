@@ -57,7 +57,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import SCHEDULER_NAME
 
-from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, saved_optimizer_state
+from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .hf.batch import PACKING_KEYS, document_positions, without_padding
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
@@ -227,11 +227,7 @@ class NdpTrainerMixin:
     def _gather_over_dp(self, tensor):
         """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the
         last batch cut off as Accelerate does."""
-        dp = mesh_axis(self.accelerator.torch_device_mesh, "dp")
-        if dp.size() > 1:
-            parts = [torch.empty_like(tensor) for _ in range(dp.size())]
-            dist.all_gather(parts, tensor.contiguous(), group=dp.get_group())
-            tensor = torch.cat(parts)
+        tensor = gather_over(tensor, mesh_axis(self.accelerator.torch_device_mesh, "dp"))
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             tensor = tensor[:state.remainder]

@@ -750,6 +750,31 @@ def _one_process_script(code, imports, tmp_path, model_dir):
     return [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
 
 
+def _gather_rank(rank, world, par):
+    _rank_env(rank, world)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(**par), fsdp_plugin=plugin)
+    cp_rank = acc.torch_device_mesh["cp"].get_local_rank() if "cp_size" in par else 0
+    rows, parts = [], []
+    for b in acc.prepare(torch.utils.data.DataLoader(torch.arange(5) * 10, batch_size=1)):  # 5 rows, 2 dp ranks
+        rows.append(acc.gather_for_metrics(b))
+        parts.append(acc.gather_for_metrics(b.sum() + cp_rank))  # a per-rank value: a CP rank's part of its batch's
+    rows, parts = torch.cat(rows).tolist(), torch.cat(parts).tolist()
+    if "tp_size" in par:  # each batch once, not once per TP rank; the padded last step cut to its real batch
+        assert rows == parts == [0, 10, 20, 30, 40]
+    else:  # each batch's CP parts together, the last step's too (Accelerate cut it entry by entry: [40])
+        assert parts == [0, 1, 10, 11, 20, 21, 30, 31, 40, 41]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("par", [{"dp_shard_size": 2, "tp_size": 2}, {"dp_shard_size": 2, "cp_size": 2}])
+def test_gather_for_metrics_takes_each_data_parallel_batch_once(tmp_path, par):
+    """Accelerate's gather_for_metrics gathers every rank: under TP each batch came once per TP rank ([0, 0, 10,
+    10, ..., 40] for 5 rows at dp_shard 2 x tp 2), and the padded last step was cut entry by entry."""
+    spawn(_gather_rank, 4, tmp_path, par, timeout_s=120)
+
+
 def test_packed_rows_are_recognised_only_by_unambiguous_positions():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])

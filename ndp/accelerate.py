@@ -155,7 +155,7 @@ class Accelerator(accelerate.Accelerator):
         cut by data-parallel batch, its CP ranks' parts kept together (Accelerate gathers every rank and cuts entry
         by entry)."""
         mesh = self.torch_device_mesh if self.parallelism_config else None
-        if mesh is None or use_gather_object or batch_ranks(mesh) == 1:
+        if mesh is None or use_gather_object or batch_ranks(mesh) == 1 or not _all_tensors(input_data):
             return super().gather_for_metrics(input_data, use_gather_object)
         state, cp = self.gradient_state, mesh_axis(mesh, "cp").size()
         cut = state.end_of_dataloader and state.remainder > 0
@@ -202,6 +202,15 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def _all_tensors(data) -> bool:
+    """Whether `data` is tensors (nested in lists, tuples, dicts) only: Accelerate gathers anything else as objects."""
+    try:
+        recursively_apply(lambda t: t, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 def gather_over(tensor, axis) -> torch.Tensor:

@@ -4,8 +4,9 @@ transformers' dynamic NTK and LongRoPE (``rope_type`` "dynamic", "longrope": Phi
 128k context, Phi-3.5 MoE) choose their frequencies in the rotary module's forward from the longest position it
 is given (``dynamic_rope_update``: ``max(position_ids) + 1``, against the pretraining length). On a CP rank that
 is its shard's longest, not the batch's: ranks holding the start of a sequence rotate their queries and keys with
-other frequencies than the ranks holding its end, and the attention mixes them (measured: logits off by 7e-4 on a
-tiny float64 Llama with dynamic NTK under cp 2, 5e-8 with LongRoPE, against 1e-16 with the default RoPE).
+other frequencies than the ranks holding its end, and the attention mixes them (measured on tiny float64 models
+under cp 2, ``tests/hf/test_rope.py``: Phi-3 with LongRoPE 0.8-1.7x off one process's loss and gradients, Llama with
+dynamic NTK 0.1-0.4x).
 
 Under CP ndp runs transformers' own update once per forward, before the layers, with the batch's longest position
 (``ndp.hf.batch.LONGEST``, recorded when the batch was sharded, before ndp padded it; the shard's longest where the

@@ -92,8 +92,8 @@ def _other_batches_body(rank, world):
 
     match = r"other rows on the 4 ranks that each take their part of one batch \(the cp and tp axes\).*" \
             r"DistributedSampler\(dataset, num_replicas=1, rank=0\)"
-    # a sampler over every rank: each rank its own batch; then rank 1's alone (ranks 2 and 3 share neither its CP
-    # nor its TP group, yet refuse too: the comparison spans both axes, no rank is left waiting in a collective)
+    # a sampler over every rank: each rank its own batch; then rank 1's alone (rank 2 shares neither its CP nor its
+    # TP group, yet refuses too: the comparison spans both axes, no rank is left waiting in a collective)
     for seeds in ((0, 1, 2, 3), (0, 1, 0, 0)):
         with pytest.raises(ValueError, match=match):
             ndp.hf.shard_batch(model, **rows(seeds[rank]))

@@ -5,8 +5,8 @@ transformers' dynamic NTK and LongRoPE (``rope_type`` "dynamic", "longrope": Phi
 is given (``dynamic_rope_update``: ``max(position_ids) + 1``, against the pretraining length). On a CP rank that
 is its shard's longest, not the batch's: ranks holding the start of a sequence rotate their queries and keys with
 other frequencies than the ranks holding its end, and the attention mixes them (measured on tiny float64 models
-under cp 2, ``tests/hf/test_rope.py``: Phi-3 with LongRoPE 0.8-1.7x off one process's loss and gradients, Llama with
-dynamic NTK 0.1-0.4x).
+under cp 2, ``tests/hf/test_rope.py``: the loss and gradients of Phi-3 with LongRoPE 0.8-1.7 off one process's,
+relative, of Llama with dynamic NTK 0.1-0.4).
 
 Under CP ndp runs transformers' own update once per forward, before the layers, with the batch's longest position
 (``ndp.hf.batch.LONGEST``, recorded when the batch was sharded, before ndp padded it; the shard's longest where the

@@ -44,7 +44,8 @@ from torch.distributed.fsdp import FSDPModule
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
-from ndp.hf.batch import PACKING_KEYS, REAL_TOKENS, packed_cu, shard_positions, shard_rows
+from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, packed_cu, refuse_other_batches, shard_positions,
+                          shard_rows)
 from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
                           is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
@@ -180,6 +181,9 @@ class Accelerator(accelerate.Accelerator):
             return
         buffers = list(buffers or [])
         keep = no_restore_buffers or set()
+        rows = dict(zip(names, buffers)) if names is not None else {f"buffer{i}": b for i, b in enumerate(buffers)}
+        refuse_other_batches(rows, self.torch_device_mesh, "maybe_context_parallel",
+                             "; prepared by the Accelerator (accelerator.prepare(loader)) a data loader does so")
         shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models(), position_ids, names)
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):

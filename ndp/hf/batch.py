@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import ndp.cp
 from ndp.cp.sharding import seq_multiple
-from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_device
+from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_axis, mesh_device
 
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 
@@ -144,43 +144,45 @@ def _refuse_unshifted(rows) -> None:
                          "labels = F.pad(labels[:, 1:], (0, 1), value=-100).")
 
 
-def _refuse_other_batches(state, rows) -> None:
+def refuse_other_batches(rows, mesh, what, fix="") -> None:
     """The ranks of a CP group, and of a TP group, each take their part of one batch: rows that differ between them
     (a sampler over every rank rather than the data-parallel ones) would train on pieces of several batches,
-    silently. Compared by four numbers (the shape, the names, a position-weighted sum of the integer rows): their
-    maximum and minimum over the CP group, then over the TP group (one all-reduce each), so every rank holding the
-    batch decides alike."""
-    groups = [(axis, state.axis(axis)) for axis in ("cp", "tp")]
-    groups = [(axis, g) for axis, g in groups if g is not None and g.size() > 1]
+    silently. Compared by two numbers (a checksum of the names, shapes and dtypes, a position-weighted sum of the
+    integer rows): their maximum and minimum over the CP group, then over the TP group (one all-reduce each), so
+    every rank holding the batch decides alike, before anything that could refuse it on one rank only. `what`
+    names the caller, `fix` its own way out."""
+    groups = [(axis, mesh_axis(mesh, axis)) for axis in ("cp", "tp")] if mesh is not None else []
+    groups = [(axis, g) for axis, g in groups if g.size() > 1]
+    rows = {k: t for k, t in rows.items() if torch.is_tensor(t)}
     if not groups or not rows:
         return
     mine = _fingerprint(rows)
     both = torch.cat([mine, -mine])
     for _, g in groups:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g.get_group())
-    if torch.equal(both[:4], -both[4:]):
+    if torch.equal(both[:2], -both[2:]):
         return
-    dp = state.axis("dp")
-    dp_rank = dp.get_local_rank() if dp is not None and dp.size() > 1 else 0
-    ranks = 1
+    dp, ranks = mesh_axis(mesh, "dp"), 1
     for _, g in groups:
         ranks *= g.size()
     axes = " and ".join(axis for axis, _ in groups) + (" axes" if len(groups) > 1 else " axis")
-    raise ValueError(f"shard_batch got other rows on the {ranks} ranks that each take their part of one batch (the "
+    raise ValueError(f"{what} got other rows on the {ranks} ranks that each take their part of one batch (the "
                      f"{axes}): the step would train on pieces of several batches. Give every rank of a "
-                     f"data-parallel group the same batch: sample over the {state.config.dp_size} data-parallel "
-                     f"ranks (DistributedSampler(dataset, num_replicas={state.config.dp_size}, rank={dp_rank}) "
-                     f"here), not over every rank; or pass the global batch, the same everywhere, with "
-                     f"global_batch=True.")
+                     f"data-parallel group the same batch: sample over the {dp.size()} data-parallel ranks "
+                     f"(DistributedSampler(dataset, num_replicas={dp.size()}, rank={dp.get_local_rank()}) here), not "
+                     f"over every rank{fix}.")
 
 
 def _fingerprint(rows) -> torch.Tensor:
-    """[batch, seq, crc32 of the names, a position-weighted sum of the integer rows' values] (int64)."""
+    """[crc32 of the names, shapes and dtypes, a position-weighted sum of the integer rows' values] (int64)."""
     like = next(iter(rows.values()))
-    weights = torch.arange(like.numel(), device=like.device).reshape(like.shape) % 9973 + 1
-    total = sum((t.long() * weights).sum() for t in rows.values() if not t.is_floating_point())
-    head = torch.tensor([*like.shape, zlib.crc32(",".join(sorted(rows)).encode())], device=like.device)
-    return torch.cat([head, torch.as_tensor(total, device=like.device).reshape(1)]).to(torch.int64)
+    layout = zlib.crc32(repr(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in rows.items())).encode())
+    total = torch.zeros((), dtype=torch.int64, device=like.device)
+    for t in rows.values():
+        if not t.is_floating_point():
+            flat = t.reshape(-1).to(like.device, torch.int64)
+            total = total + (flat * (torch.arange(flat.numel(), device=like.device) % 9973 + 1)).sum()
+    return torch.stack([torch.tensor(layout, dtype=torch.int64, device=like.device), total])
 
 
 def _refuse_restarts(pos, mask) -> None:
@@ -367,7 +369,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
         tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
     rows = _rows(tensors)
-    _refuse_other_batches(state, rows)
+    refuse_other_batches(rows, state.mesh, "shard_batch",
+                         "; or pass the global batch, the same everywhere, with global_batch=True")
     _refuse_unshifted(rows)
     if global_batch and state.config.dp_size > 1:
         if "cu_seq_lens_q" in tensors:
@@ -513,4 +516,4 @@ def _real_tokens(rows):
 
 __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
-           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute"]
+           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches"]

@@ -775,6 +775,26 @@ def test_gather_for_metrics_takes_each_data_parallel_batch_once(tmp_path, par):
     spawn(_gather_rank, 4, tmp_path, par, timeout_s=120)
 
 
+def _other_buffers_rank(rank, world):
+    _rank_env(rank, world)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world), fsdp_plugin=plugin)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))  # a loader of its own
+    for names in (None, ["input_ids"]):
+        with pytest.raises(ValueError, match=r"maybe_context_parallel got other rows on the 2 ranks .* \(the cp "
+                                             r"axis\).*accelerator.prepare\(loader\)"):
+            with acc.maybe_context_parallel(buffers=[ids.clone()], buffer_seq_dims=[1], names=names):
+                pass
+
+
+@pytest.mark.distributed
+def test_maybe_context_parallel_refuses_another_batch_on_each_cp_rank(tmp_path):
+    """A data loader not prepared by the Accelerator (a sampler over every rank) gave each CP rank its own batch,
+    and maybe_context_parallel sharded each: the step trained on pieces of two batches, silently."""
+    spawn(_other_buffers_rank, 2, tmp_path, timeout_s=60)
+
+
 def test_packed_rows_are_recognised_only_by_unambiguous_positions():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import zlib
 
 import torch
@@ -162,9 +163,7 @@ def refuse_other_batches(rows, mesh, what, fix="") -> None:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g.get_group())
     if torch.equal(both[:2], -both[2:]):
         return
-    dp, ranks = mesh_axis(mesh, "dp"), 1
-    for _, g in groups:
-        ranks *= g.size()
+    dp, ranks = mesh_axis(mesh, "dp"), math.prod(g.size() for _, g in groups)
     axes = " and ".join(axis for axis, _ in groups) + (" axes" if len(groups) > 1 else " axis")
     raise ValueError(f"{what} got other rows on the {ranks} ranks that each take their part of one batch (the "
                      f"{axes}): the step would train on pieces of several batches. Give every rank of a "
@@ -389,15 +388,20 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
 
 
 @contextlib.contextmanager
+def holding(var: contextvars.ContextVar, value):
+    """Inside, `var` holds `value` (yielded); its value before, after."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def shard_positions(position_ids):
     """Inside, a forward's facts of the batch (``REAL_TOKENS``, ``LONGEST``: :func:`shard_attribute`) are those of
     `position_ids`, the shard's as :func:`shard_rows` returned them: for a caller that hands the model its shard in
     other tensors (ndp.accelerate's ``maybe_context_parallel``)."""
-    token = _SHARD_POSITIONS.set(position_ids)
-    try:
-        yield
-    finally:
-        _SHARD_POSITIONS.reset(token)
+    return holding(_SHARD_POSITIONS, position_ids)
 
 
 def shard_attribute(kwargs, name):
@@ -516,4 +520,4 @@ def _real_tokens(rows):
 
 __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
-           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches"]
+           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding"]

@@ -42,8 +42,7 @@ def guard_rope(model, ctx) -> None:
     """Under CP, make `model`'s length-following rotary modules (:func:`length_dependent`) choose their frequencies
     from the batch's longest position: their forward no longer updates, and a forward pre-hook on `model` runs
     transformers' update with that length before the layers (eagerly under torch.compile: it all-reduces)."""
-    rotaries = {module: length_dependent(module) for module in model.modules()}
-    rotaries = {module: layers for module, layers in rotaries.items() if layers}
+    rotaries = {module: layers for module in model.modules() if (layers := length_dependent(module))}
     if not rotaries:
         return
     for module in rotaries:

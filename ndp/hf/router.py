@@ -21,7 +21,6 @@ parallelized: Doge's takes other arguments) is refused by name when its loss is 
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import inspect
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import REAL_TOKENS, shard_attribute
+from .batch import REAL_TOKENS, holding, shard_attribute
 from .models import Unsupported, text_config
 
 _PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
@@ -42,27 +41,18 @@ _SUMMED: contextvars.ContextVar = contextvars.ContextVar("ndp_losses_summed", de
 _RECORD: contextvars.ContextVar = contextvars.ContextVar("ndp_router_record", default=None)
 
 
-@contextlib.contextmanager
-def _holding(var: contextvars.ContextVar, value):
-    token = var.set(value)
-    try:
-        yield value
-    finally:
-        var.reset(token)
-
-
 def losses_summed():
     """Inside, the load-balancing loss in a model's ``loss`` is each CP rank's share of its batch's: for a caller
     that sums the ranks' losses (transformers' Trainer: ``num_items_in_batch`` over every rank's tokens and the loss
     multiplied by the ranks' number)."""
-    return _holding(_SUMMED, True)
+    return holding(_SUMMED, True)
 
 
 def recorded_shares():
     """Inside, each forward's share of its batch's load-balancing loss (detached, not scaled) is appended to the list
     this yields: for a caller that combines a loss's token mean and its load-balancing loss over the CP ranks
     apart (TRL's evaluation normalises each shard's token loss by its own tokens)."""
-    return _holding(_RECORD, [])
+    return holding(_RECORD, [])
 
 
 def family_loss(model: nn.Module):

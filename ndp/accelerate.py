@@ -44,8 +44,8 @@ from torch.distributed.fsdp import FSDPModule
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
-from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, packed_cu, refuse_other_batches, shard_positions,
-                          shard_rows)
+from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, gather_over, packed_cu, refuse_other_batches,
+                          shard_positions, shard_rows)
 from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
                           is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
@@ -215,16 +215,6 @@ def _all_tensors(data) -> bool:
     except TypeError:
         return False
     return True
-
-
-def gather_over(tensor, axis) -> torch.Tensor:
-    """`tensor` of every rank of the 1-D mesh `axis`, concatenated along dim 0 in rank order (itself alone on an axis
-    of one rank)."""
-    if axis.size() == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(axis.size())]
-    dist.all_gather(parts, tensor.contiguous(), group=axis.get_group())
-    return torch.cat(parts)
 
 
 def batch_ranks(mesh) -> int:

@@ -18,9 +18,11 @@ and overrides, nothing patched:
   evaluation gathers one entry per data-parallel rank (``gather_function``, under TP too), so the eval loss is
   the one a run without CP on the same data-parallel ranks reports (Trainer's evaluation would otherwise gather
   the CP ranks' partial losses as samples and report a wrong loss; under TP each batch's loss once per TP rank,
-  and the last partial step cut to its first entries: dp_shard 2 x tp 2 on 5 rows weighed 4 rows twice);
-  ``compute_metrics`` and predictions (``Trainer.predict``) under CP are refused by name (the logits are sharded:
-  predict returned none);
+  and the last partial step cut to its first entries: dp_shard 2 x tp 2 on 5 rows weighed 4 rows twice), set by
+  ``evaluation_loop`` for each loop (transformers resets it after every loop); with ``compute_metrics`` or
+  ``Trainer.predict`` under CP each rank's shard of the per-token outputs (logits, hidden states) is gathered back
+  into the batch's order on every CP rank (``ndp.hf.batch.gather_tokens``) and the labels are the batch's, so the
+  predictions are a run without CP's; outputs not per token are refused by name;
 - ``_prepare_context_parallel_inputs``: every per-token tensor of the batch (input_ids, labels, shift_labels made
   before sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is
   labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as token_type_ids) goes
@@ -54,11 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from accelerate.utils import recursively_apply
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
-from .hf.batch import PACKING_KEYS, document_positions, without_padding
+from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -94,10 +97,15 @@ class NdpTrainerMixin:
         # the Trainer built accelerate's Accelerator; ndp's, from the same arguments, takes its place (without CP
         # too: its FSDP2 ties MoE experts)
         self.accelerator = Accelerator(**args)
+
+    def evaluation_loop(self, *args, **kwargs):
         if self._ranks_per_batch() > 1:
             # evaluation gathers one entry per data-parallel rank (its CP and TP ranks hold one batch: gathered from
-            # every rank, each batch counted once per rank and the last, partial step cut to its first entries)
+            # every rank, each batch counted once per rank and the last, partial step cut to its first entries); set
+            # for every loop, as transformers resets it to the Accelerator's after each (a second evaluation under
+            # CP, or a predict after one, gathered each batch once per CP rank: the loss misweighted)
             self.gather_function = self._gather_over_dp
+        return super().evaluation_loop(*args, **kwargs)
 
     def _cp_config(self):
         """The Accelerator's parallelism_config where it turns CP on, else None."""
@@ -126,6 +134,7 @@ class NdpTrainerMixin:
         # the collator's document table describes the unsharded rows: the shards' comes from the positions
         inputs = {k: v for k, v in inputs.items() if k not in PACKING_KEYS}
         buffers = [inputs[k] for k in names]
+        self._ndp_origin = inputs.pop(ORIGIN, None)  # sharded with the batch, not the model's
         # named: a length the CP layout cannot split is padded (labels -100), as shard_batch pads
         cp_context = functools.partial(self.accelerator.maybe_context_parallel, buffers=buffers,
                                        buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
@@ -152,37 +161,79 @@ class NdpTrainerMixin:
         pc = self._cp_config()
         if pc is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        if self.compute_metrics is not None or not prediction_loss_only:
-            what = "compute_metrics" if self.compute_metrics is not None else "predictions (Trainer.predict)"
-            raise ValueError(f"ndp.trainer: {what} under context parallelism (cp_size={pc.cp_size}) would see "
-                             f"each rank's shard of the logits; evaluate the loss only (compute_metrics=None, "
-                             f"prediction_loss_only=True) or predict and compute metrics without CP.")
-        if not all(inputs.get(k) is not None for k in self.label_names):
-            return None, None, None  # no labels, no loss; the logits are sharded
-        # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
-        part = torch.stack(self._cp_loss_part(model, inputs)).to(self.args.device, torch.float64)
-        dist.all_reduce(part, group=self.accelerator.torch_device_mesh["cp"].get_group())
-        return (part[0] / part[1].clamp(min=1) + part[2]).float(), None, None
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        labels = None
+        if has_labels and not prediction_loss_only:  # the batch's, as the Trainer returns them (before any shift)
+            labels = tuple(self._prepare_input(inputs[k]) for k in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        # sharded in place: a copy, so that the caller's batch stays whole (include_for_metrics=["inputs"] reads it)
+        inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        like = inputs.get("input_ids", inputs.get("labels"))
+        if not prediction_loss_only and torch.is_tensor(like):
+            inputs[ORIGIN] = origin_rows(like)  # where each shard's token goes back
+        if has_labels:
+            parts, outputs = self._cp_loss_part(model, inputs)
+            # this rank's part of its data-parallel batch's loss -> that batch's loss, as a DP-only rank reports it
+            part = torch.stack(parts).to(self.args.device, torch.float64)
+            dist.all_reduce(part, group=self.accelerator.torch_device_mesh["cp"].get_group())
+            loss = (part[0] / part[1].clamp(min=1) + part[2]).float()
+        elif prediction_loss_only:
+            return None, None, None  # no labels, no loss
+        else:
+            loss, outputs = None, self._cp_outputs(model, inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, self._cp_predictions(outputs, ignore_keys, tuple(like.shape)), labels
 
     def _cp_loss_part(self, model, inputs):
-        """(loss, weight, summed) of this rank's CP shard: the weighted mean of the losses over the CP group plus
-        the sum of `summed` is the data-parallel batch's evaluation loss. transformers' loss-only evaluation step
-        normalises by the tokens counted before sharding (over the data-parallel ranks, as its own step counts
-        them), each shard weighing the same; an MoE's load-balancing loss is in it already (each rank's share)."""
+        """((loss, weight, summed), outputs) of this rank's CP shard: the weighted mean of the losses over the CP
+        group plus the sum of `summed` is the data-parallel batch's evaluation loss. transformers' loss-only
+        evaluation step normalises by the tokens counted before sharding (over the data-parallel ranks, as its own
+        step counts them), each shard weighing the same; an MoE's load-balancing loss is in it already (each rank's
+        share)."""
         inputs = self._prepare_inputs(inputs)
-        loss, _ = self._cp_shard_loss(model, inputs, self._get_num_items_in_batch([inputs], self.args.device))
-        return loss, torch.ones_like(loss), torch.zeros_like(loss)
+        loss, _, outputs = self._cp_shard_loss(model, inputs, self._get_num_items_in_batch([inputs], self.args.device))
+        return (loss, torch.ones_like(loss), torch.zeros_like(loss)), outputs
 
     def _cp_shard_loss(self, model, inputs, num_items_in_batch=None):
-        """compute_loss on this rank's CP shard of a prepared batch, without gradient, and the shard's labelled
-        tokens (None without labels)."""
+        """(compute_loss, the shard's labelled tokens (None without labels), the model's outputs) on this rank's CP
+        shard of a prepared batch, without gradient."""
         cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
-        if self.args.use_liger_kernel:
+        if self.args.use_liger_kernel and self._ndp_origin is None:  # no predictions gathered: no logits needed
             inputs = {**inputs, "skip_logits": True}
         with torch.no_grad(), self.compute_loss_context_manager(), cp_context():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch).detach().mean()
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                              num_items_in_batch=num_items_in_batch)
         labels = inputs.get("shift_labels")
-        return loss, None if labels is None else (labels != -100).sum()
+        return loss.detach().mean(), None if labels is None else (labels != -100).sum(), outputs
+
+    def _cp_outputs(self, model, inputs):
+        """The model's outputs on this rank's CP shard of a batch without labels (predictions)."""
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, self._prepare_inputs(inputs))
+        with torch.no_grad(), self.compute_loss_context_manager(), cp_context():
+            return model(**inputs)
+
+    def _cp_predictions(self, outputs, ignore_keys, shape):
+        """The predictions the Trainer returns (the outputs but the loss and `ignore_keys`; one alone is returned
+        bare), each per-token output (logits, hidden states) gathered from the CP group into the batch's ``shape``
+        and order (``ndp.hf.batch.gather_tokens``), on every rank: what a run without CP returns. An output that is
+        not per token (an MoE's router logits, flattened over the shard's tokens; its load-balancing loss) is
+        refused by name."""
+        if ignore_keys is None:
+            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"])
+        items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs)
+        items = [(k, v) for k, v in items if k not in [*ignore_keys, "loss"]]
+        origin = self._ndp_origin
+        odd = [k for k, v in items if not _per_token(v, origin.shape)]
+        if odd:
+            raise ValueError(f"ndp.trainer: the model's outputs {odd} are not per-token tensors ([batch, seq, ...] "
+                             f"of this rank's shard), which context parallelism (cp_size={self._cp_config().cp_size}) "
+                             f"cannot gather back into the batch; the Trainer would return them as predictions. Leave "
+                             f"them out: ignore_keys={odd} (evaluate(ignore_keys=...), predict(ignore_keys=...), "
+                             f"ignore_keys_for_eval in train), or predict without CP.")
+        axis = mesh_axis(self.accelerator.torch_device_mesh, "cp")
+        preds = tuple(recursively_apply(lambda t: gather_tokens(t.detach(), origin, shape, axis), v) for _, v in items)
+        return preds[0] if len(preds) == 1 else preds
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the
@@ -224,14 +275,16 @@ class NdpTrainerMixin:
             return 1
         return batch_ranks(self.accelerator.torch_device_mesh)
 
-    def _gather_over_dp(self, tensor):
+    def _gather_over_dp(self, data):
         """gather_for_metrics over the data-parallel ranks only: one entry per DP rank's batch, the padding of the
-        last batch cut off as Accelerate does."""
-        tensor = gather_over(tensor, mesh_axis(self.accelerator.torch_device_mesh, "dp"))
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            tensor = tensor[:state.remainder]
-        return tensor
+        last batch cut off as Accelerate does (each tensor of nested predictions: logits and hidden states)."""
+        state, axis = self.accelerator.gradient_state, mesh_axis(self.accelerator.torch_device_mesh, "dp")
+        cut = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+
+        def gather(tensor):
+            return gather_over(tensor, axis)[:cut]
+
+        return recursively_apply(gather, data, error_on_other_type=True)
 
 
 @contextlib.contextmanager
@@ -276,6 +329,14 @@ def _neftune_of_batch(cp_context, trainer, model, seq, shard):
             yield
         finally:
             embeddings.neftune_noise_alpha = alpha
+
+
+def _per_token(value, shape) -> bool:
+    """A tensor whose leading dims are the shard's ``shape`` ([rows, tokens]), or a tuple / list of them (hidden
+    states, one per layer)."""
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(_per_token(v, shape) for v in value)
+    return torch.is_tensor(value) and tuple(value.shape[:len(shape)]) == tuple(shape)
 
 
 def _unpeft(model):
@@ -405,10 +466,10 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
         # tokens, so each shard's token loss weighs by its own; an MoE's load-balancing loss (TRL adds coef x
         # aux_loss, each rank's share x cp_size) is the sum of the shares
         with recorded_shares() as shares:
-            loss, labelled = self._cp_shard_loss(model, self._prepare_inputs(inputs))
+            loss, labelled, outputs = self._cp_shard_loss(model, self._prepare_inputs(inputs))
         aux = self.router_aux_loss_coef * shares[-1] if shares and self.aux_loss_enabled else torch.zeros_like(loss)
         loss = loss - aux * self._cp_config().cp_size
-        return loss * labelled, labelled.to(loss.dtype), aux.to(loss.dtype)
+        return (loss * labelled, labelled.to(loss.dtype), aux.to(loss.dtype)), outputs
 
 
 _PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")

@@ -43,6 +43,10 @@ SHIFTED = "_ndp_shifted"
 # sequence length), as an attribute of the shard's position_ids (a tensor, no host sync): the length transformers'
 # dynamic and LongRoPE frequencies follow (``ndp.hf.rope``).
 LONGEST = "_ndp_longest"
+# Each shard token's place in the batch (its index in the flattened [batch, seq] rows; -1 for a pad ndp adds), as a
+# row of that name sharded with the batch: what puts per-token outputs (the logits) back in the batch's order
+# (:func:`gather_tokens`).
+ORIGIN = "_ndp_origin"
 # Inside shard_positions(): the shard's position_ids as shard_rows made them (carrying REAL_TOKENS and LONGEST), for
 # a forward whose model gets its shard in other tensors (ndp.accelerate copies each shard into the caller's buffer).
 _SHARD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("ndp_shard_positions", default=None)
@@ -108,6 +112,8 @@ def _pad_value(name, pad_id):
         return -100
     if name == REAL_TOKENS:
         return 0
+    if name == ORIGIN:
+        return -1
     if name == "attention_mask":
         return 1  # pads sit after every real token: under a causal mask no real token sees them
     return pad_id
@@ -235,6 +241,41 @@ def without_padding(tensors: dict) -> dict:
     ones = torch.ones_like(mask)
     setattr(ones, REAL_TOKENS, mask)
     return dict(tensors, attention_mask=ones)
+
+
+def origin_rows(like) -> torch.Tensor:
+    """The ``ORIGIN`` row of a ``[batch, seq]`` batch shaped as `like`: each token's index in the flattened rows."""
+    return torch.arange(like.numel(), device=like.device).reshape(like.shape)
+
+
+def gather_over(tensor, axis) -> torch.Tensor:
+    """`tensor` of every rank of the 1-D mesh `axis`, concatenated along dim 0 in rank order (itself alone on an axis
+    of one rank)."""
+    if axis.size() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(axis.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=axis.get_group())
+    return torch.cat(parts)
+
+
+def gather_tokens(shard, origin, shape, axis) -> torch.Tensor:
+    """Per-token values of this rank's CP shard (``[rows, tokens, ...]``, `origin` the shard's ``ORIGIN`` row)
+    gathered from every rank of the CP axis `axis` into the batch's ``shape`` (``[batch, seq]``) and order, ndp's
+    pads dropped: what a run without CP computes for the batch, on every rank. A packed batch's shards differ in
+    length: each is padded to the longest for the all-gather."""
+    values = shard.reshape(origin.numel(), *shard.shape[origin.dim():])
+    where = origin.reshape(-1)
+    most = int(gather_over(torch.tensor([where.numel()], device=where.device), axis).max())
+    values = torch.cat([values, values.new_zeros(most - len(values), *values.shape[1:])])
+    where = F.pad(where, (0, most - where.numel()), value=-1)
+    values, where = gather_over(values, axis), gather_over(where, axis)
+    keep = where >= 0
+    if int(keep.sum()) != math.prod(shape):
+        raise RuntimeError(f"gather_tokens: the CP shards hold {int(keep.sum())} of the batch's {math.prod(shape)} "
+                           f"tokens (shape {tuple(shape)}); the ORIGIN rows were not sharded with the batch")
+    out = values.new_zeros(math.prod(shape), *values.shape[1:])
+    out[where[keep]] = values[keep]
+    return out.reshape(*shape, *values.shape[1:])
 
 
 def _take_dp_rows(state, rows):

@@ -304,13 +304,7 @@ def _smoothing_rank(rank, world, tmp, model_dir, par):
     _rank_env(rank, world)
     trainer, got = _smoothing_run(tmp, model_dir, par)
     if par.get("cp_size", 1) > 1:
-        # what would see each rank's shard of the logits: refused by name (predict returned no predictions)
-        with pytest.raises(ValueError, match=r"predictions \(Trainer.predict\) under context parallelism"):
-            trainer.predict(_samples()[:2])
-        trainer.compute_metrics = lambda prediction: {}
-        with pytest.raises(ValueError, match=r"compute_metrics under context parallelism \(cp_size=2\)"):
-            trainer.evaluate()
-        trainer.compute_metrics = None
+        # a loss of its own would get each rank's shard of the logits and labels: refused by name
         trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()
         with pytest.raises(ValueError, match=r"compute_loss_func under context parallelism \(cp_size=2\) would "
                                              r"get each rank's shard"):
@@ -328,7 +322,7 @@ def test_trainer_label_smoothing_under_fsdp2_and_cp_matches_one_process(tmp_path
     (every token trained to predict itself: the losses 5.655 / 5.682 / 5.637 under cp 2 against one process's 5.57 /
     5.577 / 5.53), and a shift under CP would have been each shard's. It now shifts as meant, under CP the labels
     shifted before sharding: the weights after 3 SGD steps and the evaluation loss equal one process's (on the
-    same rows per step); under CP a compute_loss_func, compute_metrics and Trainer.predict are refused by name."""
+    same rows per step); under CP a compute_loss_func is refused by name."""
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
     spawn(_smoothing_rank, 2, tmp_path, str(tmp_path), model_dir, par, timeout_s=300)

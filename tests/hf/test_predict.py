@@ -23,6 +23,7 @@ from test_accelerate import (COLLATORS, _InOrder, _padded_samples, _rank_env, _s
 # case -> (family, its parallelism, eval batch size, collator, samples)
 CASES = {"dense": ("llama", {"dp_shard_size": 2, "cp_size": 2}, 1, None, lambda: _samples()[:5]),
          "tp": ("llama", {"dp_shard_size": 2, "tp_size": 2}, 1, None, lambda: _samples()[:5]),
+         "cp_tp": ("llama", {"cp_size": 2, "tp_size": 2}, 2, "pad", _padded_samples),
          "pad": ("llama", {"cp_size": 2}, 2, "pad", _padded_samples),
          "flatten": ("llama", {"cp_size": 2}, 2, "flatten", _padded_samples),
          "moe": ("olmoe", {"cp_size": 2}, 2, "pad", lambda: _padded_samples()[:2])}
@@ -91,7 +92,7 @@ def test_trainer_predict_and_compute_metrics_under_cp_match_one_process(tmp_path
     model_dir = str(tmp_path / "model")
     family = CASES[case][0]
     layer = _save_tiny(model_dir, family)
-    spawn(_predict_rank, 4 if case in ("dense", "tp") else 2, tmp_path, str(tmp_path), model_dir, layer, case,
+    spawn(_predict_rank, 4 if case in ("dense", "tp", "cp_tp") else 2, tmp_path, str(tmp_path), model_dir, layer, case,
           timeout_s=300)
     got = torch.load(tmp_path / "predict.pt", weights_only=False)
     logits, hidden = _reference(model_dir, case)

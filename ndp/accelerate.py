@@ -24,9 +24,9 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
   averages on, so the averaged gradients are those of the global mean loss.
 - ``gather_for_metrics``: under CP or TP, gathered from the dp x cp ranks (a TP rank's entries are copies:
-  Accelerate gathered each batch's once per TP rank), and a per-rank value (a 0-dim tensor: TRL's token counts and
-  sums) of the padded last evaluation batch cut by data-parallel batch, all its CP ranks' parts kept (Accelerate
-  cuts the gathered entries one by one, as if each were a batch's).
+  Accelerate gathered each batch's once per TP rank), and the padded last evaluation step cut by data-parallel
+  sample, every CP rank's entries of a real sample kept: a per-rank value (a 0-dim tensor: TRL's token counts and
+  sums) or a per-sample tensor (Accelerate cuts the gathered entries one by one, as if each were a sample's).
 """
 from __future__ import annotations
 
@@ -151,10 +151,11 @@ class Accelerator(accelerate.Accelerator):
         return args, {**kwargs, **extra}
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
-        """Accelerate's, each data-parallel batch's entries once: gathered from its CP ranks (each holds a part of
-        a per-rank value, e.g. TRL's token sums) but not its TP ranks (each holds a copy), and the padded last batch
-        cut by data-parallel batch, its CP ranks' parts kept together (Accelerate gathers every rank and cuts entry
-        by entry)."""
+        """Accelerate's, each data-parallel batch's entries once: gathered from its CP ranks (each holds a part or a
+        copy of a value, e.g. TRL's token sums, a shard's per-token values) but not its TP ranks (each holds a copy),
+        and the padded last step cut by data-parallel sample, each kept sample's CP entries together (Accelerate
+        gathers every rank and cuts entry by entry: under CP a per-sample tensor kept the first samples' entries of
+        the first CP ranks only)."""
         mesh = self.torch_device_mesh if self.parallelism_config else None
         if mesh is None or use_gather_object or batch_ranks(mesh) == 1 or not _all_tensors(input_data):
             return super().gather_for_metrics(input_data, use_gather_object)
@@ -162,8 +163,9 @@ class Accelerator(accelerate.Accelerator):
         cut = state.end_of_dataloader and state.remainder > 0
 
         def gather(t):
-            parts = gather_over(t.reshape(1) if t.dim() == 0 else t, mesh_axis(mesh, "dp_cp"))
-            return parts[:state.remainder * (cp if t.dim() == 0 else 1)] if cut else parts
+            t = t.reshape(1) if t.dim() == 0 else t  # a per-rank value: one entry
+            parts = gather_over(t, mesh_axis(mesh, "dp_cp"))  # [dp, cp, rows] in mesh order
+            return parts[_real_samples(len(parts) // (cp * len(t)), cp, len(t), state.remainder)] if cut else parts
 
         return recursively_apply(gather, input_data, error_on_other_type=True)
 
@@ -215,6 +217,13 @@ def _all_tensors(data) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _real_samples(dp, cp, rows, remainder) -> torch.Tensor:
+    """Which of the last step's entries gathered over dp x cp ranks (`rows` per rank, in mesh order) are of real
+    samples: Accelerate pads the last global batch after its `remainder` real samples, data-parallel rank by rank."""
+    sample = torch.arange(dp)[:, None, None] * rows + torch.arange(rows)[None, None, :]
+    return (sample < remainder).expand(dp, cp, rows).reshape(-1)
 
 
 def batch_ranks(mesh) -> int:

@@ -750,15 +750,20 @@ def _gather_rank(rank, world, par):
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(**par), fsdp_plugin=plugin)
     cp_rank = acc.torch_device_mesh["cp"].get_local_rank() if "cp_size" in par else 0
-    rows, parts = [], []
-    for b in acc.prepare(torch.utils.data.DataLoader(torch.arange(5) * 10, batch_size=1)):  # 5 rows, 2 dp ranks
-        rows.append(acc.gather_for_metrics(b))
-        parts.append(acc.gather_for_metrics(b.sum() + cp_rank))  # a per-rank value: a CP rank's part of its batch's
-    rows, parts = torch.cat(rows).tolist(), torch.cat(parts).tolist()
+    rows, parts = {1: [], 2: []}, []
+    for batch in rows:  # 5 samples over 2 dp ranks: the last step padded (1 real sample)
+        for b in acc.prepare(torch.utils.data.DataLoader(torch.arange(5) * 10, batch_size=batch)):
+            rows[batch].append(acc.gather_for_metrics(b))  # per-sample values: each CP rank's copy, or part
+            if batch == 1:
+                parts.append(acc.gather_for_metrics(b.sum() + cp_rank))  # a per-rank value: a CP rank's part
+    rows, parts = {k: torch.cat(v).tolist() for k, v in rows.items()}, torch.cat(parts).tolist()
     if "tp_size" in par:  # each batch once, not once per TP rank; the padded last step cut to its real batch
-        assert rows == parts == [0, 10, 20, 30, 40]
-    else:  # each batch's CP parts together, the last step's too (Accelerate cut it entry by entry: [40])
+        assert rows[1] == rows[2] == parts == [0, 10, 20, 30, 40]
+    else:  # each batch's CP parts together, the last step's too (Accelerate cut it entry by entry: [40]; the
+        # per-sample rows [40] too, after the others' CP copies: 9 entries, the last sample's weight halved)
         assert parts == [0, 1, 10, 11, 20, 21, 30, 31, 40, 41]
+        assert rows[1] == [0, 0, 10, 10, 20, 20, 30, 30, 40, 40]
+        assert rows[2] == [0, 10, 0, 10, 20, 30, 20, 30, 40, 40]
 
 
 @pytest.mark.distributed

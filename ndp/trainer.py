@@ -196,14 +196,16 @@ class NdpTrainerMixin:
         return (loss, torch.ones_like(loss), torch.zeros_like(loss)), outputs
 
     def _cp_shard_loss(self, model, inputs, num_items_in_batch=None):
-        """(compute_loss, the shard's labelled tokens (None without labels), the model's outputs) on this rank's CP
-        shard of a prepared batch, without gradient."""
+        """(compute_loss, the shard's labelled tokens (None without labels), the model's outputs where predictions
+        are gathered, else None) on this rank's CP shard of a prepared batch, without gradient."""
         cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
-        if self.args.use_liger_kernel and self._ndp_origin is None:  # no predictions gathered: no logits needed
+        # the outputs only for predictions: TRL's SFTTrainer runs another forward for them, liger skips the logits
+        predicting = self._ndp_origin is not None
+        if self.args.use_liger_kernel and not predicting:
             inputs = {**inputs, "skip_logits": True}
         with torch.no_grad(), self.compute_loss_context_manager(), cp_context():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
-                                              num_items_in_batch=num_items_in_batch)
+            out = self.compute_loss(model, inputs, return_outputs=predicting, num_items_in_batch=num_items_in_batch)
+        loss, outputs = out if predicting else (out, None)
         labels = inputs.get("shift_labels")
         return loss.detach().mean(), None if labels is None else (labels != -100).sum(), outputs
 
@@ -219,10 +221,7 @@ class NdpTrainerMixin:
         and order (``ndp.hf.batch.gather_tokens``), on every rank: what a run without CP returns. An output that is
         not per token (an MoE's router logits, flattened over the shard's tokens; its load-balancing loss) is
         refused by name."""
-        if ignore_keys is None:
-            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"])
-        items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs)
-        items = [(k, v) for k, v in items if k not in [*ignore_keys, "loss"]]
+        items = self._predicted(outputs, ignore_keys)
         origin = self._ndp_origin
         odd = [k for k, v in items if not _per_token(v, origin.shape)]
         if odd:
@@ -234,6 +233,14 @@ class NdpTrainerMixin:
         axis = mesh_axis(self.accelerator.torch_device_mesh, "cp")
         preds = tuple(recursively_apply(lambda t: gather_tokens(t.detach(), origin, shape, axis), v) for _, v in items)
         return preds[0] if len(preds) == 1 else preds
+
+    def _predicted(self, outputs, ignore_keys):
+        """(name, value) of what transformers' prediction step returns as predictions: the outputs but the loss and
+        `ignore_keys` (by default the model config's ``keys_to_ignore_at_inference``)."""
+        if ignore_keys is None:
+            ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"])
+        items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs)
+        return [(k, v) for k, v in items if k not in [*ignore_keys, "loss"]]
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the
@@ -470,6 +477,11 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
         aux = self.router_aux_loss_coef * shares[-1] if shares and self.aux_loss_enabled else torch.zeros_like(loss)
         loss = loss - aux * self._cp_config().cp_size
         return (loss * labelled, labelled.to(loss.dtype), aux.to(loss.dtype)), outputs
+
+
+    def _predicted(self, outputs, ignore_keys):
+        # TRL's prediction step returns the logits alone (ignore_keys unused)
+        return [("logits", outputs.logits)]
 
 
 _PACKING_ARGS = ("packing", "eval_packing", "padding_free", "max_length")

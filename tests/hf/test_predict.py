@@ -3,6 +3,7 @@ each rank's shard of the logits (and of the hidden states) is gathered back into
 (``ndp.hf.batch.gather_tokens``), and the Trainer gathers one copy per data-parallel batch."""
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -131,9 +132,12 @@ def test_trainer_predict_and_compute_metrics_under_cp_match_one_process(tmp_path
 def _sft_predict(trainer):
     """`trainer` (an SFTTrainer on packed prompt-completion data) after one step at learning rate 0, with
     compute_metrics: its evaluation and its predictions on the evaluation data."""
-    trainer.compute_metrics = lambda p: {"accuracy": _accuracy(p.predictions, p.label_ids)}
     trainer.train()
-    return {"eval": trainer.evaluate(), "predict": trainer.predict(trainer.eval_dataset)}
+    with warnings.catch_warnings():  # the loss alone: no second forward for the logits (TRL warns when it runs one)
+        warnings.simplefilter("error", FutureWarning)
+        loss_only = trainer.evaluate()["eval_loss"]
+    trainer.compute_metrics = lambda p: {"accuracy": _accuracy(p.predictions, p.label_ids)}
+    return {"eval": trainer.evaluate(), "predict": trainer.predict(trainer.eval_dataset), "loss_only": loss_only}
 
 
 def _sft_predict_rank(rank, world, tmp, model_dir):
@@ -160,6 +164,7 @@ def test_sft_trainer_predict_and_compute_metrics_under_cp_match_one_process(tmp_
     got_p, want_p = got["predict"], want["predict"]
     assert np.array_equal(got_p.label_ids, want_p.label_ids) and got_p.predictions.shape == want_p.predictions.shape
     assert_close(torch.as_tensor(got_p.predictions), torch.as_tensor(want_p.predictions), torch.float32)
+    assert got["loss_only"] == pytest.approx(got["eval"]["eval_loss"], rel=1e-6)
     for name in ("loss", "accuracy"):
         assert got["eval"][f"eval_{name}"] == pytest.approx(want["eval"][f"eval_{name}"], rel=1e-5)
         assert got_p.metrics[f"test_{name}"] == pytest.approx(want_p.metrics[f"test_{name}"], rel=1e-5)

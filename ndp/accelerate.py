@@ -19,6 +19,10 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   (``ndp.parallel.parallelize.tie_experts``, as ndp's own FSDP2 does): an expert no token of a rank's shard reached
   still gets a (zero) gradient there, so every rank reduce-scatters the same parameters; the input embedding's unit
   stays gathered from its forward to its backward (Gemma 4 reads its weight outside the embedding's forward).
+- ``prepare`` / ``prepare_model`` / ``_prepare_tp``: under FSDP2 a model without its optimizer (an evaluation before
+  any training: the Trainer's ``evaluate`` or ``predict`` first), which Accelerate refuses, is prepared with a
+  placeholder optimizer over its parameters (dropped after); its optimizer comes later, with it (TP and CP not
+  applied twice) or alone (the Trainer under ``torch_compile``: the model back among the prepared ones).
 - ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
@@ -90,6 +94,7 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, cp_impl=None, ulysses_size=None, cp_layout=None, **kwargs):
         self._ndp_fields = dict(cp_impl=cp_impl, ulysses_size=ulysses_size, cp_layout=cp_layout)
         self._ndp_step = None
+        self._ndp_alone = []  # models prepared without an optimizer (prepare)
         pc = kwargs.get("parallelism_config")
         if pc is not None:
             ndp_config(pc, **self._ndp_fields)  # refuse a bad field by name before any process group work
@@ -104,12 +109,50 @@ class Accelerator(accelerate.Accelerator):
         """ndp's ParallelismConfig of this Accelerator's (its degrees and ndp's fields)."""
         return ndp_config(self.parallelism_config, **self._ndp_fields)
 
+    def prepare(self, *args, device_placement=None):
+        """Accelerate's; under FSDP2 a model without an optimizer too (an evaluation before any training: the
+        Trainer's evaluate or predict first), which Accelerate refuses: it asks for the optimizer to move its
+        parameters onto the sharded ones, and there is none. A placeholder over the model's parameters takes its
+        place, dropped after. A model prepared so is not prepared again when its optimizer comes."""
+        modules = [a for a in args if isinstance(a, torch.nn.Module)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        alone = [m for m in self._ndp_alone if optimizers and all(_optimizes(o, m) for o in optimizers)]
+        if self.is_fsdp2 and alone and not modules:
+            # the optimizer of the model prepared for evaluation first (the Trainer's under torch_compile, after it
+            # freed the prepared models): built on its sharded parameters, nothing to move; the model is prepared
+            # again, as prepared with it (saving, CP read it there)
+            self._models.extend(m for m in alone if all(m is not x for x in self._models))
+            out = tuple(self._prepare_one(self._prepare_one(a, first_pass=True)) for a in args)
+            return out[0] if len(out) == 1 else out
+        if not (self.is_fsdp2 and len(modules) == 1 and not optimizers):
+            return super().prepare(*args, device_placement=device_placement)
+        placeholder = torch.optim.SGD(modules[0].parameters(), lr=0.0)
+        out = super().prepare(*args, placeholder, device_placement=device_placement and [*device_placement, False])
+        self._optimizers.pop()  # the placeholder's wrapper: no state, never stepped
+        for obj in out:
+            if isinstance(obj, torch.nn.Module):
+                setattr(getattr(obj, "_orig_mod", obj), _PREPARED_ALONE, True)
+                self._ndp_alone.append(obj)
+        return out[0] if len(args) == 1 else out[:-1]
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        # the Trainer's evaluation before any training under torch_compile: Accelerate's prepare_model would apply
+        # neither CP nor FSDP2 (the CP evaluation step then refused): prepared as prepare does, the model alone
+        if evaluation_mode and self.is_fsdp2 and self.parallelism_config and not _prepared_alone([model]):
+            return self.prepare(model, device_placement=device_placement and [device_placement])
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def _prepare_tp(self, *args):
+        if _prepared_alone(args):  # its TP applied at the evaluation's prepare (Accelerate's second pass fails)
+            return args
+        return super()._prepare_tp(*args)
+
     def _prepare_cp(self, *args):
         cfg, mesh = self.ndp_config, self.torch_device_mesh
         check_mesh(cfg, mesh)
         adopt_mesh(cfg, mesh)
         for model in args:
-            if not isinstance(model, torch.nn.Module):
+            if not isinstance(model, torch.nn.Module) or _prepared_alone([model]):  # its CP applied already
                 continue
             if not hasattr(model, "set_attn_implementation"):
                 raise ValueError(f"ndp.accelerate runs context parallelism for transformers models; got a "
@@ -217,6 +260,21 @@ def _all_tensors(data) -> bool:
     except TypeError:
         return False
     return True
+
+
+# Marks a model Accelerator.prepare took without an optimizer (an evaluation first): TP and CP applied already.
+_PREPARED_ALONE = "_ndp_prepared_alone"
+
+
+def _prepared_alone(args) -> bool:
+    return any(getattr(getattr(a, "_orig_mod", a), _PREPARED_ALONE, False) for a in args
+               if isinstance(a, torch.nn.Module))
+
+
+def _optimizes(optimizer, model) -> bool:
+    """Whether every parameter `optimizer` holds is one of `model`'s."""
+    own = {id(p) for p in model.parameters()}
+    return all(id(p) in own for g in optimizer.param_groups for p in g["params"])
 
 
 def _real_samples(dp, cp, rows, remainder) -> torch.Tensor:

@@ -286,6 +286,49 @@ def test_trainer_on_dp_shard_2_with_cp_2_or_tp_2_matches_one_process(tmp_path, g
     assert got["seen"] == steps * ga * 2 * data.shape[1]
 
 
+def _evaluate_first_rank(rank, world, tmp, model_dir, par, compile):
+    _rank_env(rank, world)
+    args = _trainer_args(tmp, par, per_device_eval_batch_size=1, torch_compile=compile,
+                         torch_compile_backend="aot_eager" if compile else None)
+    trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_samples(),
+                       eval_dataset=_samples()[:5])
+    before = trainer.evaluate()["eval_loss"]  # no optimizer yet: Accelerate refused the model alone under FSDP2
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    if rank == 0:
+        torch.save({"before": before, "after": after,
+                    "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
+                   os.path.join(tmp, "first.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("par, compile", [({"dp_shard_size": 2, "cp_size": 2}, False),
+                                          ({"dp_shard_size": 2, "cp_size": 2}, True),
+                                          ({"dp_shard_size": 2, "tp_size": 2}, False)])
+def test_trainer_evaluates_before_training_then_trains_as_one_process(tmp_path, par, compile):
+    """An evaluation before any training (a baseline; predict on a trained checkpoint) under FSDP2: Accelerate's
+    prepare refused the model without its optimizer ("a model and optimizer must be passed together"); ndp's
+    Accelerator prepares it alone (CP, TP, FSDP2; compiled under torch_compile, where the Trainer prepares the
+    optimizer alone later). The evaluation is one process's on the untrained model, and the training after it and
+    its evaluation are one process's."""
+    model_dir = str(tmp_path / "model")
+    _save_tiny_llama(model_dir)
+    spawn(_evaluate_first_rank, 4, tmp_path, str(tmp_path), model_dir, par, compile, timeout_s=300)
+    got = torch.load(tmp_path / "first.pt")
+    data = torch.stack([s["input_ids"] for s in _samples()])
+
+    def eval_loss(model):
+        with torch.no_grad():
+            logits = model(input_ids=data[:5]).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:5, 1:].flatten()).item()
+
+    before = eval_loss(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager"))
+    losses, model = _one_process(model_dir, data, steps=3, dp=2, clip=1.0)
+    assert got["before"] == pytest.approx(before, rel=1e-5) and got["after"] == pytest.approx(eval_loss(model), rel=1e-5)
+    assert got["losses"] == pytest.approx(losses, abs=1e-4)  # logged to 4 digits
+
+
 def _smoothing_run(tmp, model_dir, par, batch=1):
     """The Trainer with label smoothing 0.1 on the tiny Llama: 3 SGD steps, then an evaluation on 3 rows; the trainer,
     the evaluation loss and the weights after training."""

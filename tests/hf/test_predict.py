@@ -48,12 +48,9 @@ def _predict_rank(rank, world, tmp, model_dir, layer, case):
         seen.append(p)
         return {"accuracy": _accuracy(p.predictions, p.label_ids)}
 
-    # one step at learning rate 0: Accelerate prepares a model under FSDP2 only with its optimizer (train does)
-    args = _trainer_args(tmp, par, layer, per_device_eval_batch_size=batch, include_for_metrics=["inputs"],
-                         max_steps=1, learning_rate=0.0)
-    trainer = _InOrder(model=model, args=args, compute_metrics=metrics, train_dataset=samples(),
-                       eval_dataset=samples(), data_collator=COLLATORS[collate]() if collate else None)
-    trainer.train()
+    args = _trainer_args(tmp, par, layer, per_device_eval_batch_size=batch, include_for_metrics=["inputs"])
+    trainer = _InOrder(model=model, args=args, compute_metrics=metrics, eval_dataset=samples(),
+                       data_collator=COLLATORS[collate]() if collate else None)
     if case == "moe":  # its router logits (per token of the shard, flattened) and load-balancing loss: refused
         with pytest.raises(ValueError, match=r"outputs \['aux_loss', 'router_logits'\] are not per-token tensors"):
             trainer.predict(samples())
@@ -130,9 +127,8 @@ def test_trainer_predict_and_compute_metrics_under_cp_match_one_process(tmp_path
 
 
 def _sft_predict(trainer):
-    """`trainer` (an SFTTrainer on packed prompt-completion data) after one step at learning rate 0, with
-    compute_metrics: its evaluation and its predictions on the evaluation data."""
-    trainer.train()
+    """`trainer` (an SFTTrainer on packed prompt-completion data, untrained) with compute_metrics: its evaluation
+    and its predictions on the evaluation data."""
     with warnings.catch_warnings():  # the loss alone: no second forward for the logits (TRL warns when it runs one)
         warnings.simplefilter("error", FutureWarning)
         loss_only = trainer.evaluate()["eval_loss"]
@@ -142,8 +138,7 @@ def _sft_predict(trainer):
 
 def _sft_predict_rank(rank, world, tmp, model_dir):
     _rank_env(rank, world)
-    got = _sft_predict(_sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2},
-                                    max_steps=1, learning_rate=0.0))
+    got = _sft_predict(_sft_trainer(ndp.trainer.SFTTrainer, tmp, model_dir, True, None, {"cp_size": 2}))
     if rank == 0:
         torch.save(got, os.path.join(tmp, "sft_predict.pt"))
 
@@ -158,8 +153,7 @@ def test_sft_trainer_predict_and_compute_metrics_under_cp_match_one_process(tmp_
     _save_tiny(model_dir, "llama")
     spawn(_sft_predict_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
     got = torch.load(tmp_path / "sft_predict.pt", weights_only=False)
-    want = _sft_predict(_sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, True, None, max_steps=1,
-                                     learning_rate=0.0))
+    want = _sft_predict(_sft_trainer(trl.SFTTrainer, str(tmp_path / "ref"), model_dir, True, None))
     AcceleratorState._reset_state(True)
     got_p, want_p = got["predict"], want["predict"]
     assert np.array_equal(got_p.label_ids, want_p.label_ids) and got_p.predictions.shape == want_p.predictions.shape

@@ -171,6 +171,8 @@ class Accelerator(accelerate.Accelerator):
         # disagree (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
         for obj in result:
             model = getattr(obj, "_orig_mod", obj)
+            if _prepared_alone([obj]):  # tied and gathered at the evaluation's prepare
+                continue
             if isinstance(model, torch.nn.Module) and is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)

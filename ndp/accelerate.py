@@ -19,10 +19,10 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   (``ndp.parallel.parallelize.tie_experts``, as ndp's own FSDP2 does): an expert no token of a rank's shard reached
   still gets a (zero) gradient there, so every rank reduce-scatters the same parameters; the input embedding's unit
   stays gathered from its forward to its backward (Gemma 4 reads its weight outside the embedding's forward).
-- ``prepare`` / ``prepare_model`` / ``_prepare_tp``: under FSDP2 a model without its optimizer (an evaluation before
+- ``prepare`` / ``prepare_model``: under FSDP2 a model without its optimizer (an evaluation before
   any training: the Trainer's ``evaluate`` or ``predict`` first), which Accelerate refuses, is prepared with a
-  placeholder optimizer over its parameters (dropped after); its optimizer comes later, with it (TP and CP not
-  applied twice) or alone (the Trainer under ``torch_compile``: the model back among the prepared ones).
+  placeholder optimizer over its parameters (dropped after); when its optimizer comes later, with it or alone (the
+  Trainer under ``torch_compile``), the model is not prepared again, only put back among the prepared ones.
 - ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
   ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
   document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin, recursively_apply
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
@@ -113,46 +114,45 @@ class Accelerator(accelerate.Accelerator):
         """Accelerate's; under FSDP2 a model without an optimizer too (an evaluation before any training: the
         Trainer's evaluate or predict first), which Accelerate refuses: it asks for the optimizer to move its
         parameters onto the sharded ones, and there is none. A placeholder over the model's parameters takes its
-        place, dropped after. A model prepared so is not prepared again when its optimizer comes."""
+        place, dropped after. When its optimizer comes, with it or alone, the model is not prepared again."""
         modules = [a for a in args if isinstance(a, torch.nn.Module)]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        alone = [m for m in self._ndp_alone if optimizers and all(_optimizes(o, m) for o in optimizers)]
-        if self.is_fsdp2 and alone and not modules:
-            # the optimizer of the model prepared for evaluation first (the Trainer's under torch_compile, after it
-            # freed the prepared models): built on its sharded parameters, nothing to move; the model is prepared
-            # again, as prepared with it (saving, CP read it there)
-            self._models.extend(m for m in alone if all(m is not x for x in self._models))
-            out = tuple(self._prepare_one(self._prepare_one(a, first_pass=True)) for a in args)
+        if self.is_fsdp2 and self._ndp_alone and optimizers and all(self._alone(m) for m in modules) and all(
+                any(_optimizes(o, m) for m in self._ndp_alone) for o in optimizers):
+            # the optimizer of the model prepared for evaluation first, built on its sharded parameters: nothing to
+            # shard or move; the model back among the prepared ones (the Trainer frees them before training), as
+            # saving and CP read them there
+            self._models.extend(m for m in self._ndp_alone if not any(m is x for x in self._models))
+            out = tuple(a if isinstance(a, torch.nn.Module) else
+                        self._prepare_one(self._prepare_one(a, first_pass=True)) for a in args)
             return out[0] if len(out) == 1 else out
         if not (self.is_fsdp2 and len(modules) == 1 and not optimizers):
             return super().prepare(*args, device_placement=device_placement)
         placeholder = torch.optim.SGD(modules[0].parameters(), lr=0.0)
         out = super().prepare(*args, placeholder, device_placement=device_placement and [*device_placement, False])
         self._optimizers.pop()  # the placeholder's wrapper: no state, never stepped
-        for obj in out:
-            if isinstance(obj, torch.nn.Module):
-                setattr(getattr(obj, "_orig_mod", obj), _PREPARED_ALONE, True)
-                self._ndp_alone.append(obj)
+        self._ndp_alone.extend(obj for obj in out if isinstance(obj, torch.nn.Module))
         return out[0] if len(args) == 1 else out[:-1]
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         # the Trainer's evaluation before any training under torch_compile: Accelerate's prepare_model would apply
-        # neither CP nor FSDP2 (the CP evaluation step then refused): prepared as prepare does, the model alone
-        if evaluation_mode and self.is_fsdp2 and self.parallelism_config and not _prepared_alone([model]):
-            return self.prepare(model, device_placement=device_placement and [device_placement])
+        # neither CP nor FSDP2 (the CP evaluation step then refused): prepared as prepare does, the model alone (not
+        # a model distributed already: DTensor parameters, as transformers' own loading gives them)
+        if (evaluation_mode and self.is_fsdp2 and self.parallelism_config and not self._alone(model)
+                and not any(isinstance(p, DTensor) for p in model.parameters())):
+            return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
         return super().prepare_model(model, device_placement, evaluation_mode)
 
-    def _prepare_tp(self, *args):
-        if _prepared_alone(args):  # its TP applied at the evaluation's prepare (Accelerate's second pass fails)
-            return args
-        return super()._prepare_tp(*args)
+    def _alone(self, module) -> bool:
+        """`module` (or the module it compiles) is one :meth:`prepare` took without an optimizer."""
+        return any(getattr(module, "_orig_mod", module) is getattr(m, "_orig_mod", m) for m in self._ndp_alone)
 
     def _prepare_cp(self, *args):
         cfg, mesh = self.ndp_config, self.torch_device_mesh
         check_mesh(cfg, mesh)
         adopt_mesh(cfg, mesh)
         for model in args:
-            if not isinstance(model, torch.nn.Module) or _prepared_alone([model]):  # its CP applied already
+            if not isinstance(model, torch.nn.Module):
                 continue
             if not hasattr(model, "set_attn_implementation"):
                 raise ValueError(f"ndp.accelerate runs context parallelism for transformers models; got a "
@@ -171,8 +171,6 @@ class Accelerator(accelerate.Accelerator):
         # disagree (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
         for obj in result:
             model = getattr(obj, "_orig_mod", obj)
-            if _prepared_alone([obj]):  # tied and gathered at the evaluation's prepare
-                continue
             if isinstance(model, torch.nn.Module) and is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)
@@ -262,15 +260,6 @@ def _all_tensors(data) -> bool:
     except TypeError:
         return False
     return True
-
-
-# Marks a model Accelerator.prepare took without an optimizer (an evaluation first): TP and CP applied already.
-_PREPARED_ALONE = "_ndp_prepared_alone"
-
-
-def _prepared_alone(args) -> bool:
-    return any(getattr(getattr(a, "_orig_mod", a), _PREPARED_ALONE, False) for a in args
-               if isinstance(a, torch.nn.Module))
 
 
 def _optimizes(optimizer, model) -> bool:

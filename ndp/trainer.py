@@ -162,6 +162,8 @@ class NdpTrainerMixin:
         if pc is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        if not has_labels and prediction_loss_only:
+            return None, None, None  # no labels, no loss
         labels = None
         if has_labels and not prediction_loss_only:  # the batch's, as the Trainer returns them (before any shift)
             labels = tuple(self._prepare_input(inputs[k]) for k in self.label_names)
@@ -177,8 +179,6 @@ class NdpTrainerMixin:
             part = torch.stack(parts).to(self.args.device, torch.float64)
             dist.all_reduce(part, group=self.accelerator.torch_device_mesh["cp"].get_group())
             loss = (part[0] / part[1].clamp(min=1) + part[2]).float()
-        elif prediction_loss_only:
-            return None, None, None  # no labels, no loss
         else:
             loss, outputs = None, self._cp_outputs(model, inputs)
         if prediction_loss_only:
@@ -477,7 +477,6 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
         aux = self.router_aux_loss_coef * shares[-1] if shares and self.aux_loss_enabled else torch.zeros_like(loss)
         loss = loss - aux * self._cp_config().cp_size
         return (loss * labelled, labelled.to(loss.dtype), aux.to(loss.dtype)), outputs
-
 
     def _predicted(self, outputs, ignore_keys):
         # TRL's prediction step returns the logits alone (ignore_keys unused)

@@ -9,8 +9,9 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
 
 :class:`Accelerator` subclasses ``accelerate.Accelerator`` and overrides, nothing else patched:
 
-- ``__init__``: takes ndp's fields ``cp_impl``, ``ulysses_size``, ``cp_layout`` (else ``NDP_CP_IMPL``,
-  ``NDP_ULYSSES_SIZE``, ``NDP_CP_LAYOUT`` from the environment, else ndp's defaults); on CPU it sets Accelerate's
+- ``__init__``: takes ndp's fields ``cp_impl``, ``ulysses_size``, ``cp_layout``, ``cp_mixers`` (else
+  ``NDP_CP_IMPL``, ``NDP_ULYSSES_SIZE``, ``NDP_CP_LAYOUT``, ``NDP_CP_MIXERS`` from the environment, else ndp's
+  defaults); on CPU it sets Accelerate's
   state to FSDP2 over gloo before Accelerate validates it.
 - ``_prepare_cp`` (called by ``prepare`` for cp_size > 1, after TP and before FSDP2): ndp's CP on each model
   (``ndp.hf.check_model``, attention switched to ``ndp_<cp_impl>``, the CP contexts), instead of torch's
@@ -62,7 +63,7 @@ __all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
 ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
-              "cp_layout": ("NDP_CP_LAYOUT", str)}
+              "cp_layout": ("NDP_CP_LAYOUT", str), "cp_mixers": ("NDP_CP_MIXERS", str)}
 
 
 def ndp_config(parallelism_config, **fields) -> ParallelismConfig:
@@ -77,7 +78,8 @@ def ndp_config(parallelism_config, **fields) -> ParallelismConfig:
 
 def accelerate_config(config: ParallelismConfig) -> accelerate.ParallelismConfig:
     """Accelerate's ParallelismConfig of ndp's (the degrees; ndp's own fields go to :class:`Accelerator`'s
-    ``cp_impl``, ``ulysses_size``, ``cp_layout``): the way back from ``ParallelismConfig.from_accelerate``."""
+    ``cp_impl``, ``ulysses_size``, ``cp_layout``, ``cp_mixers``): the way back from
+    ``ParallelismConfig.from_accelerate``."""
     return accelerate.ParallelismConfig(dp_replicate_size=config.dp_replicate_size,
                                         dp_shard_size=config.dp_shard_size, cp_size=config.cp_size,
                                         tp_size=config.tp_size)
@@ -87,13 +89,14 @@ class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` with ndp's context parallelism (see the module docstring for what it overrides).
 
     Args:
-        cp_impl, ulysses_size, cp_layout: ndp's CP algorithm, all-to-all degree and layout (``ParallelismConfig``);
-            None: ``NDP_*`` from the environment, else ring / 1 / zigzag.
+        cp_impl, ulysses_size, cp_layout, cp_mixers: ndp's CP algorithm, all-to-all degree, layout and what it does
+            with token mixers outside attention (``ParallelismConfig``); None: ``NDP_*`` from the environment, else
+            ring / 1 / zigzag / refuse.
         args, kwargs: ``accelerate.Accelerator``'s.
     """
 
-    def __init__(self, *args, cp_impl=None, ulysses_size=None, cp_layout=None, **kwargs):
-        self._ndp_fields = dict(cp_impl=cp_impl, ulysses_size=ulysses_size, cp_layout=cp_layout)
+    def __init__(self, *args, cp_impl=None, ulysses_size=None, cp_layout=None, cp_mixers=None, **kwargs):
+        self._ndp_fields = dict(cp_impl=cp_impl, ulysses_size=ulysses_size, cp_layout=cp_layout, cp_mixers=cp_mixers)
         self._ndp_step = None
         self._ndp_alone = []  # models prepared without an optimizer (prepare)
         pc = kwargs.get("parallelism_config")

@@ -17,7 +17,7 @@ from ndp_kernels.segments import read_once
 
 from ._validate import check_layout, resolve_group
 from .schedule import Placement
-from .stats import all_gather_flat
+from .stats import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["shard_sequence", "gather_sequence", "shard_packed", "PackedShard", "DEFAULT_MIN_PIECE", "seq_multiple"]
 
@@ -88,15 +88,22 @@ class _ShardFn(torch.autograd.Function):
 
 class _GatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group, world, rank, layout):
-        ctx.dim, ctx.world, ctx.rank, ctx.layout = dim, world, rank, layout
+    def forward(ctx, x, dim, group, world, rank, layout, reduce_grad):
+        ctx.dim, ctx.group, ctx.world, ctx.rank, ctx.layout = dim, group, world, rank, layout
+        ctx.reduce_grad = reduce_grad
         return ndp._ops.unshard(_all_gather_stack(x, group, world), dim, world, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        # The gathered tensor is used replicated on every rank: each keeps its own shard of the gradient.
-        return (ndp._ops.shard_gather(grad.contiguous(), ctx.dim, ctx.world, ctx.rank, ctx.layout),
-                None, None, None, None, None)
+        grad = grad.contiguous()
+        if not ctx.reduce_grad:
+            # The gathered tensor is used replicated on every rank: each keeps its own shard of the gradient.
+            return ndp._ops.shard_gather(grad, ctx.dim, ctx.world, ctx.rank, ctx.layout), *(None,) * 6
+        # Each rank used it differently: every rank's gradient of this rank's shard, summed.
+        parts = torch.stack([ndp._ops.shard_gather(grad, ctx.dim, ctx.world, r, ctx.layout) for r in range(ctx.world)])
+        out = parts.new_empty(parts.shape[1:])
+        reduce_scatter_flat(out.view(-1), parts.view(-1), ctx.group)
+        return out, *(None,) * 6
 
 
 def shard_sequence(x, dim=1, group=None, layout="zigzag", *, world_size=None, rank=None):
@@ -137,12 +144,15 @@ def _check_divisible(seqlen, world, layout):
                          f"cu_seqlens and ndp.shard_packed (any lengths).")
 
 
-def gather_sequence(x, dim=1, group=None, layout="zigzag"):
+def gather_sequence(x, dim=1, group=None, layout="zigzag", *, reduce_grad=False):
     """Inverse of `shard_sequence`: the full tensor on every rank (differentiable; backward = shard).
 
     Args:
         x: this rank's shard (same shape on every rank).  dim: the sequence dim.
         group: the CP group (None = default group).  layout: the layout x was sharded with.
+        reduce_grad: the ranks use the full tensor differently (e.g. each keeps its own shard of what it computes
+            from it): backward sums every rank's gradient of this rank's shard (a reduce-scatter). False: it is
+            used replicated (the same computation on every rank), and each rank keeps its shard of the gradient.
     Returns:
         the full tensor, ``N * x.shape[dim]`` along dim, in global order.
     Raises:
@@ -152,7 +162,7 @@ def gather_sequence(x, dim=1, group=None, layout="zigzag"):
     layout = check_layout(layout)
     pg, world, r = resolve_group(group)
     d = _check_seq(x, dim, world, layout, "gather_sequence")
-    return _GatherFn.apply(x, d, pg, world, r, layout)
+    return _GatherFn.apply(x, d, pg, world, r, layout, bool(reduce_grad))
 
 
 @dataclass(frozen=True, eq=False)

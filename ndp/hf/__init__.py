@@ -11,6 +11,7 @@ from torch import nn
 from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model,
                           match_modules)
+from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
 
@@ -20,7 +21,8 @@ from .batch import guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
-                     decoder_layers, head_counts, layer_stacks, outside_layers, text_config)
+                     decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, text_config)
+from .mixers import gather_mixers
 from .router import aux_loss_on, check_router_loss, guard_router_loss
 
 # Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
@@ -45,11 +47,17 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
 
     Raises:
         ValueError: the heads cannot be split by tp / the Ulysses degree.
-        Unsupported: (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
+        Unsupported: a module whose own parameters mix dtypes, under FSDP2 (``check_one_dtype_per_module``);
+            (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
             load-balancing loss, turned on, that ndp cannot compute over the CP shards (``ndp.hf.router``).
     """
+    if config.fsdp_size > 1:
+        try:
+            check_one_dtype_per_module(model)
+        except ValueError as e:  # a model ndp cannot shard as built (Mamba's A_log kept in fp32): named as such
+            raise Unsupported(str(e)) from None
     if config.cp_size > 1:
-        check_cp_model(model)
+        check_cp_model(model, config.cp_mixers)
         if aux_loss_on(model):
             check_router_loss(model)
     for heads, kv in head_counts(text_config(model)):
@@ -83,9 +91,11 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     def enable_cp(m, ctx):
         register_attention()
         m.set_attn_implementation(IMPL_NAMES[ctx.impl])
-        guard_packed(m)
+        guard_packed(m, ctx)
         guard_labels(m, ctx)
         if ctx.enabled:
+            if ctx.mixers == "gather":
+                gather_mixers(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)
             guard_rope(m, ctx)

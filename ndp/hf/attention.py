@@ -367,12 +367,14 @@ def guard_positions(model, ctx) -> None:
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
-def guard_packed(model) -> None:
+def guard_packed(model, ctx) -> None:
     """For a model that cannot keep packed documents apart (:func:`~ndp.hf.models.check_packed_model`: a
     recurrent or convolution layer, an attention computed by the model itself), refuse a packed batch when it
     arrives: a forward pre-hook raises when the batch gives a document table (``cu_seq_lens_q`` of several
     documents), a ``seq_idx`` that changes inside a row, or, without an attention mask, positions that restart
-    inside a row (transformers' rule). Other models get no hook."""
+    inside a row (transformers' rule; not under CP, where a dense shard's positions jump between its pieces and
+    :func:`guard_positions` refuses positions that are not a dense shard's without a table). Other models get no
+    hook."""
     try:
         check_packed_model(model)
         return
@@ -380,19 +382,19 @@ def guard_packed(model) -> None:
         message = str(e)
 
     def refuse(module, args, kwargs):
-        if _packed(kwargs):
+        if _packed(kwargs, ctx.enabled):
             raise Unsupported(message)
 
     model.register_forward_pre_hook(refuse, with_kwargs=True)
 
 
-def _packed(kwargs) -> bool:
+def _packed(kwargs, sharded: bool) -> bool:
     cu, seq_idx, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx"), kwargs.get("position_ids")
     if torch.is_tensor(cu) and cu.numel() > 2:
         return True
     if torch.is_tensor(seq_idx) and seq_idx.dim() == 2 and bool((seq_idx != seq_idx[:, :1]).any()):
         return True
-    return (kwargs.get("attention_mask") is None and torch.is_tensor(pos) and pos.dim() == 2
+    return (not sharded and kwargs.get("attention_mask") is None and torch.is_tensor(pos) and pos.dim() == 2
             and bool(position_restarts(pos).any()))
 
 

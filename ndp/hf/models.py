@@ -33,6 +33,7 @@ class Unsupported(ValueError):
 _RECURRENT = re.compile(r"Mamba|Mixer|SSM|Recurrent|RGLRU|Rwkv|RWKV|LSTM|Lstm|xLSTM|DeltaNet|LinearAttention|"
                         r"Lightning|ShortConv|GatedConv|Retention")
 _INDEXER = re.compile(r"Indexer")
+_ATTENTION = re.compile(r"Attention|Attn")
 # Class-name markers of heads that read chosen positions of a row (transformers' sequence-classification,
 # question-answering, multiple-choice and next-sentence heads, GPT-2's double heads; remote code named alike).
 _POOLING_HEAD = re.compile(r"For(SequenceClassification|QuestionAnswering\w*|MultipleChoice|NextSentencePrediction)$|"
@@ -114,8 +115,11 @@ def decoder_layers(model: nn.Module) -> tuple[str, list[str]]:
 
 
 def _mixer_names(module: nn.Module) -> list[str]:
+    # not a module that calls the AttentionInterface, whatever its name (Kimi Linear's full attention is
+    # KimiLinearAttention)
     return [name for name, m in module.named_modules()
-            if isinstance(m, nn.Conv1d) or _RECURRENT.search(type(m).__name__) or _INDEXER.search(type(m).__name__)]
+            if isinstance(m, nn.Conv1d) or not _calls_interface(type(m)) and (
+                _RECURRENT.search(type(m).__name__) or _INDEXER.search(type(m).__name__))]
 
 
 def _inside(name: str, layers: list[str]) -> bool:
@@ -161,22 +165,52 @@ def _named_mixers(module: nn.Module, mixers: list[str]) -> list[str]:
     return [m for m, n in zip(mixers, names) if n in shown] or mixers
 
 
-def _mixing_outside_attention(model: nn.Module) -> str | None:
+def _layers(model: nn.Module) -> list[str]:
+    """Every decoder layer of the text decoder's stacks, by name."""
+    return [f"{s}.{i}" for s in layer_stacks(model) for i in range(len(model.get_submodule(s)))]
+
+
+def gathered_mixers(model: nn.Module) -> list[str] | None:
+    """The modules CP runs on the gathered sequence (``cp_mixers="gather"``, ``ndp.hf.mixers``): for each token mixer
+    of the decoder layers, its outermost ancestor inside its decoder layer that is not and holds no attention module
+    CP runs (a gated DeltaNet whole, a Mamba mixer, the projection a short convolution sits in), so that whatever
+    the layer does along the sequence around the mixer (a shift, a pad) runs on the whole sequence too. None where a
+    mixer sits outside every decoder layer (an attention-free model: CP would split nothing)."""
+    layers, attn = _layers(model), cp_attention_modules(model)
+    found = set()
+    for name in (m.rsplit(" (", 1)[0] for m in _mixers(model)):
+        if any(_inside(lay, [name]) for lay in layers):
+            continue  # a decoder layer or the model, named like a mixer (JambaMambaDecoderLayer): its mixer counts
+        layer = next((lay for lay in layers if name.startswith(f"{lay}.")), None)
+        if layer is None:
+            return None
+        top = name
+        while (up := top.rpartition(".")[0]) != layer and not any(_inside(a, [up]) for a in attn):
+            top = up
+        found.add(top)
+    return sorted(n for n in found if not any(o != n and _inside(n, [o]) for o in found))
+
+
+def _mixing_outside_attention(model: nn.Module, gather: bool = False) -> str | None:
     """What in the text decoder mixes tokens outside the attention call ndp replaces (a noun phrase naming the
-    modules), else None."""
+    modules), else None; with `gather`, the mixers :func:`gathered_mixers` runs on the gathered sequence are not
+    named."""
     mixers = _mixers(model)
     indexers = [m for m in mixers if _INDEXER.search(m)]
     if indexers:
         return f"sparse indexed attention ({', '.join(indexers[:3])}), which selects keys from the whole sequence,"
-    if mixers:
+    if mixers and not (gather and gathered_mixers(model) is not None):
         shown = _named_mixers(model, mixers)
         return (f"layers that mix tokens outside attention ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
                 f": recurrent, state-space, linear-attention or convolution layers)")
     attn = attention_modules(model)
     if not attn:
         return "an attention the model computes itself (no module of it calls transformers' AttentionInterface)"
-    layers = [f"{s}.{i}" for s in layer_stacks(model) for i in range(len(model.get_submodule(s)))]
-    without = [name for name in layers if not any(a.startswith(f"{name}.") for a in attn)]
+    gathered = gathered_mixers(model) or [] if gather else []
+    # a layer that holds neither (an MLP or MoE layer of a hybrid: Nemotron-H's) mixes no tokens, unless it holds an
+    # attention of its own
+    without = [name for name in _layers(model) if not any(a.startswith(f"{name}.") for a in attn + gathered)
+               and any(_ATTENTION.search(type(m).__name__) for m in model.get_submodule(name).modules())]
     if without:
         return f"decoder layers {without[:4]}, which hold no attention that calls transformers' AttentionInterface,"
     return None
@@ -200,8 +234,10 @@ def _pooling_head(model: nn.Module) -> str | None:
     return None
 
 
-def check_cp_model(model: nn.Module) -> None:
-    """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring)."""
+def check_cp_model(model: nn.Module, mixers: str = "refuse") -> None:
+    """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring);
+    `mixers` (``ParallelismConfig.cp_mixers``): "gather" accepts the token mixers :func:`gathered_mixers` runs on
+    the gathered sequence."""
     name = type(model).__name__
     head = _pooling_head(model)
     if head:
@@ -209,11 +245,15 @@ def check_cp_model(model: nn.Module) -> None:
             f"{name}: {head}, and under context parallelism each rank holds a shard of the row: the positions it "
             f"reads would be the shard's. Run it with cp_size=1, or put a per-token head (causal LM, token "
             f"classification) under CP.")
-    what = _mixing_outside_attention(model)
+    what = _mixing_outside_attention(model, gather=mixers == "gather")
     if what:
+        gatherable = not _mixing_outside_attention(model, gather=True)
         raise Unsupported(
             f"{name}: {what} would see this rank's shard alone under context parallelism (ndp replaces the attention "
-            f"call only and cannot pass their state between ranks). Run it with cp_size=1.")
+            f"call only and cannot pass their state between ranks). Run it with cp_size=1" + (
+                ", or set ParallelismConfig(cp_mixers='gather') to run those layers on the whole sequence, gathered "
+                "on every rank (exact; each rank computes them over the whole sequence: cp_size times their work, "
+                "their activations for the whole sequence)." if gatherable else "."))
 
 
 def check_packed_model(model: nn.Module) -> None:
@@ -235,4 +275,5 @@ def check_packed_model(model: nn.Module) -> None:
 
 
 __all__ = ["Unsupported", "text_config", "takes_shift_labels", "attention_modules", "decoder_layers",
-           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model"]
+           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model",
+           "gathered_mixers"]

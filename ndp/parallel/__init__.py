@@ -3,7 +3,7 @@
 Knows no model library (docs/design.md): models describe what to split with a :class:`ModelPlan`; ``ndp.hf``
 provides the plan of Hugging Face causal LMs.
 """
-from .config import CP_IMPLS, CP_LAYOUTS, MESH_AXES, ParallelismConfig, as_config
+from .config import CP_IMPLS, CP_LAYOUTS, CP_MIXERS, MESH_AXES, NDP_FIELDS, ParallelismConfig, as_config
 from .init import init_weights, is_meta, materialize, module_seed, param_bytes, to_empty
 from .mesh import CPContext, adopt_mesh, build_device_mesh, check_mesh, cp_context, mesh_axis, mesh_device
 from .offload import ActivationOffload, OffloadStats
@@ -15,5 +15,6 @@ __all__ = ["ParallelismConfig", "as_config", "adopt_mesh", "check_mesh", "parall
            "apply_fsdp", "apply_ac", "ac_mode", "AC_MODES", "ActivationOffload", "OffloadStats", "ModelPlan",
            "CPContext", "build_device_mesh", "cp_context", "mesh_axis", "mesh_device", "clip_grad_norm_",
            "default_plan", "fsdp_mesh", "is_transformers_model", "TP_STYLES", "match_modules",
-           "CP_IMPLS", "CP_LAYOUTS", "MESH_AXES", "CP_ATTR", "PARALLEL_ATTR", "Parallelized",
+           "CP_IMPLS", "CP_LAYOUTS", "CP_MIXERS", "NDP_FIELDS", "MESH_AXES", "CP_ATTR", "PARALLEL_ATTR",
+           "Parallelized",
            "init_weights", "materialize", "is_meta", "module_seed", "param_bytes", "to_empty"]

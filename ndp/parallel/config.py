@@ -13,6 +13,10 @@ from .mesh import MESH_AXES, build_device_mesh
 
 CP_IMPLS = ("ring", "allgather", "ulysses", "usp")
 CP_LAYOUTS = ("zigzag", "contiguous", "striped")
+# What CP does with a model's token mixers outside attention (recurrent, state-space, short convolutions).
+CP_MIXERS = ("refuse", "gather")
+# The fields Accelerate's ParallelismConfig has no name for.
+NDP_FIELDS = ("cp_impl", "ulysses_size", "cp_layout", "cp_mixers")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class ParallelismConfig:
         ulysses_size: all-to-all degree inside the CP group; only "usp" uses a value other than 1
             (``cp_size // ulysses_size`` ring ranks); "ulysses" accepts 1 or ``cp_size``.
         cp_layout: "zigzag" | "contiguous" | "striped" (how the sequence is split over CP ranks).
+        cp_mixers: "refuse" | "gather": what CP does with a model's layers that mix tokens outside attention
+            (recurrent, state-space, linear-attention, short convolutions: a hybrid model's). "refuse" (default):
+            such a model is refused by name; "gather": each runs on the whole sequence, gathered on every CP rank
+            (exact; cp_size times their work and their activations for the whole sequence; ``ndp.hf.mixers``).
 
     Raises:
         TypeError: a size is not an int.
@@ -41,6 +49,7 @@ class ParallelismConfig:
     cp_impl: str = "ring"
     ulysses_size: int = 1
     cp_layout: str = "zigzag"
+    cp_mixers: str = "refuse"
 
     def __post_init__(self):
         for name in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ulysses_size"):
@@ -54,6 +63,8 @@ class ParallelismConfig:
             raise ValueError(f"cp_impl must be one of {CP_IMPLS}; got cp_impl={self.cp_impl!r}")
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}; got cp_layout={self.cp_layout!r}")
+        if self.cp_mixers not in CP_MIXERS:
+            raise ValueError(f"cp_mixers must be one of {CP_MIXERS}; got cp_mixers={self.cp_mixers!r}")
         if self.cp_size % self.ulysses_size:
             raise ValueError(f"ulysses_size must divide cp_size; got ulysses_size={self.ulysses_size}, "
                              f"cp_size={self.cp_size}. Pick ulysses_size in "
@@ -102,7 +113,8 @@ class ParallelismConfig:
     def from_accelerate(cls, config, **ndp_fields) -> "ParallelismConfig":
         """ndp's config from Accelerate's ``ParallelismConfig`` (or any object with its size fields), e.g. one
         ``accelerate launch --use_parallelism_config`` filled from the environment. ``ndp_fields``: the fields
-        Accelerate has no name for (``cp_impl``, ``ulysses_size``, ``cp_layout``; their defaults otherwise).
+        Accelerate has no name for (``NDP_FIELDS``: ``cp_impl``, ``ulysses_size``, ``cp_layout``, ``cp_mixers``;
+        their defaults otherwise).
         Accelerate's ``cp_handler`` (torch's ring rotation) does not apply: ndp runs its own CP attention.
 
         Raises:
@@ -118,10 +130,9 @@ class ParallelismConfig:
         if sp > 1:
             raise ValueError(f"sp_size={sp} is DeepSpeed's sequence parallelism, which ndp does not run; for an "
                              f"all-to-all over the sequence set cp_size={sp} and cp_impl='ulysses' instead")
-        bad = sorted(set(ndp_fields) - {"cp_impl", "ulysses_size", "cp_layout"})
+        bad = sorted(set(ndp_fields) - set(NDP_FIELDS))
         if bad:
-            raise ValueError(f"from_accelerate takes only ndp's own fields (cp_impl, ulysses_size, cp_layout); "
-                             f"got {bad}")
+            raise ValueError(f"from_accelerate takes only ndp's own fields ({', '.join(NDP_FIELDS)}); got {bad}")
         return cls(**{f"{a}_size": getattr(config, f"{a}_size") or 1 for a in MESH_AXES}, **ndp_fields)
 
     def replace(self, **changes) -> "ParallelismConfig":

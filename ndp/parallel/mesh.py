@@ -145,7 +145,8 @@ class CPContext:
     """What a CP attention call needs: the algorithm, the layout and its process groups.
 
     ``group`` is None when ``cp_size == 1`` (attention runs locally). For "usp", ``ulysses_group`` and
-    ``ring_group`` split the CP group (adjacent ranks form a Ulysses group).
+    ``ring_group`` split the CP group (adjacent ranks form a Ulysses group). ``mixers``: the config's
+    ``cp_mixers`` (what CP does with token mixers outside attention).
     """
 
     impl: str
@@ -155,6 +156,7 @@ class CPContext:
     ring_group: Any = None
     size: int = 1
     rank: int = 0
+    mixers: str = "refuse"
 
     @property
     def enabled(self) -> bool:
@@ -168,7 +170,7 @@ def cp_context(config: ParallelismConfig, mesh: DeviceMesh | None) -> CPContext:
         ValueError: cp_size > 1 without a mesh.
     """
     if config.cp_size == 1:
-        return CPContext(impl=config.cp_impl, layout=config.cp_layout)
+        return CPContext(impl=config.cp_impl, layout=config.cp_layout, mixers=config.cp_mixers)
     if mesh is None:
         raise ValueError(f"cp_size={config.cp_size} needs the DeviceMesh of build_device_mesh; got mesh=None")
     group = mesh.get_group("cp")
@@ -176,4 +178,4 @@ def cp_context(config: ParallelismConfig, mesh: DeviceMesh | None) -> CPContext:
     if config.cp_impl == "usp":
         gu, gr = split_cp_group(group, config.ulysses_size)
     return CPContext(impl=config.cp_impl, layout=config.cp_layout, group=group, ulysses_group=gu,
-                     ring_group=gr, size=config.cp_size, rank=mesh.get_local_rank("cp"))
+                     ring_group=gr, size=config.cp_size, rank=mesh.get_local_rank("cp"), mixers=config.cp_mixers)

@@ -242,20 +242,34 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
     Args:
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None (parameters' own dtype).
     """
-    _check_one_dtype_per_module(model)
+    check_one_dtype_per_module(model)
     m = fsdp_mesh(config, mesh)
     kw = dict(mesh=m, mp_policy=mp_policy or MixedPrecisionPolicy())
     for i, blk in enumerate(blocks):
         # The last block's parameters are needed again right at the start of backward: keep them.
         last = i == len(blocks) - 1
-        for sub in _odd_dtype_modules(blk):
+        subs = _odd_dtype_modules(blk)
+        for sub in subs:
             _shard_apart(sub, reshard_after_forward=reshard_after_forward and not last, **kw)
         _shard_apart(blk, reshard_after_forward=reshard_after_forward and not last, **kw)
+        _unshard_with(blk, subs)
         tie_experts(blk)  # after fully_shard: its hook runs once FSDP has gathered the parameters
-    for sub in _odd_dtype_modules(model):
+    subs = _odd_dtype_modules(model)
+    for sub in subs:
         _shard_apart(sub, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
+    _unshard_with(model, subs)
     return model
+
+
+def _unshard_with(unit: nn.Module, subs: list[nn.Module]) -> None:
+    """Gather the parameters of the units `subs` sharded apart inside `unit` when `unit` runs: a model may read
+    such a module's weights without calling it (Bailing's linear attention passes its fp32 conv1d's weight to
+    ``causal_conv1d_fn``), and FSDP2 gathers a unit's parameters only in its own forward. Those the sub-module's
+    forward did not reshard stay gathered until the backward's end, where FSDP2 reduces their gradients."""
+    subs = [s for s in subs if isinstance(s, FSDPModule)]
+    if subs:
+        unit.register_forward_pre_hook(lambda module, args: [s.unshard() for s in subs] and None)
 
 
 def _expert_params(block: nn.Module) -> list[nn.Parameter]:
@@ -310,8 +324,9 @@ def _shard_apart(mod: nn.Module, **kw) -> None:
     fully_shard(mod, **kw)
 
 
-def _check_one_dtype_per_module(model: nn.Module) -> None:
-    # FSDP2 needs one dtype per unit, and a module's own parameters cannot be split into two units.
+def check_one_dtype_per_module(model: nn.Module) -> None:
+    """Raise ValueError naming a module whose own parameters mix dtypes: FSDP2 needs one dtype per unit, and a
+    module's own parameters cannot be split into two units."""
     for name, mod in model.named_modules():
         own = {str(p.dtype) for p in mod.parameters(recurse=False)}
         if len(own) > 1:
@@ -371,6 +386,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh | 
     plan = plan or default_plan(model)
     # The unparallelized meta copy is the init source: the model's own modules and names, no data.
     source = copy.deepcopy(model) if is_meta(model) else None
+    if config.fsdp_size > 1:
+        check_one_dtype_per_module(model)  # before any module changes
     if config.tp_size > 1:
         apply_tp(model, mesh_axis(mesh, "tp"), plan.tp_plan)
     apply_cp(model, config, mesh, plan)

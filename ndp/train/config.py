@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ndp.hf.models import head_counts
-from ndp.parallel import AC_MODES, CP_IMPLS, CP_LAYOUTS, ParallelismConfig, ac_mode
+from ndp.parallel import AC_MODES, CP_IMPLS, CP_LAYOUTS, CP_MIXERS, ParallelismConfig, ac_mode
 
 from .presets import INITS
 
@@ -24,7 +24,7 @@ LOSSES = ("fused", "full")
 ENV_PARALLEL = {
     "NDP_DP_REPLICATE_SIZE": "dp_replicate_size", "NDP_DP_SHARD_SIZE": "dp_shard_size",
     "NDP_CP_SIZE": "cp_size", "NDP_TP_SIZE": "tp_size", "NDP_CP_IMPL": "cp_impl",
-    "NDP_ULYSSES_SIZE": "ulysses_size", "NDP_CP_LAYOUT": "cp_layout",
+    "NDP_ULYSSES_SIZE": "ulysses_size", "NDP_CP_LAYOUT": "cp_layout", "NDP_CP_MIXERS": "cp_mixers",
 }
 
 
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cp-impl", choices=CP_IMPLS)
     a("--ulysses", type=int, help="Ulysses degree inside the CP group (cp-impl usp)")
     a("--cp-layout", choices=CP_LAYOUTS)
+    a("--cp-mixers", choices=CP_MIXERS, help="gather: run a hybrid model's recurrent, state-space and convolution "
+                                           "layers on the whole sequence, gathered on every CP rank (exact; "
+                                           "cp times their work); refuse (default): refuse such a model under CP")
     a("--seq-len", type=int)
     a("--batch-size", type=int, help="global batch, in sequences")
     a("--grad-accum", type=int)
@@ -214,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _FLAG_TO_PARALLEL = {"dp_replicate": "dp_replicate_size", "dp_shard": "dp_shard_size", "cp": "cp_size",
-                     "tp": "tp_size", "cp_impl": "cp_impl", "ulysses": "ulysses_size", "cp_layout": "cp_layout"}
+                     "tp": "tp_size", "cp_impl": "cp_impl", "ulysses": "ulysses_size", "cp_layout": "cp_layout",
+                     "cp_mixers": "cp_mixers"}
 
 
 def _norm_key(k: str) -> str:
@@ -266,7 +270,7 @@ def parse_config(argv=None, env=None) -> TrainConfig:
     parallel: dict = {}
     for var, name in ENV_PARALLEL.items():
         if env.get(var):
-            parallel[name] = env[var] if name in ("cp_impl", "cp_layout") else int(env[var])
+            parallel[name] = env[var] if name in ("cp_impl", "cp_layout", "cp_mixers") else int(env[var])
     if args.get("config"):
         import yaml
 

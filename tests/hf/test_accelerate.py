@@ -412,8 +412,8 @@ def test_trainer_neftune_noise_under_cp_has_the_batchs_magnitude(tmp_path):
         assert len(seen) == 2 and seen == pytest.approx([magnitude] * 2, rel=1e-2), (rank, seen)
 
 
-def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class):
-    _rank_env(rank, world)
+def _family_trainer_rank(rank, world, tmp, family, tokens, par, layer_class, env=None):
+    _rank_env(rank, world, **(env or {}))
     args = _trainer_args(tmp, par, layer=layer_class)
     trainer = _InOrder(model=_zoo.tiny_model(family).train(), args=args,
                        train_dataset=[{"input_ids": t, "labels": t.clone()} for t in tokens])
@@ -439,6 +439,19 @@ def test_trainer_on_families_accelerates_fsdp2_broke_matches_one_process(tmp_pat
     tokens = torch.randint(0, _zoo.VOCAB, (3 * dp, 48), generator=torch.Generator().manual_seed(7))
     spawn(_family_trainer_rank, 2, tmp_path, str(tmp_path), family, tokens, par, layer_class, timeout_s=300)
     want, _ = _train_one_process(model, tokens, steps=3, dp=dp, clip=1.0)
+    assert torch.load(tmp_path / "family.pt") == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_trainer_trains_a_hybrid_under_cp_with_its_mixers_gathered(tmp_path):
+    """Qwen3-Next (gated DeltaNet layers beside its attention) under the Trainer at cp 2 with ``NDP_CP_MIXERS=gather``
+    (ndp's CP through Accelerate's FSDP2): the 3 logged losses equal one process's."""
+    model = _zoo.tiny_model("qwen3_next").train()
+    tokens = torch.randint(0, _zoo.VOCAB, (3, 48), generator=torch.Generator().manual_seed(7))
+    spawn(_family_trainer_rank, 2, tmp_path, str(tmp_path), "qwen3_next", tokens, {"cp_size": 2},
+          "Qwen3NextDecoderLayer", {"NDP_CP_MIXERS": "gather"}, timeout_s=300)
+    want, _ = _train_one_process(model, tokens, steps=3, dp=1, clip=1.0)
     assert torch.load(tmp_path / "family.pt") == pytest.approx(want, rel=1e-6)
 
 

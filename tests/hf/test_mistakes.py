@@ -151,7 +151,7 @@ def test_decoder_layers_are_the_text_decoders():
     ("mamba", r"\(backbone\.layers\.0\.mixer \(MambaMixer\), backbone\.layers\.1\.mixer \(MambaMixer\):",
      ["MambaForCausalLM", "MambaBlock", "RMSNorm", "conv1d"]),
     ("mamba2", r"\(backbone\.layers\.0\.mixer \(Mamba2Mixer\), ", ["Mamba2Model", "RMSNormGated", "conv1d"]),
-    ("jamba", r"\(model\.layers\.0\.mamba \(JambaMambaMixer\), ", ["DecoderLayer", "conv1d"]),
+    ("jamba", r"\(model\.layers\.0\.mamba \(JambaMambaMixer\):", ["DecoderLayer", "conv1d"]),
     ("qwen3_next", r"\(model\.layers\.0\.linear_attn \(Qwen3NextGatedDeltaNet\):", ["conv1d"])])
 def test_a_refusal_names_the_token_mixers_not_the_model_or_blocks_holding_them(family, named, not_named):
     # Mamba's model, blocks and norms carry the family's name too; the refusal names the mixers themselves.

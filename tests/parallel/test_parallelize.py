@@ -137,8 +137,12 @@ class _MixedBlock(torch.nn.Module):
         self.attn = _Sinks(d)
         self.mlp = torch.nn.Linear(d, d)
         self.gate = torch.nn.Parameter(torch.full((d,), 0.75, dtype=torch.float32))  # the block's own, float32
+        # float32 too, its weight read without calling it (Bailing's linear attention passes its conv1d's weight to
+        # causal_conv1d_fn): FSDP2 gathers a unit's parameters in its own forward only
+        self.read = torch.nn.Linear(d, d, bias=False)
 
     def forward(self, x):
+        x = x + torch.nn.functional.linear(x, self.read.weight.to(x.dtype))
         return x + self.mlp(torch.tanh(self.attn(x))) * self.gate.to(x.dtype)
 
 
@@ -160,6 +164,8 @@ def _mixed_dtypes(rank, world):
         for name in ("scale", "gate"):
             if name in m._parameters:
                 m._parameters[name].data = m._parameters[name].data.float()
+    for b in ref.blocks:
+        b.read.float()
     x = torch.randn(4, 8, dtype=torch.float64)
     ref(x).backward()
     model = copy.deepcopy(ref)

@@ -1,0 +1,108 @@
+"""Hybrid models under context parallelism (``ParallelismConfig(cp_mixers="gather")``, ``ndp.hf.mixers``): their
+recurrent, state-space, linear-attention and short-convolution layers run on the gathered sequence, every other
+layer on the shard, and the loss and every gradient equal one process's on the whole batch (float64; the zoo runs
+every family at zigzag cp 2; here the other layouts, padding, compile and data parallel beside CP). Without the
+option they are refused by name, the option named; a model CP could split nothing of is refused either way."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dist import spawn  # noqa: E402
+import _zoo  # noqa: E402
+
+
+def _quiet():
+    import warnings
+
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+
+
+def test_refused_by_default_with_the_option_named():
+    import ndp
+    import ndp.hf
+
+    _quiet()
+    model = _zoo.tiny_model("qwen3_next")
+    with pytest.raises(ndp.hf.Unsupported, match=r"linear_attn \(Qwen3NextGatedDeltaNet\).*cp_mixers='gather'"):
+        ndp.hf.check_model(model, ndp.ParallelismConfig(cp_size=2))
+    ndp.hf.check_model(model, ndp.ParallelismConfig(cp_size=2, cp_mixers="gather"))
+    with pytest.raises(ValueError, match=r"cp_mixers must be one of \('refuse', 'gather'\); got cp_mixers='all'"):
+        ndp.ParallelismConfig(cp_size=2, cp_mixers="all")
+
+
+@pytest.mark.parametrize("family", ["mamba", "rwkv"])
+def test_attention_free_model_refused_even_gathered(family):
+    import ndp
+    import ndp.hf
+
+    _quiet()
+    with pytest.raises(ndp.hf.Unsupported, match="layers that mix tokens outside attention") as e:
+        ndp.hf.check_model(_zoo.tiny_model(family), ndp.ParallelismConfig(cp_size=2, cp_mixers="gather"))
+    assert "cp_mixers" not in str(e.value)  # gathering would split nothing: not offered
+
+
+def _gather_body(rank, world, layout):
+    from ndp.cp import gather_sequence, shard_sequence
+
+    full = torch.randn(2, 8 * world, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weights = torch.randn(world, *full.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    shard = shard_sequence(full, dim=1, world_size=world, rank=rank, layout=layout).requires_grad_()
+    gathered = gather_sequence(shard, dim=1, layout=layout, reduce_grad=True)
+    torch.testing.assert_close(gathered, full, rtol=0, atol=0)
+    (gathered * weights[rank]).sum().backward()  # each rank uses the whole tensor its own way
+    want = shard_sequence(weights.sum(0), dim=1, world_size=world, rank=rank, layout=layout)
+    torch.testing.assert_close(shard.grad, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+def test_gather_sequence_sums_every_ranks_gradient(tmp_path, layout):
+    spawn(_gather_body, 2, tmp_path, layout)
+
+
+def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp):
+    import ndp
+    import ndp.hf
+
+    _quiet()
+    ids = torch.randint(3, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    pos = torch.arange(seq).expand(2, seq)
+    ref = _zoo.tiny_model(family).train()
+    logits = ref(input_ids=ids, position_ids=pos).logits
+    ref_loss, ref_grads = _zoo._loss_and_grads(ref, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+    cfg = ndp.ParallelismConfig(dp_shard_size=dp_shard, cp_size=world // dp_shard // tp, tp_size=tp, cp_layout=layout,
+                                cp_mixers="gather")
+    model = ndp.hf.parallelize(_zoo.tiny_model(family).train(), cfg, _zoo.mesh(cfg), compile=compile)
+    if dp_shard > 1:  # each data-parallel rank its row
+        row = model.ndp_parallel.axis("dp_shard").get_local_rank()
+        ids, labels, pos = ids[row:row + 1], labels[row:row + 1], pos[row:row + 1]
+    b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
+    out = model(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+    rel = _zoo._against(model, out, b["labels"], ref_loss, ref_grads)
+    rels = [None] * world
+    dist.all_gather_object(rels, rel)
+    assert max(rels) <= _zoo.tolerance(family), (family, rels)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, layout, seq, compile, dp_shard, tp, world", [
+    ("jamba", "zigzag", 30, False, 1, 1, 2),            # padded by shard_batch to 32: the pads at the end
+    ("qwen3_next", "contiguous", 32, False, 1, 1, 2),
+    ("lfm2_moe", "striped", 32, False, 1, 1, 2),
+    ("nemotron_h", "zigzag", 32, True, 1, 1, 2),        # decoder layers compiled
+    ("falcon_h1", "zigzag", 32, False, 2, 1, 4),        # dp_shard 2 x cp 2
+    ("qwen3_5_text", "zigzag", 32, False, 1, 2, 4),     # cp 2 x tp 2: the gated DeltaNet's projections split
+])
+def test_hybrid_under_cp_equals_one_process(tmp_path, family, layout, seq, compile, dp_shard, tp, world):
+    spawn(_hybrid_body, world, tmp_path, family, layout, seq, compile, dp_shard, tp, timeout_s=300)

@@ -474,7 +474,7 @@ def _pad_collate(samples):
 
 
 def _padded_trainer_rank(rank, world, tmp, model_dir, collate, layer):
-    _rank_env(rank, world)
+    _rank_env(rank, world, NDP_CP_MIXERS="gather")  # qwen3_next's gated DeltaNet layers; the others have none
     # the tokens seen: the pad collator's without its pads (its attention mask), the flattening one's all (no pads)
     args = _trainer_args(tmp, {"cp_size": 2}, layer, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                          include_num_input_tokens_seen="non_padding" if collate == "pad" else "all")
@@ -502,7 +502,7 @@ def _eval_one_process(model, samples, collate):
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family, collate", [("llama", "flatten"), ("llama", "pad"), ("stablelm", "flatten"),
-                                             ("olmoe", "pad"), ("phi3_longrope", "pad")])
+                                             ("olmoe", "pad"), ("phi3_longrope", "pad"), ("qwen3_next", "pad")])
 def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, family, collate):
     """A padding collator's batches and packed ones (DataCollatorWithFlattening with its document table; the last
     batch one document, sharded as rows) under cp 2, of lengths the CP layout cannot split: ndp's Trainer pads them
@@ -510,7 +510,9 @@ def test_trainer_batches_of_any_length_under_cp_match_one_process(tmp_path, fami
     hand the document table to their attention (ndp's mask carries it; refused before). OLMoE adds its routers'
     load-balancing loss to its loss: each rank's share of the batch's, the batch's pads left out (ndp.hf.router).
     Phi-3's LongRoPE chooses its frequencies from the batch's longest position (ndp.hf.rope): the one without ndp's
-    pads, which the buffers the model gets do not carry (63 tokens: short factors; 64 would take the long)."""
+    pads, which the buffers the model gets do not carry (63 tokens: short factors; 64 would take the long).
+    Qwen3-Next's gated DeltaNet layers (cp_mixers="gather", run on the gathered rows) are causal as its attention
+    is: the pads at each row's end (its mask all ones under CP) change no real token's output."""
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
     spawn(_padded_trainer_rank, 2, tmp_path, str(tmp_path), model_dir, collate, layer, timeout_s=300)
@@ -722,7 +724,8 @@ def test_sft_trainer_under_cp_trains_and_evaluates_as_without(tmp_path, family, 
 
 # The decoder layer class FSDP2 wraps, by family of the tests' tiny models.
 DECODER_LAYERS = {"llama": "LlamaDecoderLayer", "opt": "OPTDecoderLayer", "stablelm": "StableLmDecoderLayer",
-                  "olmoe": "OlmoeDecoderLayer", "phi3_longrope": "Phi3DecoderLayer"}
+                  "olmoe": "OlmoeDecoderLayer", "phi3_longrope": "Phi3DecoderLayer",
+                  "qwen3_next": "Qwen3NextDecoderLayer"}
 
 
 def _save_tiny(model_dir, family):

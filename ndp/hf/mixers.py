@@ -21,11 +21,6 @@ from torch import nn
 from ndp.cp import gather_sequence, shard_sequence
 
 
-def _sequence_dim(module: nn.Module) -> int:
-    # nn.Conv1d takes [batch, channels, seq]; the mixers take [batch, seq, ...]
-    return -1 if isinstance(module, nn.Conv1d) else 1
-
-
 def _reference(args, kwargs):
     """The module's hidden states: ``hidden_states``, else its first tensor input."""
     hidden = kwargs.get("hidden_states")
@@ -37,48 +32,56 @@ def _per_token(t, batch: int, seq: int, dim: int) -> bool:
     return torch.is_tensor(t) and t.dim() >= 2 and t.shape[0] in (1, batch) and t.shape[dim] == seq
 
 
+def _each(value, fn):
+    """fn applied to `value`, or to each item of a tuple or list of them (RoPE's (cos, sin)), one level down."""
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(fn(v) for v in value)
+    return fn(value)
+
+
 def gather_mixers(model: nn.Module, names: list[str], ctx) -> None:
     """Hook the modules `names` of `model` to run on the sequence gathered over ctx's CP group (module docstring)."""
     for name in names:
         module = model.get_submodule(name)
-        dim = _sequence_dim(module)
+        conv = isinstance(module, nn.Conv1d)
+        dim = -1 if conv else 1  # nn.Conv1d takes [batch, channels, seq]; the mixers take [batch, seq, ...]
         module.register_forward_pre_hook(_gather_inputs(ctx, dim), with_kwargs=True)
-        module.register_forward_hook(_shard_outputs(ctx, dim), with_kwargs=True)
+        module.register_forward_hook(_shard_outputs(ctx, dim, conv), with_kwargs=True)
 
 
 def _gather_inputs(ctx, dim):
-    def gather(t):
-        return gather_sequence(t, dim=dim % t.dim(), group=ctx.group, layout=ctx.layout, reduce_grad=True)
-
     def hook(module, args, kwargs):
         ref = _reference(args, kwargs)
         if ref is None or ref.dim() < 2:
             return None
         batch, seq = ref.shape[0], ref.shape[dim]
-        args = tuple(gather(t) if _per_token(t, batch, seq, dim) else t for t in args)
-        kwargs = {k: gather(t) if _per_token(t, batch, seq, dim) else t for k, t in kwargs.items()}
-        return args, kwargs
+
+        def gather(t):
+            if not _per_token(t, batch, seq, dim):
+                return t
+            return gather_sequence(t, dim=dim % t.dim(), group=ctx.group, layout=ctx.layout, reduce_grad=True)
+
+        return tuple(_each(t, gather) for t in args), {k: _each(t, gather) for k, t in kwargs.items()}
 
     return hook
 
 
-def _shard_outputs(ctx, dim):
-    def shard(t, batch, full):
-        if not (torch.is_tensor(t) and t.dim() >= 2 and t.shape[0] in (1, batch) and t.shape[dim] >= full):
-            return t
-        # a causal convolution's output runs past the sequence (its padding): the sequence is its first `full`
-        t = t.narrow(dim, 0, full)
-        return shard_sequence(t, dim=dim % t.dim(), layout=ctx.layout, world_size=ctx.size, rank=ctx.rank)
-
+def _shard_outputs(ctx, dim, conv):
     def hook(module, args, kwargs, output):
         ref = _reference(args, kwargs)
         if ref is None or ref.dim() < 2:
             return None
         batch, full = ref.shape[0], ref.shape[dim]
-        if isinstance(output, tuple):
-            return type(output)(shard(t, batch, full) for t in output) if not hasattr(output, "_fields") else \
-                type(output)(*(shard(t, batch, full) for t in output))
-        return shard(output, batch, full)
+
+        def shard(t):
+            # a causal convolution's output runs past the sequence (its padding): the sequence is its first `full`
+            if conv and torch.is_tensor(t) and t.dim() >= 2 and t.shape[dim] > full:
+                t = t.narrow(dim, 0, full)
+            if not _per_token(t, batch, full, dim):
+                return t  # a state, a cache: not per token
+            return shard_sequence(t, dim=dim % t.dim(), layout=ctx.layout, world_size=ctx.size, rank=ctx.rank)
+
+        return _each(output, shard)
 
     return hook
 

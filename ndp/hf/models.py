@@ -206,7 +206,7 @@ def _mixing_outside_attention(model: nn.Module, gather: bool = False) -> str | N
     attn = attention_modules(model)
     if not attn:
         return "an attention the model computes itself (no module of it calls transformers' AttentionInterface)"
-    gathered = gathered_mixers(model) or [] if gather else []
+    gathered = (gathered_mixers(model) or []) if gather else []
     # a layer that holds neither (an MLP or MoE layer of a hybrid: Nemotron-H's) mixes no tokens, unless it holds an
     # attention of its own
     without = [name for name in _layers(model) if not any(a.startswith(f"{name}.") for a in attn + gathered)

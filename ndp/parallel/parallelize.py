@@ -268,8 +268,13 @@ def _unshard_with(unit: nn.Module, subs: list[nn.Module]) -> None:
     ``causal_conv1d_fn``), and FSDP2 gathers a unit's parameters only in its own forward. Those the sub-module's
     forward did not reshard stay gathered until the backward's end, where FSDP2 reduces their gradients."""
     subs = [s for s in subs if isinstance(s, FSDPModule)]
+
+    def gather(module, args):
+        for sub in subs:
+            sub.unshard()
+
     if subs:
-        unit.register_forward_pre_hook(lambda module, args: [s.unshard() for s in subs] and None)
+        unit.register_forward_pre_hook(gather)
 
 
 def _expert_params(block: nn.Module) -> list[nn.Parameter]:

@@ -3,6 +3,7 @@ recurrent, state-space, linear-attention and short-convolution layers run on the
 layer on the shard, and the loss and every gradient equal one process's on the whole batch (float64; the zoo runs
 every family at zigzag cp 2; here the other layouts, padding, compile and data parallel beside CP). Without the
 option they are refused by name, the option named; a model CP could split nothing of is refused either way."""
+import copy
 import os
 import sys
 
@@ -68,6 +69,72 @@ def _gather_body(rank, world, layout):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
 def test_gather_sequence_sums_every_ranks_gradient(tmp_path, layout):
     spawn(_gather_body, 2, tmp_path, layout)
+
+
+class _Scan(torch.nn.Module):
+    """A recurrent toy: a running sum along the sequence of the hidden states scaled per token by RoPE-like
+    (cos, sin), and its final state (not per token)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+
+    def forward(self, hidden_states, position_embeddings):
+        cos, sin = position_embeddings
+        out = ((hidden_states @ self.w) * cos + sin).cumsum(1)
+        return out, out[:, -1]
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.scan = _Scan(d)
+        # a causal convolution as Mamba's: padded on both sides, its output cut to the sequence by the caller
+        self.conv = torch.nn.Conv1d(d, d, 3, padding=2, groups=d, dtype=torch.float64)
+
+    def forward(self, x, rope):
+        out, state = self.scan(x, position_embeddings=rope)
+        return self.conv(out.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2), state
+
+
+def _toy_body(rank, world, layout):
+    from ndp.hf.mixers import gather_mixers
+    from ndp.parallel import CPContext
+    from ndp.cp import shard_sequence
+
+    g = torch.Generator().manual_seed(0)
+    x, cos, sin, weight = (torch.randn(2, 16, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    torch.manual_seed(0)  # the convolution's weights: the same on every rank
+    ref = _Toy()
+    x.requires_grad_()
+    out, state = ref(x, (cos, sin))
+    ((out * weight).sum() + state.sum()).backward()
+
+    def shard(t):
+        return shard_sequence(t, dim=1, world_size=world, rank=rank, layout=layout)
+
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    gather_mixers(model, ["scan", "conv"], CPContext("ring", layout, group=dist.group.WORLD, size=world, rank=rank))
+    mine = shard(x.detach()).requires_grad_()
+    out, state = model(mine, (shard(cos), shard(sin)))
+    torch.testing.assert_close(out, shard(ref(x, (cos, sin))[0]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, ref(x, (cos, sin))[1], rtol=1e-12, atol=1e-12)  # the whole sequence's
+    ((out * shard(weight)).sum() + state.sum() / world).backward()
+    torch.testing.assert_close(mine.grad, shard(x.grad), rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # each rank's own shard's share, as FSDP sums them
+        torch.testing.assert_close(grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_gathered_modules_equal_the_unsharded_ones(tmp_path, layout):
+    """A recurrent module taking per-token (cos, sin) and returning a state, and a causal convolution whose output
+    runs past the sequence, hooked by gather_mixers on 2 ranks: each rank's outputs, the state, the input gradient
+    and the summed parameter gradients equal the unsharded modules'."""
+    spawn(_toy_body, 2, tmp_path, layout)
 
 
 def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp):

@@ -27,12 +27,13 @@ def _env(**extra):
 
 def test_flags_are_the_contract():
     cfg = parse_config(["--model", "tiny-qwen2", "--dp-replicate", "2", "--dp-shard", "2", "--cp", "4", "--tp", "2",
-                        "--cp-impl", "usp", "--ulysses", "2", "--cp-layout", "striped", "--seq-len", "128",
+                        "--cp-impl", "usp", "--ulysses", "2", "--cp-layout", "striped", "--cp-mixers", "gather",
+                        "--seq-len", "128",
                         "--batch-size", "16", "--grad-accum", "2", "--steps", "7", "--lr", "0.01", "--seed", "3",
                         "--dtype", "bf16", "--data", "x.txt", "--metrics", "m.jsonl", "--save-dir", "ck",
                         "--save-every", "5", "--resume", "--export-hf", "hf"], env={})
     assert cfg.parallel == ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, cp_size=4, tp_size=2,
-                                             cp_impl="usp", ulysses_size=2, cp_layout="striped")
+                                             cp_impl="usp", ulysses_size=2, cp_layout="striped", cp_mixers="gather")
     assert (cfg.model, cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.steps, cfg.lr, cfg.seed, cfg.dtype,
             cfg.data, cfg.metrics, cfg.save_dir, cfg.save_every, cfg.resume, cfg.export_hf) == (
         "tiny-qwen2", 128, 16, 2, 7, 0.01, 3, "bf16", "x.txt", "m.jsonl", "ck", 5, True, "hf")
@@ -66,9 +67,11 @@ def test_compile_trains_as_eager():
 def test_yaml_and_env_precedence(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model: tiny-mistral\nsteps: 9\nparallel:\n  cp: 2\n  cp-impl: ulysses\nseq_len: 32\n")
-    cfg = parse_config(["--config", str(y), "--steps", "11"], env={"NDP_TP_SIZE": "2", "NDP_CP_SIZE": "8"})
+    cfg = parse_config(["--config", str(y), "--steps", "11"], env={"NDP_TP_SIZE": "2", "NDP_CP_SIZE": "8",
+                                                                   "NDP_CP_MIXERS": "gather"})
     assert cfg.model == "tiny-mistral" and cfg.steps == 11 and cfg.seq_len == 32
     assert cfg.parallel.cp_size == 2 and cfg.parallel.cp_impl == "ulysses" and cfg.parallel.tp_size == 2
+    assert cfg.parallel.cp_mixers == "gather"
     y.write_text("bogus: 1\n")
     with pytest.raises(ValueError, match="unknown option 'bogus'"):
         parse_config(["--config", str(y)], env={})

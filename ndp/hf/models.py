@@ -207,10 +207,11 @@ def _mixing_outside_attention(model: nn.Module, gather: bool = False) -> str | N
     if not attn:
         return "an attention the model computes itself (no module of it calls transformers' AttentionInterface)"
     gathered = (gathered_mixers(model) or []) if gather else []
-    # a layer that holds neither (an MLP or MoE layer of a hybrid: Nemotron-H's) mixes no tokens, unless it holds an
-    # attention of its own
+    # gathering a hybrid's mixers, a layer that holds neither them nor attention is taken for its MLP or MoE layer
+    # (Nemotron-H's), unless a module of it is named like an attention
     without = [name for name in _layers(model) if not any(a.startswith(f"{name}.") for a in attn + gathered)
-               and any(_ATTENTION.search(type(m).__name__) for m in model.get_submodule(name).modules())]
+               and (not gather or any(_ATTENTION.search(type(m).__name__)
+                                      for m in model.get_submodule(name).modules()))]
     if without:
         return f"decoder layers {without[:4]}, which hold no attention that calls transformers' AttentionInterface,"
     return None

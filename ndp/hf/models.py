@@ -252,9 +252,10 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse") -> None:
         raise Unsupported(
             f"{name}: {what} would see this rank's shard alone under context parallelism (ndp replaces the attention "
             f"call only and cannot pass their state between ranks). Run it with cp_size=1" + (
-                ", or set ParallelismConfig(cp_mixers='gather') to run those layers on the whole sequence, gathered "
-                "on every rank (exact; each rank computes them over the whole sequence: cp_size times their work, "
-                "their activations for the whole sequence)." if gatherable else "."))
+                ", or set ParallelismConfig(cp_mixers='gather') (ndp-train --cp-mixers gather, NDP_CP_MIXERS=gather) "
+                "to run those layers on the whole sequence, gathered on every rank (exact; each rank computes them "
+                "over the whole sequence: cp_size times their work, their activations for the whole sequence)."
+                if gatherable else "."))
 
 
 def check_packed_model(model: nn.Module) -> None:

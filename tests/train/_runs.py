@@ -7,6 +7,9 @@ import torch
 from ndp.parallel import ParallelismConfig
 from ndp.train import TrainConfig, train
 
+# A config-only Hugging Face directory (random weights from the seed): Qwen3-Next, a gated DeltaNet layer and an
+# attention layer, its MoE MLPs
+HYBRID = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny-qwen3-next")
 BASE = dict(model="tiny-llama", seq_len=64, batch_size=4, steps=4, lr=3e-3, warmup=1, seed=0, progress=False,
             device="cpu")
 
@@ -28,6 +31,7 @@ LAYOUTS = {
     "bf16_cp2_ring": (2, dict(cp_size=2), dict(dtype="bf16")),
     "qwen2_tp2": (2, dict(tp_size=2), dict(model="tiny-qwen2")),
     "mistral_cp2_ring": (2, dict(cp_size=2), dict(model="tiny-mistral")),
+    "hybrid_cp2_gather": (2, dict(cp_size=2, cp_mixers="gather"), dict(model=HYBRID)),
     "dp_shard2_cp2": (4, dict(dp_shard_size=2, cp_size=2), {}),
     "cp2_tp2": (4, dict(cp_size=2, tp_size=2), {}),
     "dp_replicate2_dp_shard2": (4, dict(dp_replicate_size=2, dp_shard_size=2), {}),

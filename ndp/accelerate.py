@@ -52,18 +52,19 @@ from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restar
 from ndp.cp.sharding import seq_multiple
 from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, gather_over, packed_cu, refuse_other_batches,
                           shard_positions, shard_rows)
-from ndp.parallel import (CP_ATTR, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp, check_mesh,
-                          is_transformers_model, match_modules)
+from ndp.parallel import (CP_ATTR, NDP_FIELDS, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp,
+                          check_mesh, is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
 from ndp.parallel.parallelize import tie_experts
 from ndp.train.checkpoint import stateful_params
+from ndp.train.config import ENV_PARALLEL
 
 __all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers",
            "saved_optimizer_state", "batch_ranks"]
 
-# accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these.
-ENV_FIELDS = {"cp_impl": ("NDP_CP_IMPL", str), "ulysses_size": ("NDP_ULYSSES_SIZE", int),
-              "cp_layout": ("NDP_CP_LAYOUT", str), "cp_mixers": ("NDP_CP_MIXERS", str)}
+# accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these
+# (ndp-train's variables of the fields Accelerate has no name for).
+ENV_FIELDS = {name: (var, kind) for var, (name, kind) in ENV_PARALLEL.items() if name in NDP_FIELDS}
 
 
 def ndp_config(parallelism_config, **fields) -> ParallelismConfig:

@@ -267,8 +267,6 @@ def _unshard_with(unit: nn.Module, subs: list[nn.Module]) -> None:
     such a module's weights without calling it (Bailing's linear attention passes its fp32 conv1d's weight to
     ``causal_conv1d_fn``), and FSDP2 gathers a unit's parameters only in its own forward. Those the sub-module's
     forward did not reshard stay gathered until the backward's end, where FSDP2 reduces their gradients."""
-    subs = [s for s in subs if isinstance(s, FSDPModule)]
-
     def gather(module, args):
         for sub in subs:
             sub.unshard()

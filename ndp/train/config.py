@@ -20,11 +20,13 @@ DTYPES = ("fp32", "bf16")
 # fused: the LM head and the loss run fused (ndp.hf.head_loss), no [batch, seq, vocab] logits; full: cross_entropy
 # on the model's logits (for a model whose head the fused path refuses).
 LOSSES = ("fused", "full")
-# Environment variables for the parallel degrees (as set by a launcher or a job script).
+# Environment variables for the parallel degrees (as set by a launcher or a job script): the field each sets, and
+# its type.
 ENV_PARALLEL = {
-    "NDP_DP_REPLICATE_SIZE": "dp_replicate_size", "NDP_DP_SHARD_SIZE": "dp_shard_size",
-    "NDP_CP_SIZE": "cp_size", "NDP_TP_SIZE": "tp_size", "NDP_CP_IMPL": "cp_impl",
-    "NDP_ULYSSES_SIZE": "ulysses_size", "NDP_CP_LAYOUT": "cp_layout", "NDP_CP_MIXERS": "cp_mixers",
+    "NDP_DP_REPLICATE_SIZE": ("dp_replicate_size", int), "NDP_DP_SHARD_SIZE": ("dp_shard_size", int),
+    "NDP_CP_SIZE": ("cp_size", int), "NDP_TP_SIZE": ("tp_size", int), "NDP_CP_IMPL": ("cp_impl", str),
+    "NDP_ULYSSES_SIZE": ("ulysses_size", int), "NDP_CP_LAYOUT": ("cp_layout", str),
+    "NDP_CP_MIXERS": ("cp_mixers", str),
 }
 
 
@@ -268,9 +270,9 @@ def parse_config(argv=None, env=None) -> TrainConfig:
     by_parallel = {v: actions.get(k) for k, v in _FLAG_TO_PARALLEL.items()}
     values: dict = {}
     parallel: dict = {}
-    for var, name in ENV_PARALLEL.items():
+    for var, (name, kind) in ENV_PARALLEL.items():
         if env.get(var):
-            parallel[name] = env[var] if name in ("cp_impl", "cp_layout", "cp_mixers") else int(env[var])
+            parallel[name] = kind(env[var])
     if args.get("config"):
         import yaml
 

@@ -1,4 +1,4 @@
-"""Load-balanced sequence sharding: `shard_sequence`, `gather_sequence`, `shard_packed`.
+"""Load-balanced sequence sharding: `shard_sequence`, `gather_sequence`, `reduce_scatter_sequence`, `shard_packed`.
 
 The permutations themselves are the compiled ops `torch.ops.ndp.shard_index / shard_gather /
 unshard / packed_shard_plan` (csrc/); this module adds process groups, autograd and the packed
@@ -19,7 +19,8 @@ from ._validate import check_layout, resolve_group
 from .schedule import Placement
 from .stats import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["shard_sequence", "gather_sequence", "shard_packed", "PackedShard", "DEFAULT_MIN_PIECE", "seq_multiple"]
+__all__ = ["shard_sequence", "gather_sequence", "reduce_scatter_sequence", "shard_packed", "PackedShard",
+           "DEFAULT_MIN_PIECE", "seq_multiple"]
 
 # Documents of at least 2*N*DEFAULT_MIN_PIECE tokens are cut in 2N zigzag pieces; shorter ones travel
 # whole. 8 keeps pieces from being tiny while the per-rank work stays level (<= 1.05 max/mean
@@ -86,24 +87,46 @@ class _ShardFn(torch.autograd.Function):
         return full, None, None, None, None, None
 
 
+def _gather(x, dim, group, world, layout):
+    """Every rank's shard `x`, put back in sequence order: the full tensor."""
+    return ndp._ops.unshard(_all_gather_stack(x, group, world), dim, world, layout)
+
+
+def _reduce_scatter(full, dim, group, world, layout):
+    """This rank's shard of `full` summed over the ranks (each holding its own `full`)."""
+    full = full.contiguous()
+    parts = torch.stack([ndp._ops.shard_gather(full, dim, world, r, layout) for r in range(world)])
+    out = parts.new_empty(parts.shape[1:])
+    reduce_scatter_flat(out.view(-1), parts.view(-1), group)
+    return out
+
+
 class _GatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, world, rank, layout, reduce_grad):
         ctx.dim, ctx.group, ctx.world, ctx.rank, ctx.layout = dim, group, world, rank, layout
         ctx.reduce_grad = reduce_grad
-        return ndp._ops.unshard(_all_gather_stack(x, group, world), dim, world, layout)
+        return _gather(x, dim, group, world, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
         if not ctx.reduce_grad:
             # The gathered tensor is used replicated on every rank: each keeps its own shard of the gradient.
-            return ndp._ops.shard_gather(grad, ctx.dim, ctx.world, ctx.rank, ctx.layout), *(None,) * 6
+            return ndp._ops.shard_gather(grad.contiguous(), ctx.dim, ctx.world, ctx.rank, ctx.layout), *(None,) * 6
         # Each rank used it differently: every rank's gradient of this rank's shard, summed.
-        parts = torch.stack([ndp._ops.shard_gather(grad, ctx.dim, ctx.world, r, ctx.layout) for r in range(ctx.world)])
-        out = parts.new_empty(parts.shape[1:])
-        reduce_scatter_flat(out.view(-1), parts.view(-1), ctx.group)
-        return out, *(None,) * 6
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.world, ctx.layout), *(None,) * 6
+
+
+class _ReduceScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, full, dim, group, world, layout):
+        ctx.dim, ctx.group, ctx.world, ctx.layout = dim, group, world, layout
+        return _reduce_scatter(full, dim, group, world, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's full tensor reached every shard: each gets the whole gradient
+        return _gather(grad, ctx.dim, ctx.group, ctx.world, ctx.layout), None, None, None, None
 
 
 def shard_sequence(x, dim=1, group=None, layout="zigzag", *, world_size=None, rank=None):
@@ -163,6 +186,28 @@ def gather_sequence(x, dim=1, group=None, layout="zigzag", *, reduce_grad=False)
     pg, world, r = resolve_group(group)
     d = _check_seq(x, dim, world, layout, "gather_sequence")
     return _GatherFn.apply(x, d, pg, world, r, layout, bool(reduce_grad))
+
+
+def reduce_scatter_sequence(x, dim=1, group=None, layout="zigzag"):
+    """This rank's shard of the sum over the CP group of every rank's full tensor `x` (differentiable; backward =
+    gather): the way back from a computation split over the ranks by something other than the sequence (heads),
+    each rank holding its part of the whole sequence's result.
+
+    Args:
+        x: this rank's partial full tensor (same shape on every rank).  dim: the sequence dim.
+        group: the CP group (None = default group).  layout: the layout of the shard returned.
+    Returns:
+        this rank's positions of the sum, ``x.shape[dim] // N`` along dim, in local order.
+    Raises:
+        ValueError: seqlen not divisible (by N, zigzag by 2N), bad layout or dim; RuntimeError: torch.distributed
+            not initialized.
+    """
+    _require_ops()
+    layout = check_layout(layout)
+    pg, world, _ = resolve_group(group)
+    d = _check_seq(x, dim, world, layout, "reduce_scatter_sequence")
+    _check_divisible(x.shape[d], world, layout)
+    return _ReduceScatterFn.apply(x, d, pg, world, layout)
 
 
 @dataclass(frozen=True, eq=False)

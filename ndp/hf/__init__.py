@@ -22,7 +22,7 @@ from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
                      decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, text_config)
-from .mixers import gather_mixers
+from .mixers import gather_mixers, split_mixer_heads
 from .router import aux_loss_on, check_router_loss, guard_router_loss
 
 # Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
@@ -57,7 +57,7 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
         except ValueError as e:  # a model ndp cannot shard as built (Mamba's A_log kept in fp32): named as such
             raise Unsupported(str(e)) from None
     if config.cp_size > 1:
-        check_cp_model(model, config.cp_mixers)
+        check_cp_model(model, config.cp_mixers, config.cp_size)
         if aux_loss_on(model):
             check_router_loss(model)
     for heads, kv in head_counts(text_config(model)):
@@ -96,6 +96,8 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         if ctx.enabled:
             if ctx.mixers == "gather":
                 gather_mixers(m, gathered_mixers(m) or [], ctx)
+            elif ctx.mixers == "heads":
+                split_mixer_heads(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
             guard_positions(m, ctx)
             guard_rope(m, ctx)

@@ -12,13 +12,24 @@ parameter gradients are those of its own shard's outputs, as for every other lay
 The cost is the layer's own: each rank computes it over the whole sequence (``cp_size`` times its work) and holds
 its activations for the whole sequence. The attention layers, MLPs and the head stay sharded. A model whose every
 token mixer is such a layer (no attention CP could split: Mamba, RWKV, xLSTM) is refused: CP would split nothing.
+
+``cp_mixers="heads"`` splits the work instead (a gated DeltaNet's, whose heads are independent, ``HEAD_SPLITS``): each
+rank runs the layer on the gathered sequence with its ``1/cp_size`` of the heads (its rows of the input projections,
+its channels of the convolution, its columns of the output projection), and the partial outputs are summed over the
+ranks and scattered back to the shards (``ndp.cp.reduce_scatter_sequence``). Exact as gathering is; each rank
+computes the layer's ``1/cp_size`` and holds its activations' ``1/cp_size`` (the gathered input and the summed output
+stay whole), the communication the same as gathering's.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ndp.cp import gather_sequence, shard_sequence
+from ndp.cp import gather_sequence, reduce_scatter_sequence, shard_sequence
 
 
 def _reference(args, kwargs):
@@ -86,4 +97,129 @@ def _shard_outputs(ctx, dim, conv):
     return hook
 
 
-__all__ = ["gather_mixers"]
+@dataclass(frozen=True)
+class HeadSplit:
+    """How a token mixer's work splits over ranks by heads (``cp_mixers="heads"``).
+
+    Attributes:
+        unit: the attribute counting the groups of heads the ranks divide (a gated DeltaNet's key heads, each with
+            its value heads); a multiple of the CP size.
+        scaled: the attributes counting heads or channels, divided by the CP size while a rank runs its heads.
+        split: parameter -> (dim, segments): along dim the parameter holds the segments, each laid out head by head
+            (attribute names giving their sizes, "" for the whole dim), and a rank takes its share of each.
+        shared: the parameters every head uses whole (a per-head norm's weight).
+    """
+    unit: str
+    scaled: tuple
+    split: dict
+    shared: tuple = field(default=())
+
+
+_DELTA_SCALED = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+_QKV = ("key_dim", "key_dim", "value_dim")  # the convolution's channels: queries, keys, values
+_DELTA_GATES = {"conv1d.weight": (0, _QKV), "dt_bias": (0, ("",)), "A_log": (0, ("",))}
+# Qwen3-Next's fused projections interleave q, k, v, z (and b, a) key-head group by group: a rank's rows are one piece
+_QWEN3_NEXT = HeadSplit("num_k_heads", _DELTA_SCALED, {
+    "in_proj_qkvz.weight": (0, ("",)), "in_proj_ba.weight": (0, ("",)), "out_proj.weight": (1, ("",)),
+    **_DELTA_GATES}, shared=("norm.weight",))
+_QWEN3_5 = HeadSplit("num_k_heads", _DELTA_SCALED, {
+    "in_proj_qkv.weight": (0, _QKV), "in_proj_z.weight": (0, ("",)), "in_proj_b.weight": (0, ("",)),
+    "in_proj_a.weight": (0, ("",)), "out_proj.weight": (1, ("",)), **_DELTA_GATES}, shared=("norm.weight",))
+_OLMO_HYBRID = HeadSplit("num_k_heads", _DELTA_SCALED, {
+    **{f"{p}_proj.weight": (0, ("",)) for p in "qkvabg"}, "o_proj.weight": (1, ("",)), **_DELTA_GATES},
+    shared=("o_norm.weight",))
+# The token mixers ndp splits by heads, by class name: each checked against one process (tests/hf/test_mixers.py).
+HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _QWEN3_5,
+               "Qwen3_5MoeGatedDeltaNet": _QWEN3_5, "LaraMiniGatedDeltaNet": _QWEN3_5,
+               "OlmoHybridGatedDeltaNet": _OLMO_HYBRID}
+
+
+def head_split_problem(module: nn.Module, size: int) -> str | None:
+    """Why `module` cannot run split by heads over `size` ranks (a phrase), else None."""
+    split = HEAD_SPLITS.get(type(module).__name__)
+    if split is None:
+        return f"ndp has no head split for {type(module).__name__} (it splits {', '.join(HEAD_SPLITS)})"
+    params = dict(module.named_parameters())
+    unknown = sorted(set(params) - set(split.split) - set(split.shared))
+    if unknown or not set(split.split) <= set(params):
+        return f"its parameters {sorted(params)} are not the ones its head split knows"
+    units = getattr(module, split.unit)
+    if units % size:
+        return f"its {split.unit}={units} is not a multiple of cp_size={size}"
+    for name, (dim, segments) in split.split.items():
+        sizes = _segments(module, params[name], dim, segments)
+        if sum(sizes) != params[name].shape[dim] or any(n % units for n in sizes):
+            return f"{name} of shape {tuple(params[name].shape)} does not hold {segments} along dim {dim}"
+    return None
+
+
+def _segments(module, param, dim, segments) -> list[int]:
+    return [param.shape[dim] if not s else getattr(module, s) for s in segments]
+
+
+def _my_heads(module, split, size, rank) -> dict:
+    """This rank's share of each split parameter (views or copies of it: their gradients reach it)."""
+    mine = {}
+    for name, (dim, segments) in split.split.items():
+        param = module.get_parameter(name)
+        pieces, start = [], 0
+        for n in _segments(module, param, dim, segments):
+            pieces.append(param.narrow(dim, start + rank * (n // size), n // size))
+            start += n
+        mine[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    return mine
+
+
+@contextlib.contextmanager
+def _swapped(module, tensors: dict, attrs: dict):
+    """`module` with the parameters `tensors` and the attributes `attrs` in place of its own, for a while
+    (``torch.func.functional_call`` swaps the same way, but calls the module, which would come back here)."""
+    owners = {n: (module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in tensors}
+    params = {n: owner._parameters[leaf] for n, (owner, leaf) in owners.items()}
+    values = {a: getattr(module, a) for a in attrs}
+    try:
+        for n, (owner, leaf) in owners.items():
+            owner._parameters[leaf] = tensors[n]
+        for a, v in attrs.items():
+            setattr(module, a, v)
+        yield
+    finally:
+        for n, (owner, leaf) in owners.items():
+            owner._parameters[leaf] = params[n]
+        for a, v in values.items():
+            setattr(module, a, v)
+
+
+def _heads_forward(module, split, size, rank, *args, **kwargs):
+    """The module's own forward on the gathered sequence with this rank's heads: its part of the output."""
+    # A cache built under CP (an eval forward with use_cache) holds shards and serves no generation (ndp's attention
+    # refuses a cache passed in); this rank's heads' states are left out of it.
+    kwargs = {k: None if k in ("cache", "cache_params") else v for k, v in kwargs.items()}
+    local = {a: getattr(module, a) // size for a in split.scaled if hasattr(module, a)}
+    with _swapped(module, _my_heads(module, split, size, rank), local):
+        return type(module).forward(module, *args, **kwargs)
+
+
+def split_mixer_heads(model: nn.Module, names: list[str], ctx) -> None:
+    """Hook the modules `names` of `model` (each of a class in ``HEAD_SPLITS``) to run this rank's heads on the
+    sequence gathered over ctx's CP group, their outputs summed over it and scattered back (module docstring)."""
+    for name in names:
+        module = model.get_submodule(name)
+        module.register_forward_pre_hook(_gather_inputs(ctx, 1), with_kwargs=True)
+        module.register_forward_hook(_sum_outputs(ctx), with_kwargs=True)
+        module.forward = functools.partial(_heads_forward, module, HEAD_SPLITS[type(module).__name__], ctx.size,
+                                           ctx.rank)
+
+
+def _sum_outputs(ctx):
+    def hook(module, args, kwargs, output):
+        full = _reference(args, kwargs).shape[1]
+        if not (torch.is_tensor(output) and output.dim() >= 2 and output.shape[1] == full):
+            raise RuntimeError(f"{type(module).__name__} split by heads returned {type(output).__name__} where ndp "
+                               f"sums one per-token tensor over the ranks")
+        return reduce_scatter_sequence(output, dim=1, group=ctx.group, layout=ctx.layout)
+
+    return hook
+
+
+__all__ = ["gather_mixers", "split_mixer_heads", "head_split_problem", "HeadSplit", "HEAD_SPLITS"]

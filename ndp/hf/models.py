@@ -24,6 +24,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
 
+from .mixers import head_split_problem
+
 
 class Unsupported(ValueError):
     """ndp cannot run this model or attention call exactly; the message names the feature and what to do."""
@@ -235,10 +237,10 @@ def _pooling_head(model: nn.Module) -> str | None:
     return None
 
 
-def check_cp_model(model: nn.Module, mixers: str = "refuse") -> None:
+def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -> None:
     """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring);
     `mixers` (``ParallelismConfig.cp_mixers``): "gather" accepts the token mixers :func:`gathered_mixers` runs on
-    the gathered sequence."""
+    the gathered sequence, "heads" those of them ``ndp.hf.mixers`` splits by heads over `cp_size` ranks."""
     name = type(model).__name__
     head = _pooling_head(model)
     if head:
@@ -246,7 +248,7 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse") -> None:
             f"{name}: {head}, and under context parallelism each rank holds a shard of the row: the positions it "
             f"reads would be the shard's. Run it with cp_size=1, or put a per-token head (causal LM, token "
             f"classification) under CP.")
-    what = _mixing_outside_attention(model, gather=mixers == "gather")
+    what = _mixing_outside_attention(model, gather=mixers in ("gather", "heads"))
     if what:
         gatherable = not _mixing_outside_attention(model, gather=True)
         raise Unsupported(
@@ -256,6 +258,20 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse") -> None:
                 "to run those layers on the whole sequence, gathered on every rank (exact; each rank computes them "
                 "over the whole sequence: cp_size times their work, their activations for the whole sequence)."
                 if gatherable else "."))
+    if mixers == "heads":
+        _check_head_splits(model, cp_size)
+
+
+def _check_head_splits(model: nn.Module, cp_size: int) -> None:
+    for name in gathered_mixers(model) or []:
+        module = model.get_submodule(name)
+        problem = head_split_problem(module, cp_size)
+        if problem:
+            raise Unsupported(
+                f"{type(model).__name__}: cp_mixers='heads' cannot split {name} ({type(module).__name__}) over "
+                f"cp_size={cp_size} by heads: {problem}. Set cp_mixers='gather' (ndp-train --cp-mixers gather, "
+                f"NDP_CP_MIXERS=gather) to run it whole on the gathered sequence on every rank (exact; cp_size times "
+                f"its work), or choose a cp_size that divides it.")
 
 
 def check_packed_model(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ from .mesh import MESH_AXES, build_device_mesh
 CP_IMPLS = ("ring", "allgather", "ulysses", "usp")
 CP_LAYOUTS = ("zigzag", "contiguous", "striped")
 # What CP does with a model's token mixers outside attention (recurrent, state-space, short convolutions).
-CP_MIXERS = ("refuse", "gather")
+CP_MIXERS = ("refuse", "gather", "heads")
 # The fields Accelerate's ParallelismConfig has no name for.
 NDP_FIELDS = ("cp_impl", "ulysses_size", "cp_layout", "cp_mixers")
 
@@ -32,10 +32,12 @@ class ParallelismConfig:
         ulysses_size: all-to-all degree inside the CP group; only "usp" uses a value other than 1
             (``cp_size // ulysses_size`` ring ranks); "ulysses" accepts 1 or ``cp_size``.
         cp_layout: "zigzag" | "contiguous" | "striped" (how the sequence is split over CP ranks).
-        cp_mixers: "refuse" | "gather": what CP does with a model's layers that mix tokens outside attention
-            (recurrent, state-space, linear-attention, short convolutions: a hybrid model's). "refuse" (default):
-            such a model is refused by name; "gather": each runs on the whole sequence, gathered on every CP rank
-            (exact; cp_size times their work and their activations for the whole sequence; ``ndp.hf.mixers``).
+        cp_mixers: "refuse" | "gather" | "heads": what CP does with a model's layers that mix tokens outside
+            attention (recurrent, state-space, linear-attention, short convolutions: a hybrid model's). "refuse"
+            (default): such a model is refused by name; "gather": each runs on the whole sequence, gathered on every
+            CP rank (exact; cp_size times their work and their activations for the whole sequence); "heads": each
+            runs on the gathered sequence split by heads over the CP ranks (exact; 1/cp_size of their work each; the
+            gated DeltaNets of Qwen3-Next, Qwen3.5, OLMo-hybrid, others refused by name). ``ndp.hf.mixers``.
 
     Raises:
         TypeError: a size is not an int.

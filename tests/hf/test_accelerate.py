@@ -444,13 +444,14 @@ def test_trainer_on_families_accelerates_fsdp2_broke_matches_one_process(tmp_pat
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_trainer_trains_a_hybrid_under_cp_with_its_mixers_gathered(tmp_path):
+@pytest.mark.parametrize("mixers", ["gather", "heads"])
+def test_trainer_trains_a_hybrid_under_cp_with_its_mixers_gathered(tmp_path, mixers):
     """Qwen3-Next (gated DeltaNet layers beside its attention) under the Trainer at cp 2 with ``NDP_CP_MIXERS=gather``
-    (ndp's CP through Accelerate's FSDP2): the 3 logged losses equal one process's."""
+    or ``heads`` (ndp's CP through Accelerate's FSDP2): the 3 logged losses equal one process's."""
     model = _zoo.tiny_model("qwen3_next").train()
     tokens = torch.randint(0, _zoo.VOCAB, (3, 48), generator=torch.Generator().manual_seed(7))
     spawn(_family_trainer_rank, 2, tmp_path, str(tmp_path), "qwen3_next", tokens, {"cp_size": 2},
-          "Qwen3NextDecoderLayer", {"NDP_CP_MIXERS": "gather"}, timeout_s=300)
+          "Qwen3NextDecoderLayer", {"NDP_CP_MIXERS": mixers}, timeout_s=300)
     want, _ = _train_one_process(model, tokens, steps=3, dp=1, clip=1.0)
     assert torch.load(tmp_path / "family.pt") == pytest.approx(want, rel=1e-6)
 

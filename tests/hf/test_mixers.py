@@ -2,7 +2,9 @@
 recurrent, state-space, linear-attention and short-convolution layers run on the gathered sequence, every other
 layer on the shard, and the loss and every gradient equal one process's on the whole batch (float64; the zoo runs
 every family at zigzag cp 2; here the other layouts, padding, compile and data parallel beside CP). Without the
-option they are refused by name, the option named; a model CP could split nothing of is refused either way."""
+option they are refused by name, the option named; a model CP could split nothing of is refused either way.
+``cp_mixers="heads"``: the gated DeltaNets split by heads over the CP ranks equal one process too, each rank doing
+1/cp_size of their work; the mixers ndp cannot split so are refused by name, gathering named."""
 import copy
 import os
 import sys
@@ -37,7 +39,8 @@ def test_refused_by_default_with_the_option_named():
     with pytest.raises(ndp.hf.Unsupported, match=r"linear_attn \(Qwen3NextGatedDeltaNet\).*cp_mixers='gather'"):
         ndp.hf.check_model(model, ndp.ParallelismConfig(cp_size=2))
     ndp.hf.check_model(model, ndp.ParallelismConfig(cp_size=2, cp_mixers="gather"))
-    with pytest.raises(ValueError, match=r"cp_mixers must be one of \('refuse', 'gather'\); got cp_mixers='all'"):
+    with pytest.raises(ValueError, match=r"cp_mixers must be one of \('refuse', 'gather', 'heads'\); got "
+                                         r"cp_mixers='all'"):
         ndp.ParallelismConfig(cp_size=2, cp_mixers="all")
 
 
@@ -137,7 +140,7 @@ def test_gathered_modules_equal_the_unsharded_ones(tmp_path, layout):
     spawn(_toy_body, 2, tmp_path, layout)
 
 
-def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp):
+def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp, mixers="gather", impl="ring"):
     import ndp
     import ndp.hf
 
@@ -145,12 +148,14 @@ def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp):
     ids = torch.randint(3, _zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     pos = torch.arange(seq).expand(2, seq)
-    ref = _zoo.tiny_model(family).train()
+    # float64 throughout: OLMo-hybrid keeps A_log in float32, which FSDP2 (one dtype per module) refuses
+    ref = _zoo.tiny_model(family).train().to(torch.float64)
     logits = ref(input_ids=ids, position_ids=pos).logits
     ref_loss, ref_grads = _zoo._loss_and_grads(ref, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-    cfg = ndp.ParallelismConfig(dp_shard_size=dp_shard, cp_size=world // dp_shard // tp, tp_size=tp, cp_layout=layout,
-                                cp_mixers="gather")
-    model = ndp.hf.parallelize(_zoo.tiny_model(family).train(), cfg, _zoo.mesh(cfg), compile=compile)
+    cp = world // dp_shard // tp
+    cfg = ndp.ParallelismConfig(dp_shard_size=dp_shard, cp_size=cp, tp_size=tp, cp_layout=layout, cp_mixers=mixers,
+                                cp_impl=impl, ulysses_size=2 if impl == "usp" else cp if impl == "ulysses" else 1)
+    model = ndp.hf.parallelize(_zoo.tiny_model(family).train().to(torch.float64), cfg, _zoo.mesh(cfg), compile=compile)
     if dp_shard > 1:  # each data-parallel rank its row
         row = model.ndp_parallel.axis("dp_shard").get_local_rank()
         ids, labels, pos = ids[row:row + 1], labels[row:row + 1], pos[row:row + 1]
@@ -173,3 +178,101 @@ def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp):
 ])
 def test_hybrid_under_cp_equals_one_process(tmp_path, family, layout, seq, compile, dp_shard, tp, world):
     spawn(_hybrid_body, world, tmp_path, family, layout, seq, compile, dp_shard, tp, timeout_s=300)
+
+
+def _reduce_scatter_body(rank, world, layout):
+    from ndp.cp import reduce_scatter_sequence, shard_sequence
+
+    parts = torch.randn(world, 2, 8 * world, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weight = torch.randn(2, 8 * world, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mine = parts[rank].clone().requires_grad_()
+    out = reduce_scatter_sequence(mine, dim=1, layout=layout)
+
+    def shard(t):
+        return shard_sequence(t, dim=1, world_size=world, rank=rank, layout=layout)
+
+    torch.testing.assert_close(out, shard(parts.sum(0)), rtol=1e-12, atol=1e-12)
+    (out * shard(weight)).sum().backward()  # each rank's loss on its shard: every rank's part reaches every shard
+    torch.testing.assert_close(mine.grad, weight, rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_reduce_scatter_sequence_sums_the_parts(tmp_path, layout):
+    spawn(_reduce_scatter_body, 2, tmp_path, layout)
+
+
+@pytest.mark.parametrize("family, cp, match", [
+    ("jamba", 2, r"cannot split model\.layers\.\d\.mamba \(JambaMambaMixer\) over cp_size=2 by heads: ndp has no "
+                 r"head split for JambaMambaMixer.*Set cp_mixers='gather'"),
+    ("qwen3_next", 3, r"cannot split model\.layers\.\d\.linear_attn \(Qwen3NextGatedDeltaNet\) over cp_size=3 by "
+                      r"heads: its num_k_heads=16 is not a multiple of cp_size=3.*cp_mixers='gather'"),
+])
+def test_heads_refused_by_name_where_it_cannot_split(family, cp, match):
+    import ndp
+    import ndp.hf
+
+    _quiet()
+    with pytest.raises(ndp.hf.Unsupported, match=match):
+        ndp.hf.check_model(_zoo.tiny_model(family), ndp.ParallelismConfig(cp_size=cp, cp_mixers="heads"))
+
+
+def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
+    from ndp.hf.mixers import head_split_problem
+
+    _quiet()
+    module = _zoo.tiny_model("qwen3_next").model.layers[0].linear_attn
+    assert head_split_problem(module, 2) is None
+    module.conv1d.bias = torch.nn.Parameter(torch.zeros(module.conv_dim, dtype=torch.float64))  # not split by heads
+    assert "are not the ones its head split knows" in head_split_problem(module, 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family, layout, dp_shard, tp, impl, world", [
+    ("qwen3_next", "zigzag", 1, 1, "ring", 2),
+    ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
+    ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
+    ("lara_mini", "striped", 1, 1, "ring", 2),
+    ("olmo_hybrid", "zigzag", 1, 1, "ring", 2),         # q/k/v/a/b/g projections of their own
+    ("qwen3_next", "zigzag", 1, 1, "usp", 4),           # cp 4: ulysses 2 x ring 2
+    ("qwen3_next", "zigzag", 2, 1, "ring", 4),          # dp_shard 2 x cp 2
+    ("qwen3_5_text", "zigzag", 1, 2, "ring", 4),        # cp 2 x tp 2
+])
+def test_heads_under_cp_equal_one_process(tmp_path, family, layout, dp_shard, tp, impl, world):
+    spawn(_hybrid_body, world, tmp_path, family, layout, 32, False, dp_shard, tp, "heads", impl, timeout_s=300)
+
+
+def _mixer_flops(model, run) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        run(model)
+    # every op but the convolution's backward, whose count torch takes for a dense convolution's (quadratic in the
+    # channels of the gated DeltaNet's depthwise one)
+    return sum(n for name, ops in counter.get_flop_counts().items() if name.endswith("linear_attn")
+               for op, n in ops.items() if "convolution_backward" not in str(op))
+
+
+def _flops_body(rank, world):
+    import ndp
+    import ndp.hf
+
+    _quiet()
+    ids = torch.randint(3, _zoo.VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32).expand(2, 32)
+    whole = _mixer_flops(_zoo.tiny_model("qwen3_next").train(),
+                         lambda m: m(input_ids=ids, position_ids=pos).logits.sum().backward())
+    per_rank = {}
+    for mixers in ("gather", "heads"):
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_mixers=mixers)
+        model = ndp.hf.parallelize(_zoo.tiny_model("qwen3_next").train(), cfg, _zoo.mesh(cfg))
+        b = ndp.hf.shard_batch(model, input_ids=ids, position_ids=pos)
+        per_rank[mixers] = _mixer_flops(model, lambda m: m(**b).logits.sum().backward())
+    assert whole > 0 and per_rank == {"gather": whole, "heads": whole // world}, (whole, per_rank)
+
+
+@pytest.mark.distributed
+def test_heads_do_their_share_of_the_mixers_work(tmp_path):
+    """Counted (torch's FLOP counter, forward and backward of the gated DeltaNets): gathered, each rank does one
+    process's whole work; split by heads, its 1/cp_size."""
+    spawn(_flops_body, 2, tmp_path)

@@ -32,6 +32,7 @@ LAYOUTS = {
     "qwen2_tp2": (2, dict(tp_size=2), dict(model="tiny-qwen2")),
     "mistral_cp2_ring": (2, dict(cp_size=2), dict(model="tiny-mistral")),
     "hybrid_cp2_gather": (2, dict(cp_size=2, cp_mixers="gather"), dict(model=HYBRID)),
+    "hybrid_cp2_heads": (2, dict(cp_size=2, cp_mixers="heads"), dict(model=HYBRID)),
     "dp_shard2_cp2": (4, dict(dp_shard_size=2, cp_size=2), {}),
     "cp2_tp2": (4, dict(cp_size=2, tp_size=2), {}),
     "dp_replicate2_dp_shard2": (4, dict(dp_replicate_size=2, dp_shard_size=2), {}),

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
+import math
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -103,16 +105,20 @@ class HeadSplit:
 
     Attributes:
         unit: the attribute counting the groups of heads the ranks divide (a gated DeltaNet's key heads, each with
-            its value heads); a multiple of the CP size.
+            its value heads; a short convolution's channels), dotted for one of its config's; a multiple of the CP
+            size.
         scaled: the attributes counting heads or channels, divided by the CP size while a rank runs its heads.
         split: parameter -> (dim, segments): along dim the parameter holds the segments, each laid out head by head
-            (attribute names giving their sizes, "" for the whole dim), and a rank takes its share of each.
+            (their sizes: attribute names, or products of them "a*b"; "" for the whole dim), and a rank takes its
+            share of each.
         shared: the parameters every head uses whole (a per-head norm's weight).
+        once: the parameters the output takes once, not per head (the output projection's bias): rank 0 adds them.
     """
     unit: str
     scaled: tuple
     split: dict
     shared: tuple = field(default=())
+    once: tuple = field(default=())
 
 
 _DELTA_SCALED = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
@@ -128,10 +134,22 @@ _QWEN3_5 = HeadSplit("num_k_heads", _DELTA_SCALED, {
 _OLMO_HYBRID = HeadSplit("num_k_heads", _DELTA_SCALED, {
     **{f"{p}_proj.weight": (0, ("",)) for p in "qkvabg"}, "o_proj.weight": (1, ("",)), **_DELTA_GATES},
     shared=("o_norm.weight",))
+# LFM's short convolution: per channel (B * x, convolved, times C), its input projection's rows [B | C | x]
+_CHANNELS = ("config.hidden_size",)
+_SHORT_CONV = HeadSplit("config.hidden_size", (), {
+    "in_proj.weight": (0, _CHANNELS * 3), "in_proj.bias": (0, _CHANNELS * 3), "conv.weight": (0, ("",)),
+    "conv.bias": (0, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",))
+# Nemotron-H's Mamba2: the ranks divide its groups (each with its heads, its B and C, its channels of the gated norm)
+_XBC = ("intermediate_size", "n_groups*ssm_state_size", "n_groups*ssm_state_size")
+_MAMBA2 = HeadSplit("n_groups", ("num_heads", "intermediate_size", "n_groups", "conv_dim"), {
+    **{f"in_proj.{p}": (0, ("intermediate_size", *_XBC, "num_heads")) for p in ("weight", "bias")},
+    **{f"conv1d.{p}": (0, _XBC) for p in ("weight", "bias")}, "norm.weight": (0, ("",)), "dt_bias": (0, ("",)),
+    "A_log": (0, ("",)), "D": (0, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",))
 # The token mixers ndp splits by heads, by class name: each checked against one process (tests/hf/test_mixers.py).
 HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _QWEN3_5,
                "Qwen3_5MoeGatedDeltaNet": _QWEN3_5, "LaraMiniGatedDeltaNet": _QWEN3_5,
-               "OlmoHybridGatedDeltaNet": _OLMO_HYBRID}
+               "OlmoHybridGatedDeltaNet": _OLMO_HYBRID, "Lfm2ShortConv": _SHORT_CONV,
+               "Lfm2MoeShortConv": _SHORT_CONV, "Lfm3ShortConv": _SHORT_CONV, "NemotronHMamba2Mixer": _MAMBA2}
 
 
 def head_split_problem(module: nn.Module, size: int) -> str | None:
@@ -140,13 +158,12 @@ def head_split_problem(module: nn.Module, size: int) -> str | None:
     if split is None:
         return f"ndp has no head split for {type(module).__name__} (it splits {', '.join(HEAD_SPLITS)})"
     params = dict(module.named_parameters())
-    unknown = sorted(set(params) - set(split.split) - set(split.shared))
-    if unknown or not set(split.split) <= set(params):
+    if set(params) - set(split.split) - set(split.shared) - set(split.once):
         return f"its parameters {sorted(params)} are not the ones its head split knows"
-    units = getattr(module, split.unit)
+    units = attrgetter(split.unit)(module)
     if units % size:
         return f"its {split.unit}={units} is not a multiple of cp_size={size}"
-    for name, (dim, segments) in split.split.items():
+    for name, (dim, segments) in _present(split, params):
         sizes = _segments(module, params[name], dim, segments)
         if sum(sizes) != params[name].shape[dim] or any(n % units for n in sizes):
             return f"{name} of shape {tuple(params[name].shape)} does not hold {segments} along dim {dim}"
@@ -154,14 +171,21 @@ def head_split_problem(module: nn.Module, size: int) -> str | None:
 
 
 def _segments(module, param, dim, segments) -> list[int]:
-    return [param.shape[dim] if not s else getattr(module, s) for s in segments]
+    return [math.prod(attrgetter(a)(module) for a in s.split("*")) if s else param.shape[dim] for s in segments]
+
+
+def _present(split, params):
+    """The split's parameters the module has (a bias is optional)."""
+    return [(name, how) for name, how in split.split.items() if name in params]
 
 
 def _my_heads(module, split, size, rank) -> dict:
-    """This rank's share of each split parameter (views or copies of it: their gradients reach it)."""
-    mine = {}
-    for name, (dim, segments) in split.split.items():
-        param = module.get_parameter(name)
+    """This rank's share of each split parameter (views or copies of it: their gradients reach it); the `once`
+    parameters rank 0's, zeros elsewhere."""
+    params = dict(module.named_parameters())
+    mine = {name: params[name] * (rank == 0) for name in split.once if name in params}
+    for name, (dim, segments) in _present(split, params):
+        param = params[name]
         pieces, start = [], 0
         for n in _segments(module, param, dim, segments):
             pieces.append(param.narrow(dim, start + rank * (n // size), n // size))

@@ -96,6 +96,8 @@ def _shrink(cfg, seen):
 FIXES = {
     # its default config sets no layer_types (the model reads them): one convolution layer, one attention layer
     "lfm2_moe": lambda c: c.__dict__.update(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # its tiny form kept attention layers only (the convolution never ran): one of each
+    "lfm2": lambda c: setattr(c, "layer_types", ["conv", "full_attention"]),
     # hybrids whose first layers are all state-space ones by default: one Mamba layer, one attention layer
     "bamba": lambda c: setattr(c, "attn_layer_indices", [1]),
     "jamba": lambda c: c.__dict__.update(attn_layer_period=2, attn_layer_offset=1),

@@ -140,7 +140,7 @@ def test_gathered_modules_equal_the_unsharded_ones(tmp_path, layout):
     spawn(_toy_body, 2, tmp_path, layout)
 
 
-def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp, mixers="gather", impl="ring"):
+def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp, mixers="gather", impl="ring", fields=None):
     import ndp
     import ndp.hf
 
@@ -149,13 +149,14 @@ def _hybrid_body(rank, world, family, layout, seq, compile, dp_shard, tp, mixers
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     pos = torch.arange(seq).expand(2, seq)
     # float64 throughout: OLMo-hybrid keeps A_log in float32, which FSDP2 (one dtype per module) refuses
-    ref = _zoo.tiny_model(family).train().to(torch.float64)
+    ref = _zoo.tiny_model(family, **(fields or {})).train().to(torch.float64)
     logits = ref(input_ids=ids, position_ids=pos).logits
     ref_loss, ref_grads = _zoo._loss_and_grads(ref, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
     cp = world // dp_shard // tp
     cfg = ndp.ParallelismConfig(dp_shard_size=dp_shard, cp_size=cp, tp_size=tp, cp_layout=layout, cp_mixers=mixers,
                                 cp_impl=impl, ulysses_size=2 if impl == "usp" else cp if impl == "ulysses" else 1)
-    model = ndp.hf.parallelize(_zoo.tiny_model(family).train().to(torch.float64), cfg, _zoo.mesh(cfg), compile=compile)
+    model = ndp.hf.parallelize(_zoo.tiny_model(family, **(fields or {})).train().to(torch.float64), cfg, _zoo.mesh(cfg),
+                               compile=compile)
     if dp_shard > 1:  # each data-parallel rank its row
         row = model.ndp_parallel.axis("dp_shard").get_local_rank()
         ids, labels, pos = ids[row:row + 1], labels[row:row + 1], pos[row:row + 1]
@@ -230,6 +231,10 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
 @pytest.mark.distributed
 @pytest.mark.parametrize("family, layout, dp_shard, tp, impl, world", [
     ("qwen3_next", "zigzag", 1, 1, "ring", 2),
+    ("lfm2", "zigzag", 1, 1, "ring", 2),                # LFM's short convolutions: split by channels
+    ("lfm2_moe", "striped", 1, 1, "ulysses", 2),
+    ("lfm3", "zigzag", 1, 1, "ring", 2),
+    ("nemotron_h", "zigzag", 1, 1, "ring", 2),          # Mamba2 in 8 groups: split by groups
     ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
     ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
     ("lara_mini", "striped", 1, 1, "ring", 2),
@@ -239,7 +244,10 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     ("qwen3_5_text", "zigzag", 1, 2, "ring", 4),        # cp 2 x tp 2
 ])
 def test_heads_under_cp_equal_one_process(tmp_path, family, layout, dp_shard, tp, impl, world):
-    spawn(_hybrid_body, world, tmp_path, family, layout, 32, False, dp_shard, tp, "heads", impl, timeout_s=300)
+    # LFM with biases: the convolution's and the input projection's split, the output projection's added once
+    fields = {"conv_bias": True} if family == "lfm2" else None
+    spawn(_hybrid_body, world, tmp_path, family, layout, 32, False, dp_shard, tp, "heads", impl, fields,
+          timeout_s=300)
 
 
 def _mixer_cost(model, run) -> tuple[int, int]:

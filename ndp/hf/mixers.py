@@ -108,17 +108,23 @@ class HeadSplit:
             its value heads; a short convolution's channels), dotted for one of its config's; a multiple of the CP
             size.
         scaled: the attributes counting heads or channels, divided by the CP size while a rank runs its heads.
-        split: parameter -> (dim, segments): along dim the parameter holds the segments, each laid out head by head
+        split: parameter (or buffer) -> (dim, segments): along dim it holds the segments, each laid out head by head
             (their sizes: attribute names, or products of them "a*b"; "" for the whole dim), and a rank takes its
-            share of each.
+            share of each; a segment marked "=" every head reads whole (Mamba2's B and C of its one group), and
+            every rank takes it whole.
         shared: the parameters every head uses whole (a per-head norm's weight).
         once: the parameters the output takes once, not per head (the output projection's bias): rank 0 adds them.
+        requires: attribute values the split holds for only (one group of B and C, no norm over all heads).
+        derived: attribute -> its rank's value from a getter of the rank's attributes (a count of channels that
+            holds whole segments besides split ones), set after the scaled ones.
     """
     unit: str
     scaled: tuple
     split: dict
     shared: tuple = field(default=())
     once: tuple = field(default=())
+    requires: dict = field(default_factory=dict)
+    derived: dict = field(default_factory=dict)
 
 
 _DELTA_SCALED = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
@@ -145,11 +151,22 @@ _MAMBA2 = HeadSplit("n_groups", ("num_heads", "intermediate_size", "n_groups", "
     **{f"in_proj.{p}": (0, ("intermediate_size", *_XBC, "num_heads")) for p in ("weight", "bias")},
     **{f"conv1d.{p}": (0, _XBC) for p in ("weight", "bias")}, "norm.weight": (0, ("",)), "dt_bias": (0, ("",)),
     "A_log": (0, ("",)), "D": (0, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",))
+# Falcon-H1's Mamba2 of one group, without a norm over the heads: the ranks divide its heads, each reads the group's
+# B and C whole (its input projection scaled row by row by its muP vector, a buffer, split alike)
+_ONE_GROUP = ("intermediate_size", "=ssm_state_size", "=ssm_state_size")
+_IN_ROWS = (0, ("intermediate_size", *_ONE_GROUP, "num_heads"))
+_FALCON_H1 = HeadSplit("num_heads", ("num_heads", "intermediate_size"), {
+    **{f"in_proj.{p}": _IN_ROWS for p in ("weight", "bias")}, "mup_vector": (2, _IN_ROWS[1]),
+    **{f"conv1d.{p}": (0, _ONE_GROUP) for p in ("weight", "bias")}, "dt_bias": (0, ("",)), "A_log": (0, ("",)),
+    "D": (0, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",),
+    requires={"n_groups": 1, "mamba_rms_norm": False},
+    derived={"conv_dim": lambda get: get("intermediate_size") + 2 * get("ssm_state_size")})
 # The token mixers ndp splits by heads, by class name: each checked against one process (tests/hf/test_mixers.py).
 HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _QWEN3_5,
                "Qwen3_5MoeGatedDeltaNet": _QWEN3_5, "LaraMiniGatedDeltaNet": _QWEN3_5,
                "OlmoHybridGatedDeltaNet": _OLMO_HYBRID, "Lfm2ShortConv": _SHORT_CONV,
-               "Lfm2MoeShortConv": _SHORT_CONV, "Lfm3ShortConv": _SHORT_CONV, "NemotronHMamba2Mixer": _MAMBA2}
+               "Lfm2MoeShortConv": _SHORT_CONV, "Lfm3ShortConv": _SHORT_CONV, "NemotronHMamba2Mixer": _MAMBA2,
+               "FalconH1Mixer": _FALCON_H1}
 
 
 def head_split_problem(module: nn.Module, size: int) -> str | None:
@@ -157,38 +174,48 @@ def head_split_problem(module: nn.Module, size: int) -> str | None:
     split = HEAD_SPLITS.get(type(module).__name__)
     if split is None:
         return f"ndp has no head split for {type(module).__name__} (it splits {', '.join(HEAD_SPLITS)})"
-    params = dict(module.named_parameters())
-    if set(params) - set(split.split) - set(split.shared) - set(split.once):
-        return f"its parameters {sorted(params)} are not the ones its head split knows"
+    wrong = {a: getattr(module, a, None) for a, v in split.requires.items() if getattr(module, a, None) != v}
+    if wrong:
+        return f"it has {wrong}, and its head split holds for {split.requires} only"
+    tensors = _tensors(module)
+    if set(tensors) - set(split.split) - set(split.shared) - set(split.once):
+        return f"its parameters and buffers {sorted(tensors)} are not the ones its head split knows"
     units = attrgetter(split.unit)(module)
     if units % size:
-        return f"its {split.unit}={units} is not a multiple of cp_size={size}"
-    for name, (dim, segments) in _present(split, params):
-        sizes = _segments(module, params[name], dim, segments)
-        if sum(sizes) != params[name].shape[dim] or any(n % units for n in sizes):
-            return f"{name} of shape {tuple(params[name].shape)} does not hold {segments} along dim {dim}"
+        return f"its {split.unit}={units} is not a multiple of cp_size={size} (or choose a cp_size that divides it)"
+    for name, (dim, segments) in _present(split, tensors):
+        sizes = _segments(module, tensors[name], dim, segments)
+        if sum(n for n, _ in sizes) != tensors[name].shape[dim] or any(n % units for n, whole in sizes if not whole):
+            return f"{name} of shape {tuple(tensors[name].shape)} does not hold {segments} along dim {dim}"
     return None
 
 
-def _segments(module, param, dim, segments) -> list[int]:
-    return [math.prod(attrgetter(a)(module) for a in s.split("*")) if s else param.shape[dim] for s in segments]
+def _tensors(module) -> dict:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
-def _present(split, params):
-    """The split's parameters the module has (a bias is optional)."""
-    return [(name, how) for name, how in split.split.items() if name in params]
+def _segments(module, tensor, dim, segments) -> list[tuple[int, bool]]:
+    """(size, read whole by every head) of each segment."""
+    return [(math.prod(attrgetter(a)(module) for a in s.lstrip("=").split("*")) if s else tensor.shape[dim],
+             s.startswith("=")) for s in segments]
+
+
+def _present(split, tensors):
+    """The split's parameters and buffers the module has (a bias is optional)."""
+    return [(name, how) for name, how in split.split.items() if name in tensors]
 
 
 def _my_heads(module, split, size, rank) -> dict:
-    """This rank's share of each split parameter (views or copies of it: their gradients reach it); the `once`
-    parameters rank 0's, zeros elsewhere."""
-    params = dict(module.named_parameters())
-    mine = {name: params[name] * (rank == 0) for name in split.once if name in params}
-    for name, (dim, segments) in _present(split, params):
-        param = params[name]
+    """This rank's share of each split parameter or buffer (views or copies of it: their gradients reach it); the
+    `once` parameters rank 0's, zeros elsewhere."""
+    tensors = _tensors(module)
+    mine = {name: tensors[name] * (rank == 0) for name in split.once if name in tensors}
+    for name, (dim, segments) in _present(split, tensors):
+        tensor = tensors[name]
         pieces, start = [], 0
-        for n in _segments(module, param, dim, segments):
-            pieces.append(param.narrow(dim, start + rank * (n // size), n // size))
+        for n, whole in _segments(module, tensor, dim, segments):
+            pieces.append(tensor.narrow(dim, start, n) if whole else
+                          tensor.narrow(dim, start + rank * (n // size), n // size))
             start += n
         mine[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
     return mine
@@ -196,20 +223,23 @@ def _my_heads(module, split, size, rank) -> dict:
 
 @contextlib.contextmanager
 def _swapped(module, tensors: dict, attrs: dict):
-    """`module` with the parameters `tensors` and the attributes `attrs` in place of its own, for a while
+    """`module` with the parameters or buffers `tensors` and the attributes `attrs` in place of its own, for a while
     (``torch.func.functional_call`` swaps the same way, but calls the module, which would come back here)."""
-    owners = {n: (module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in tensors}
-    params = {n: owner._parameters[leaf] for n, (owner, leaf) in owners.items()}
+    slots = {}
+    for n in tensors:
+        owner, leaf = module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
+        slots[n] = (owner._parameters if leaf in owner._parameters else owner._buffers, leaf)
+    saved = {n: where[leaf] for n, (where, leaf) in slots.items()}
     values = {a: getattr(module, a) for a in attrs}
     try:
-        for n, (owner, leaf) in owners.items():
-            owner._parameters[leaf] = tensors[n]
+        for n, (where, leaf) in slots.items():
+            where[leaf] = tensors[n]
         for a, v in attrs.items():
             setattr(module, a, v)
         yield
     finally:
-        for n, (owner, leaf) in owners.items():
-            owner._parameters[leaf] = params[n]
+        for n, (where, leaf) in slots.items():
+            where[leaf] = saved[n]
         for a, v in values.items():
             setattr(module, a, v)
 
@@ -220,6 +250,7 @@ def _heads_forward(module, split, size, rank, *args, **kwargs):
     # refuses a cache passed in); this rank's heads' states are left out of it.
     kwargs = {k: None if k in ("cache", "cache_params") else v for k, v in kwargs.items()}
     local = {a: getattr(module, a) // size for a in split.scaled if hasattr(module, a)}
+    local.update({a: fn(lambda b: local.get(b, getattr(module, b))) for a, fn in split.derived.items()})
     with _swapped(module, _my_heads(module, split, size, rank), local):
         return type(module).forward(module, *args, **kwargs)
 

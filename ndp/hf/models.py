@@ -271,7 +271,7 @@ def _check_head_splits(model: nn.Module, cp_size: int) -> None:
                 f"{type(model).__name__}: cp_mixers='heads' cannot split {name} ({type(module).__name__}) over "
                 f"cp_size={cp_size} by heads: {problem}. Set cp_mixers='gather' (ndp-train --cp-mixers gather, "
                 f"NDP_CP_MIXERS=gather) to run it whole on the gathered sequence on every rank (exact; cp_size times "
-                f"its work), or choose a cp_size that divides it.")
+                f"its work).")
 
 
 def check_packed_model(model: nn.Module) -> None:

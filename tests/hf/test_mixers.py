@@ -203,19 +203,23 @@ def test_reduce_scatter_sequence_sums_the_parts(tmp_path, layout):
     spawn(_reduce_scatter_body, 2, tmp_path, layout)
 
 
-@pytest.mark.parametrize("family, cp, match", [
-    ("jamba", 2, r"cannot split model\.layers\.\d\.mamba \(JambaMambaMixer\) over cp_size=2 by heads: ndp has no "
+@pytest.mark.parametrize("family, cp, fields, match", [
+    ("falcon_h1", 2, dict(mamba_rms_norm=True), r"FalconH1Mixer\) over cp_size=2 by heads: it has "
+                                                r"\{'mamba_rms_norm': True\}, and its head split holds for "
+                                                r"\{'n_groups': 1, 'mamba_rms_norm': False\} only"),
+    ("jamba", 2, {}, r"cannot split model\.layers\.\d\.mamba \(JambaMambaMixer\) over cp_size=2 by heads: ndp has no "
                  r"head split for JambaMambaMixer.*Set cp_mixers='gather'"),
-    ("qwen3_next", 3, r"cannot split model\.layers\.\d\.linear_attn \(Qwen3NextGatedDeltaNet\) over cp_size=3 by "
-                      r"heads: its num_k_heads=16 is not a multiple of cp_size=3.*cp_mixers='gather'"),
+    ("qwen3_next", 3, {}, r"cannot split model\.layers\.\d\.linear_attn \(Qwen3NextGatedDeltaNet\) over cp_size=3 by "
+                      r"heads: its num_k_heads=16 is not a multiple of cp_size=3 \(or choose a cp_size that divides "
+                      r"it\).*cp_mixers='gather'"),
 ])
-def test_heads_refused_by_name_where_it_cannot_split(family, cp, match):
+def test_heads_refused_by_name_where_it_cannot_split(family, cp, fields, match):
     import ndp
     import ndp.hf
 
     _quiet()
     with pytest.raises(ndp.hf.Unsupported, match=match):
-        ndp.hf.check_model(_zoo.tiny_model(family), ndp.ParallelismConfig(cp_size=cp, cp_mixers="heads"))
+        ndp.hf.check_model(_zoo.tiny_model(family, **fields), ndp.ParallelismConfig(cp_size=cp, cp_mixers="heads"))
 
 
 def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
@@ -235,6 +239,7 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     ("lfm2_moe", "striped", 1, 1, "ulysses", 2),
     ("lfm3", "zigzag", 1, 1, "ring", 2),
     ("nemotron_h", "zigzag", 1, 1, "ring", 2),          # Mamba2 in 8 groups: split by groups
+    ("falcon_h1", "zigzag", 1, 1, "ring", 2),           # Mamba2 of one group: its B and C whole on each rank
     ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
     ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
     ("lara_mini", "striped", 1, 1, "ring", 2),

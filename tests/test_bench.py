@@ -213,6 +213,18 @@ def test_bench_memory_fused_loss_keeps_a_fraction_of_the_logits(tmp_path):
     assert rows["fused"]["peak_growth_bytes"] <= 0.25 * rows["full"]["peak_growth_bytes"], rows
 
 
+def test_bench_mixers_split_by_heads_saves_a_rank_half_the_deltanet(tmp_path):
+    # cp 2, 256 tokens: gathered, each rank saves one process's DeltaNet activations; split by heads, its half (and
+    # the gathered input, whole)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_mixers.py"), "--seqlens", "256",
+                        "--steps", "2", "--modes", "one,gather,heads", "--hidden", "64", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.load(open(tmp_path / "bench_mixers.json"))["rows"]}
+    one, gather, heads = (rows[m]["deltanet_saved_bytes"] for m in ("one", "gather", "heads"))
+    assert gather == one and 0.5 * one < heads < 0.52 * one, rows
+
+
 def test_gpu_report_names_the_failed_tests(tmp_path):
     # The first H100 run's tests part failed with a tail of xdist warnings only: the report names what failed.
     import gpu_report

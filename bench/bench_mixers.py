@@ -1,0 +1,166 @@
+"""Cost per rank of a hybrid's token mixers under CP: ``cp_mixers="gather"`` vs ``"heads"`` (ndp.hf.mixers).
+
+    python bench/bench_mixers.py                                  # seq 4096, cp 2, fp32, CPU (gloo)
+    python bench/bench_mixers.py --seqlens 2048,8192 --cp 2 --out bench/results/
+    python bench/bench_mixers.py --device cuda --cp 2 --seqlens 32768 --dtype bfloat16   # GPUs (nccl)
+
+A Qwen3-Next built from a config (random weights): one gated DeltaNet layer and one attention layer, the DeltaNet
+at the real model's sizes (16 key heads and 32 value heads of 128), hidden --hidden. For each mode, cp ranks run
+--steps forward+backward steps of the causal-LM loss on one row of --seqlens tokens (ring attention, zigzag);
+reported per mode: the median step time after the first, the peak memory growth of rank 0 over the process once
+its model is built (CUDA's allocator peak on a GPU, the peak RSS on CPU), and the activation bytes autograd saves in
+the gated DeltaNet on rank 0. ``one`` is the same model in one process on the whole row, for scale. Gathering runs
+the DeltaNet over the whole row on every rank; splitting by heads runs each rank's 1/cp of its heads.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+from _common import ROOT, write_json, write_results  # noqa: F401  (ROOT puts the repository on sys.path)
+
+import ndp  # noqa: E402
+import ndp.hf  # noqa: E402
+
+MODES = ("one", "gather", "heads")
+
+
+def tiny_qwen3_next(hidden: int, dtype):
+    cfg = Qwen3NextConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, num_experts=0, mlp_only_layers=[0, 1],
+                          linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                          linear_value_head_dim=128, use_cache=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
+
+
+def _peak(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _saved_bytes(model, step) -> int:
+    """Bytes of the activations autograd saves inside the gated DeltaNet during ``step()`` (its weights left out)."""
+    mixer = next(m for name, m in model.named_modules() if name.endswith("linear_attn"))
+    saved, weights = {}, set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    def enter(module, args, kwargs):
+        weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
+        module.saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        module.saving.__enter__()
+
+    hooks = [mixer.register_forward_pre_hook(enter, with_kwargs=True),
+             mixer.register_forward_hook(lambda module, *_: module.saving.__exit__(None, None, None))]
+    step()
+    for h in hooks:
+        h.remove()
+    return sum(saved.values())
+
+
+def run_mode(mode, rank, world, seq, hidden, dtype, device, steps) -> dict:
+    """This rank's median step seconds, peak-memory growth and saved DeltaNet bytes for one mode."""
+    ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    model = tiny_qwen3_next(hidden, dtype).to(device)
+    batch = dict(input_ids=ids, labels=labels)
+    if mode != "one":
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_mixers=mode)
+        model = ndp.hf.parallelize(model, cfg, cfg.build_device_mesh(device.type))
+        batch = ndp.hf.shard_batch(model, **batch)
+
+    def step():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+        loss = ndp.hf.loss(logits, batch["labels"], model) if mode != "one" else \
+            F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else _peak(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    growth = _peak(device) - base
+    return dict(mode=mode, seq=seq, cp=world if mode != "one" else 1, step_s=statistics.median(times[1:] or times),
+                peak_growth_bytes=growth, deltanet_saved_bytes=_saved_bytes(model, step))
+
+
+def _rank(rank, world, tmp, mode, seq, hidden, dtype, device_type, steps):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{tmp}/rdzv",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        res = run_mode(mode, rank, world, seq, hidden, dtype, device, steps)
+        if rank == 0:
+            write_json(os.path.join(tmp, "result.json"), res)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(mode, world, seq, hidden, dtype, device_type, steps) -> dict:
+    """One mode in fresh processes (``one``: a single process, no process group)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(world if mode != "one" else 1, tmp, mode, seq, hidden, dtype, device_type, steps),
+                 nprocs=world if mode != "one" else 1, join=True)
+        with open(os.path.join(tmp, "result.json")) as f:
+            return json.load(f)
+
+
+def table(rows) -> str:
+    lines = ["| seq | mode | cp | step s | peak growth MiB | DeltaNet saved MiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seq']} | {r['mode']} | {r['cp']} | {r['step_s']:.3f} | "
+                     f"{r['peak_growth_bytes'] / 2**20:.1f} | {r['deltanet_saved_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="4096")
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    rows = [measure(mode, args.cp, int(seq), args.hidden, dtype, args.device, args.steps)
+            for seq in args.seqlens.split(",") for mode in args.modes.split(",")]
+    print(table(rows))
+    write_results(args.out, "bench_mixers", dict(device=args.device, dtype=args.dtype, hidden=args.hidden, rows=rows))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

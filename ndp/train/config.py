@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cp-mixers", choices=CP_MIXERS, help="gather: run a hybrid model's recurrent, state-space and convolution "
                                            "layers on the whole sequence, gathered on every CP rank (exact; "
                                            "cp times their work); heads: run them on the gathered sequence split "
-                                           "by heads over the CP ranks (exact; gated DeltaNets); refuse (default): "
+                                           "by heads over the CP ranks (exact; 1/cp of their work; the mixers "
+                                           "ndp.hf.mixers.HEAD_SPLITS names); refuse (default): "
                                            "refuse such a model under CP")
     a("--seq-len", type=int)
     a("--batch-size", type=int, help="global batch, in sequences")

@@ -1,12 +1,13 @@
-"""What the benchmark scripts share beyond bench_cp's timer: the repository on sys.path, jobs of spawned gloo ranks
-that hand one JSON result back, torchrun jobs, JSON results, and the parallel configs the plan checks measure
-(plan_memory.py, plan_time.py, plan_terms.py)."""
+"""What the benchmark scripts share beyond bench_cp's timer: the repository on sys.path, jobs of spawned ranks
+(gloo, or nccl on GPUs) that hand one JSON result back, a process's peak memory, torchrun jobs, JSON results, and
+the parallel configs the plan checks measure (plan_memory.py, plan_time.py, plan_terms.py)."""
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -72,13 +73,16 @@ def spawn_json(worker, nprocs, *args):
             return json.load(f)
 
 
-def gloo_rank(rank, world, tmp, out_file, body, timeout_s=120) -> None:
-    """One rank of a spawn_json gloo job: one thread (as a rank of a CPU job runs), the process group over a file
-    rendezvous in ``tmp``, then ``body()``; rank 0 writes what it returns to ``out_file``."""
+def rank_job(rank, world, tmp, out_file, body, timeout_s=120, device_type="cpu") -> None:
+    """One rank of a spawn_json job: one thread (as a rank of a CPU job runs), the process group over a file
+    rendezvous in ``tmp`` (gloo; nccl on ``cuda:<rank>`` for device_type "cuda"), then ``body()``; rank 0 writes
+    what it returns to ``out_file``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     ok = False
     try:
         res = body()
@@ -87,6 +91,13 @@ def gloo_rank(rank, world, tmp, out_file, body, timeout_s=120) -> None:
         ok = True
     finally:
         bench_cp.end_rank(ok)
+
+
+def peak_bytes(device) -> int:
+    """Peak bytes so far: CUDA's allocator peak on a GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def torchrun(nprocs, argv, cwd) -> None:

@@ -48,7 +48,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark CSV row carries)
 import ndp.hf  # noqa: E402
-from _common import gloo_rank, spawn_json  # noqa: E402  (a spawned gloo job that hands one JSON result back)
+from _common import rank_job, spawn_json  # noqa: E402  (a spawned gloo job that hands one JSON result back)
 from ndp.testing import tol  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
@@ -171,7 +171,7 @@ def host(seqlens, dev, iters):
 # ---------------------------------------------------------------------------------------------- ring (gloo)
 
 def _ring_body(rank, tmp, out_file, world, cfg):
-    gloo_rank(rank, world, tmp, out_file, lambda: _ring_times(cfg), timeout_s=600)
+    rank_job(rank, world, tmp, out_file, lambda: _ring_times(cfg), timeout_s=600)
 
 
 def _ring_times(cfg) -> dict:

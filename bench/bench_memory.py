@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,12 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from _common import peak_bytes  # noqa: E402  (puts the repository on sys.path)
 from ndp.ops import linear_cross_entropy
 from ndp.ops.linear_ce import CHUNK_BYTES
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _step(fused, hidden, weight, labels, chunk_bytes):
@@ -45,11 +41,6 @@ def _step(fused, hidden, weight, labels, chunk_bytes):
         loss = F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, reduction="sum")
     loss.backward()
     return loss.item()
-
-
-def _peak(device) -> int:
-    """Peak bytes so far: CUDA's allocator peak on a GPU, the process's peak RSS on CPU."""
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _peak_rss()
 
 
 def measure(fused: bool, seq: int, vocab: int, hidden_size: int, dtype, chunk_bytes: int = CHUNK_BYTES,
@@ -64,14 +55,14 @@ def measure(fused: bool, seq: int, vocab: int, hidden_size: int, dtype, chunk_by
     hidden.grad = torch.zeros_like(hidden)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    base = _peak(device)
+    base = peak_bytes(device)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         _step(fused, hidden, weight, labels, chunk_bytes)
         sync()
         times.append(time.perf_counter() - t0)
-    return {"peak_growth_bytes": _peak(device) - base, "seconds": statistics.median(times)}
+    return {"peak_growth_bytes": peak_bytes(device) - base, "seconds": statistics.median(times)}
 
 
 def _child(args) -> dict:

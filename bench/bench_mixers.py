@@ -8,29 +8,25 @@ A Qwen3-Next built from a config (random weights): one gated DeltaNet layer and 
 at the real model's sizes (16 key heads and 32 value heads of 128), hidden --hidden. For each mode, cp ranks run
 --steps forward+backward steps of the causal-LM loss on one row of --seqlens tokens (ring attention, zigzag);
 reported per mode: the median step time after the first, the peak memory growth of rank 0 over the process once
-its model is built (CUDA's allocator peak on a GPU, the peak RSS on CPU), and the activation bytes autograd saves in
-the gated DeltaNet on rank 0. ``one`` is the same model in one process on the whole row, for scale. Gathering runs
-the DeltaNet over the whole row on every rank; splitting by heads runs each rank's 1/cp of its heads.
+its model is built (CUDA's allocator peak on a GPU, the peak RSS on CPU), and the FLOPs and the activation bytes
+autograd saves in the gated DeltaNet on rank 0 (``mixer_cost``; tests/hf/test_mixers.py counts with it too).
+``one`` is the same model in one process on the whole row, for scale. Gathering runs the DeltaNet over the whole row
+on every rank; splitting by heads runs each rank's 1/cp of its heads.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
-from _common import ROOT, write_json, write_results  # noqa: F401  (ROOT puts the repository on sys.path)
+from _common import ROOT, peak_bytes, rank_job, spawn_json, write_results
 
 import ndp  # noqa: E402
 import ndp.hf  # noqa: E402
@@ -48,15 +44,10 @@ def tiny_qwen3_next(hidden: int, dtype):
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").train()
 
 
-def _peak(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _saved_bytes(model, step) -> int:
-    """Bytes of the activations autograd saves inside the gated DeltaNet during ``step()`` (its weights left out)."""
-    mixer = next(m for name, m in model.named_modules() if name.endswith("linear_attn"))
+def mixer_cost(model, step, suffix="linear_attn") -> tuple[int, int]:
+    """(FLOPs, bytes of the activations autograd saves) inside the modules named ``*<suffix>`` during ``step()``:
+    torch's FLOP counter, every op but the convolution's backward, which torch counts as a dense convolution's
+    (quadratic in the channels of a depthwise one); the running module's weights are not activations."""
     saved, weights = {}, set()
 
     def pack(t):
@@ -66,20 +57,28 @@ def _saved_bytes(model, step) -> int:
         return t
 
     def enter(module, args, kwargs):
+        weights.clear()  # FSDP2 frees a unit's gathered weights after it: their addresses come back as activations'
         weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
         module.saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         module.saving.__enter__()
 
-    hooks = [mixer.register_forward_pre_hook(enter, with_kwargs=True),
-             mixer.register_forward_hook(lambda module, *_: module.saving.__exit__(None, None, None))]
-    step()
+    def leave(module, *_):
+        module.saving.__exit__(None, None, None)
+
+    mixers = [m for name, m in model.named_modules() if name.endswith(suffix)]
+    hooks = [h for m in mixers for h in (m.register_forward_pre_hook(enter, with_kwargs=True),
+                                          m.register_forward_hook(leave))]
+    with FlopCounterMode(display=False) as counter:
+        step()
     for h in hooks:
         h.remove()
-    return sum(saved.values())
+    flops = sum(n for name, ops in counter.get_flop_counts().items() if name.endswith(suffix)
+                for op, n in ops.items() if "convolution_backward" not in str(op))
+    return flops, sum(saved.values())
 
 
-def run_mode(mode, rank, world, seq, hidden, dtype, device, steps) -> dict:
-    """This rank's median step seconds, peak-memory growth and saved DeltaNet bytes for one mode."""
+def run_mode(mode, world, seq, hidden, dtype, device, steps) -> dict:
+    """This rank's median step seconds, peak-memory growth and gated-DeltaNet cost for one mode."""
     ids = torch.randint(0, 512, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     model = tiny_qwen3_next(hidden, dtype).to(device)
@@ -99,40 +98,28 @@ def run_mode(mode, rank, world, seq, hidden, dtype, device, steps) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else _peak(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else peak_bytes(device)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    growth = _peak(device) - base
-    return dict(mode=mode, seq=seq, cp=world if mode != "one" else 1, step_s=statistics.median(times[1:] or times),
-                peak_growth_bytes=growth, deltanet_saved_bytes=_saved_bytes(model, step))
+    growth = peak_bytes(device) - base
+    flops, saved = mixer_cost(model, step)
+    return dict(mode=mode, seq=seq, cp=world, step_s=statistics.median(times[1:] or times),
+                peak_growth_bytes=growth, deltanet_flops=flops, deltanet_saved_bytes=saved)
 
 
-def _rank(rank, world, tmp, mode, seq, hidden, dtype, device_type, steps):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+def _rank(rank, tmp, out_file, world, mode, seq, hidden, dtype, device_type, steps):
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{tmp}/rdzv",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        res = run_mode(mode, rank, world, seq, hidden, dtype, device, steps)
-        if rank == 0:
-            write_json(os.path.join(tmp, "result.json"), res)
-    finally:
-        dist.destroy_process_group()
+    rank_job(rank, world, tmp, out_file, lambda: run_mode(mode, world, seq, hidden, dtype, device, steps),
+             timeout_s=600, device_type=device_type)
 
 
 def measure(mode, world, seq, hidden, dtype, device_type, steps) -> dict:
-    """One mode in fresh processes (``one``: a single process, no process group)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(world if mode != "one" else 1, tmp, mode, seq, hidden, dtype, device_type, steps),
-                 nprocs=world if mode != "one" else 1, join=True)
-        with open(os.path.join(tmp, "result.json")) as f:
-            return json.load(f)
+    """One mode in fresh processes (``one``: a single rank on the whole row)."""
+    world = world if mode != "one" else 1
+    return spawn_json(_rank, world, world, mode, seq, hidden, dtype, device_type, steps)
 
 
 def table(rows) -> str:

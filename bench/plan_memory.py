@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from _common import CONFIGS, config_names, gloo_rank, parser, spawn_json, write_results
+from _common import CONFIGS, config_names, rank_job, parser, spawn_json, write_results
 from ndp.parallel import ParallelismConfig
 from ndp.plan import Topology, estimate, load_model_spec
 from ndp.plan.cost import fused_loss_bytes, selective_layer_bytes
@@ -80,7 +80,7 @@ def _bytes_worker(rank, tmp, out_file, world, model, names, seq_len, batch):
         dist.all_gather_object(allres, res)
         return allres
 
-    gloo_rank(rank, world, tmp, out_file, body)
+    rank_job(rank, world, tmp, out_file, body)
 
 
 def measure_bytes(model="small-llama", names=tuple(CONFIGS), seq_len=128, batch=4):

@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 import bench_cp  # the benchmarks' one timer
-from _common import CONFIGS, config_names, gloo_rank, parser, spawn_json, torchrun, write_json, write_results
+from _common import CONFIGS, config_names, rank_job, parser, spawn_json, torchrun, write_json, write_results
 from ndp.parallel import ParallelismConfig
 from ndp.plan import Topology, estimate, load_model_spec
 from ndp.plan.spec import GpuProfile
@@ -75,7 +75,7 @@ def _rates_worker(rank, tmp, out_file, barrier, args):
         r["dtensor_launch"] = _optimizer_op_us(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
         return r
 
-    gloo_rank(rank, world, tmp, out_file, body)
+    rank_job(rank, world, tmp, out_file, body)
 
 
 def _cpu_rates(block, heads, head_dim, tokens, hidden, width, sync=lambda: None) -> dict:
@@ -121,7 +121,7 @@ def _gloo_worker(rank, tmp, out_file, world, nbytes):
         return dict(tiny_s=med(lambda: gather(tiny, tiny_part), 50), ag_s=med(lambda: gather(full, part), 9),
                     rs_s=med(lambda: scatter(part, full), 9), bytes=n * 4)
 
-    gloo_rank(rank, world, tmp, out_file, body)
+    rank_job(rank, world, tmp, out_file, body)
 
 
 def gloo_link(world=2, nbytes=4 << 20) -> tuple[float, float, float]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
 
 from dist import spawn  # noqa: E402
 import _zoo  # noqa: E402
@@ -255,51 +256,22 @@ def test_heads_under_cp_equal_one_process(tmp_path, family, layout, dp_shard, tp
           timeout_s=300)
 
 
-def _mixer_cost(model, run) -> tuple[int, int]:
-    """(FLOPs, bytes of the activations autograd saves) of the model's gated DeltaNets in `run`."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    saved, params = {}, set()
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:  # the running module's weights: not activations
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def enter(module, args, kwargs):
-        params.clear()
-        params.update(p.untyped_storage().data_ptr() for p in module.parameters())
-        module.saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        module.saving.__enter__()
-
-    mixers = [m for name, m in model.named_modules() if name.endswith("linear_attn")]
-    for m in mixers:
-        m.register_forward_pre_hook(enter, with_kwargs=True)
-        m.register_forward_hook(lambda module, *_: module.saving.__exit__(None, None, None))
-    with FlopCounterMode(display=False) as counter:
-        run(model)
-    # every op but the convolution's backward, whose count torch takes for a dense convolution's (quadratic in the
-    # channels of the gated DeltaNet's depthwise one)
-    flops = sum(n for name, ops in counter.get_flop_counts().items() if name.endswith("linear_attn")
-                for op, n in ops.items() if "convolution_backward" not in str(op))
-    return flops, sum(saved.values())
-
-
 def _share_body(rank, world):
     import ndp
     import ndp.hf
+    from bench_mixers import mixer_cost  # the benchmark's count: FLOPs and saved activations in the DeltaNets
 
     _quiet()
     ids = torch.randint(3, _zoo.VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(32).expand(2, 32)
-    whole, _ = _mixer_cost(_zoo.tiny_model("qwen3_next").train(),
-                           lambda m: m(input_ids=ids, position_ids=pos).logits.sum().backward())
+    ref = _zoo.tiny_model("qwen3_next").train()
+    whole, _ = mixer_cost(ref, lambda: ref(input_ids=ids, position_ids=pos).logits.sum().backward())
     cost = {}
     for mixers in ("gather", "heads"):
         cfg = ndp.ParallelismConfig(cp_size=world, cp_mixers=mixers)
         model = ndp.hf.parallelize(_zoo.tiny_model("qwen3_next").train(), cfg, _zoo.mesh(cfg))
         b = ndp.hf.shard_batch(model, input_ids=ids, position_ids=pos)
-        cost[mixers] = _mixer_cost(model, lambda m: m(**b).logits.sum().backward())
+        cost[mixers] = mixer_cost(model, lambda: model(**b).logits.sum().backward())
     (flops, saved), (heads_flops, heads_saved) = cost["gather"], cost["heads"]
     assert flops == whole and heads_flops == whole // world, (whole, cost)
     # besides: the gathered input (kept for the projections' backward) and the rank's convolution weights (a copy

@@ -249,7 +249,7 @@ def _heads_forward(module, split, size, rank, *args, **kwargs):
     # A cache built under CP (an eval forward with use_cache) holds shards and serves no generation (ndp's attention
     # refuses a cache passed in); this rank's heads' states are left out of it.
     kwargs = {k: None if k in ("cache", "cache_params") else v for k, v in kwargs.items()}
-    local = {a: getattr(module, a) // size for a in split.scaled if hasattr(module, a)}
+    local = {a: getattr(module, a) // size for a in split.scaled}
     local.update({a: fn(lambda b: local.get(b, getattr(module, b))) for a, fn in split.derived.items()})
     with _swapped(module, _my_heads(module, split, size, rank), local):
         return type(module).forward(module, *args, **kwargs)

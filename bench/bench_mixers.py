@@ -47,13 +47,16 @@ def tiny_qwen3_next(hidden: int, dtype):
 def mixer_cost(model, step, suffix="linear_attn") -> tuple[int, int]:
     """(FLOPs, bytes of the activations autograd saves) inside the modules named ``*<suffix>`` during ``step()``:
     torch's FLOP counter, every op but the convolution's backward, which torch counts as a dense convolution's
-    (quadratic in the channels of a depthwise one); the running module's weights are not activations."""
-    saved, weights = {}, set()
+    (quadratic in the channels of a depthwise one); the running module's weights are not activations. Each saved
+    tensor is held until the count ends, so no storage's address is reused by another's (the allocator's reuse of
+    a freed one made the count machine-dependent)."""
+    saved, kept, weights = {}, [], set()
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in weights:
             saved[ptr] = t.untyped_storage().nbytes()
+            kept.append(t)
         return t
 
     def enter(module, args, kwargs):

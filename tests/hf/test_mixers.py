@@ -265,7 +265,7 @@ def _share_body(rank, world):
     ids = torch.randint(3, _zoo.VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(32).expand(2, 32)
     ref = _zoo.tiny_model("qwen3_next").train()
-    whole, _ = mixer_cost(ref, lambda: ref(input_ids=ids, position_ids=pos).logits.sum().backward())
+    whole, whole_saved = mixer_cost(ref, lambda: ref(input_ids=ids, position_ids=pos).logits.sum().backward())
     cost = {}
     for mixers in ("gather", "heads"):
         cfg = ndp.ParallelismConfig(cp_size=world, cp_mixers=mixers)
@@ -274,6 +274,7 @@ def _share_body(rank, world):
         cost[mixers] = mixer_cost(model, lambda: model(**b).logits.sum().backward())
     (flops, saved), (heads_flops, heads_saved) = cost["gather"], cost["heads"]
     assert flops == whole and heads_flops == whole // world, (whole, cost)
+    assert saved == whole_saved, (whole_saved, cost)
     # besides: the gathered input (kept for the projections' backward) and the rank's convolution weights (a copy
     # of its channels): 5% at these 32 tokens, 0.3% at 256
     assert saved / world < heads_saved < 1.1 * saved / world, cost

@@ -16,9 +16,10 @@ token mixer is such a layer (no attention CP could split: Mamba, RWKV, xLSTM) is
 ``cp_mixers="heads"`` splits the work instead (a gated DeltaNet's, whose heads are independent, ``HEAD_SPLITS``): each
 rank runs the layer on the gathered sequence with its ``1/cp_size`` of the heads (its rows of the input projections,
 its channels of the convolution, its columns of the output projection), and the partial outputs are summed over the
-ranks and scattered back to the shards (``ndp.cp.reduce_scatter_sequence``). Exact as gathering is; each rank
-computes the layer's ``1/cp_size`` and holds its activations' ``1/cp_size`` (the gathered input and the summed output
-stay whole), the communication the same as gathering's.
+ranks and scattered back to the shards (``ndp.cp.reduce_scatter_sequence``); a part reading every head (Mamba1's
+projection to dt, B and C; a norm over all the heads) sums the rank's share over the ranks. Exact as gathering is;
+each rank computes the layer's ``1/cp_size`` and holds its activations' ``1/cp_size`` (the gathered input and the
+summed output stay whole), the communication the same as gathering's.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from operator import attrgetter
 
 import torch
 from torch import nn
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
 
 from ndp.cp import gather_sequence, reduce_scatter_sequence, shard_sequence
 
@@ -117,6 +120,11 @@ class HeadSplit:
         requires: attribute values the split holds for only (one group of B and C, no norm over all heads).
         derived: attribute -> its rank's value from a getter of the rank's attributes (a count of channels that
             holds whole segments besides split ones), set after the scaled ones.
+        summed: submodule -> kind ("linear", "gated_norm" in ``_SUMMED``): the submodules reading every head (Mamba1's
+            projection of all channels to dt, B and C; a norm over all the heads), each replaced while a rank runs by
+            one that sums its heads' part over the CP group.
+        during: attribute values while a rank runs its heads (``training=False``: transformers' fused Mamba2 kernel
+            would take the norm over the rank's heads alone; its unfused path calls the module's norm, summed).
     """
     unit: str
     scaled: tuple
@@ -125,6 +133,8 @@ class HeadSplit:
     once: tuple = field(default=())
     requires: dict = field(default_factory=dict)
     derived: dict = field(default_factory=dict)
+    summed: dict = field(default_factory=dict)
+    during: dict = field(default_factory=dict)
 
 
 _DELTA_SCALED = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
@@ -161,12 +171,39 @@ _FALCON_H1 = HeadSplit("num_heads", ("num_heads", "intermediate_size"), {
     "D": (0, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",),
     requires={"n_groups": 1, "mamba_rms_norm": False},
     derived={"conv_dim": lambda get: get("intermediate_size") + 2 * get("ssm_state_size")})
+# Bamba's, Granite 4's and Zamba2's Mamba2 of one group under a gated norm over all the heads: Falcon-H1's split, the
+# norm's squares summed over the ranks
+_NORMED_ONE_GROUP = HeadSplit(
+    "num_heads", ("num_heads", "intermediate_size"),
+    {k: v for k, v in _FALCON_H1.split.items() if k != "mup_vector"} | {"norm.weight": (0, ("",))},
+    once=("out_proj.bias",), requires={"n_groups": 1}, derived=_FALCON_H1.derived,
+    summed={"norm": "gated_norm"}, during={"training": False})
+# Jamba's Mamba1: per channel but for x_proj, which reads every channel (its partial products summed over the ranks)
+# into dt, B and C; their norms and dt_proj's input whole on each rank
+_MAMBA1 = HeadSplit("intermediate_size", ("intermediate_size",), {
+    **{f"in_proj.{p}": (0, ("intermediate_size",) * 2) for p in ("weight", "bias")},
+    **{f"{m}.{p}": (0, ("",)) for m in ("conv1d", "dt_proj") for p in ("weight", "bias")}, "A_log": (0, ("",)),
+    "D": (0, ("",)), "x_proj.weight": (1, ("",)), "out_proj.weight": (1, ("",))}, once=("out_proj.bias",),
+    shared=("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight"), summed={"x_proj": "linear"})
 # The token mixers ndp splits by heads, by class name: each checked against one process (tests/hf/test_mixers.py).
 HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _QWEN3_5,
                "Qwen3_5MoeGatedDeltaNet": _QWEN3_5, "LaraMiniGatedDeltaNet": _QWEN3_5,
                "OlmoHybridGatedDeltaNet": _OLMO_HYBRID, "Lfm2ShortConv": _SHORT_CONV,
                "Lfm2MoeShortConv": _SHORT_CONV, "Lfm3ShortConv": _SHORT_CONV, "NemotronHMamba2Mixer": _MAMBA2,
-               "FalconH1Mixer": _FALCON_H1}
+               "FalconH1Mixer": _FALCON_H1, "BambaMixer": _NORMED_ONE_GROUP,
+               "GraniteMoeHybridMambaLayer": _NORMED_ONE_GROUP, "Zamba2MambaMixer": _NORMED_ONE_GROUP,
+               "JambaMambaMixer": _MAMBA1}
+# The modules cp_mixers="gather" runs whole (ndp.hf.models.gathered_mixers) whose forward does per-token work alone
+# around one mixer (Zamba2's Mamba decoder layer inside its hybrid layer: a norm, a sum, the residual): "heads"
+# splits the mixer, the rest runs on the shard.
+PER_TOKEN_WRAPPERS = {"Zamba2MambaDecoderLayer": "mamba"}
+
+
+def split_target(model: nn.Module, name: str) -> str:
+    """The module that ``cp_mixers="heads"`` splits for the gathered module `name`: itself, or the mixer a
+    ``PER_TOKEN_WRAPPERS`` module wraps."""
+    child = PER_TOKEN_WRAPPERS.get(type(model.get_submodule(name)).__name__)
+    return f"{name}.{child}" if child else name
 
 
 def head_split_problem(module: nn.Module, size: int) -> str | None:
@@ -244,26 +281,60 @@ def _swapped(module, tensors: dict, attrs: dict):
             setattr(module, a, v)
 
 
-def _heads_forward(module, split, size, rank, *args, **kwargs):
+class _SummedLinear(nn.Module):
+    """A projection of every channel (no bias) run by a rank on its channels: its partial product summed over the
+    CP group (backward: the gradient summed alike, each rank's part feeding every rank's heads)."""
+
+    def __init__(self, weight, group):
+        super().__init__()
+        self.weight, self.group = weight, group
+
+    def forward(self, x):
+        return dist_fn.all_reduce(F.linear(x, self.weight), group=self.group)
+
+
+class _SummedGatedNorm(nn.Module):
+    """transformers' gated RMS norm of Mamba2 (the gate applied before the norm, the weight after) over one group of
+    all the heads, run by a rank on its heads' channels: their squares summed over the CP group."""
+
+    def __init__(self, norm, weight, group):
+        super().__init__()
+        self.weight, self.group, self.eps, self.size = weight, group, norm.variance_epsilon, norm.group_size
+
+    def forward(self, hidden_states, gate=None):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        if gate is not None:
+            h = h * F.silu(gate.to(torch.float32))
+        squares = dist_fn.all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.group)
+        return self.weight * (h * torch.rsqrt(squares / self.size + self.eps)).to(dtype)
+
+
+_SUMMED = {"linear": lambda old, weight, group: _SummedLinear(weight, group), "gated_norm": _SummedGatedNorm}
+
+
+def _heads_forward(module, split, ctx, *args, **kwargs):
     """The module's own forward on the gathered sequence with this rank's heads: its part of the output."""
     # A cache built under CP (an eval forward with use_cache) holds shards and serves no generation (ndp's attention
     # refuses a cache passed in); this rank's heads' states are left out of it.
     kwargs = {k: None if k in ("cache", "cache_params") else v for k, v in kwargs.items()}
-    local = {a: getattr(module, a) // size for a in split.scaled}
+    local = {a: getattr(module, a) // ctx.size for a in split.scaled}
     local.update({a: fn(lambda b: local.get(b, getattr(module, b))) for a, fn in split.derived.items()})
-    with _swapped(module, _my_heads(module, split, size, rank), local):
+    mine = _my_heads(module, split, ctx.size, ctx.rank)
+    local.update({name: _SUMMED[kind](module.get_submodule(name), mine[f"{name}.weight"], ctx.group)
+                  for name, kind in split.summed.items()})
+    with _swapped(module, mine, {**local, **split.during}):
         return type(module).forward(module, *args, **kwargs)
 
 
 def split_mixer_heads(model: nn.Module, names: list[str], ctx) -> None:
     """Hook the modules `names` of `model` (each of a class in ``HEAD_SPLITS``) to run this rank's heads on the
     sequence gathered over ctx's CP group, their outputs summed over it and scattered back (module docstring)."""
-    for name in names:
+    for name in (split_target(model, n) for n in names):
         module = model.get_submodule(name)
         module.register_forward_pre_hook(_gather_inputs(ctx, 1), with_kwargs=True)
         module.register_forward_hook(_sum_outputs(ctx), with_kwargs=True)
-        module.forward = functools.partial(_heads_forward, module, HEAD_SPLITS[type(module).__name__], ctx.size,
-                                           ctx.rank)
+        module.forward = functools.partial(_heads_forward, module, HEAD_SPLITS[type(module).__name__], ctx)
 
 
 def _sum_outputs(ctx):
@@ -277,4 +348,5 @@ def _sum_outputs(ctx):
     return hook
 
 
-__all__ = ["gather_mixers", "split_mixer_heads", "head_split_problem", "HeadSplit", "HEAD_SPLITS"]
+__all__ = ["gather_mixers", "split_mixer_heads", "split_target", "head_split_problem", "HeadSplit", "HEAD_SPLITS",
+           "PER_TOKEN_WRAPPERS"]

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
 
-from .mixers import head_split_problem
+from .mixers import head_split_problem, split_target
 
 
 class Unsupported(ValueError):
@@ -263,7 +263,7 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
 
 
 def _check_head_splits(model: nn.Module, cp_size: int) -> None:
-    for name in gathered_mixers(model) or []:
+    for name in (split_target(model, n) for n in gathered_mixers(model) or []):
         module = model.get_submodule(name)
         problem = head_split_problem(module, cp_size)
         if problem:

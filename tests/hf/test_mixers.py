@@ -3,8 +3,9 @@ recurrent, state-space, linear-attention and short-convolution layers run on the
 layer on the shard, and the loss and every gradient equal one process's on the whole batch (float64; the zoo runs
 every family at zigzag cp 2; here the other layouts, padding, compile and data parallel beside CP). Without the
 option they are refused by name, the option named; a model CP could split nothing of is refused either way.
-``cp_mixers="heads"``: the gated DeltaNets split by heads over the CP ranks equal one process too, each rank doing
-1/cp_size of their work; the mixers ndp cannot split so are refused by name, gathering named."""
+``cp_mixers="heads"``: the gated DeltaNets, Mamba1 / Mamba2 layers and short convolutions split by heads (channels)
+over the CP ranks equal one process too, each rank doing 1/cp_size of their work; the mixers ndp cannot split so are
+refused by name, gathering named."""
 import copy
 import os
 import sys
@@ -208,8 +209,9 @@ def test_reduce_scatter_sequence_sums_the_parts(tmp_path, layout):
     ("falcon_h1", 2, dict(mamba_rms_norm=True), r"FalconH1Mixer\) over cp_size=2 by heads: it has "
                                                 r"\{'mamba_rms_norm': True\}, and its head split holds for "
                                                 r"\{'n_groups': 1, 'mamba_rms_norm': False\} only"),
-    ("jamba", 2, {}, r"cannot split model\.layers\.\d\.mamba \(JambaMambaMixer\) over cp_size=2 by heads: ndp has no "
-                 r"head split for JambaMambaMixer.*Set cp_mixers='gather'"),
+    ("minimax", 2, {}, r"cannot split model\.layers\.\d\.self_attn \(MiniMaxLightningAttention\) over cp_size=2 by "
+                   r"heads: ndp has no head split for MiniMaxLightningAttention.*Set cp_mixers='gather'"),
+    ("bamba", 2, dict(mamba_n_groups=2), r"BambaMixer\) over cp_size=2 by heads: it has \{'n_groups': 2\}"),
     ("qwen3_next", 3, {}, r"cannot split model\.layers\.\d\.linear_attn \(Qwen3NextGatedDeltaNet\) over cp_size=3 by "
                       r"heads: its num_k_heads=16 is not a multiple of cp_size=3 \(or choose a cp_size that divides "
                       r"it\).*cp_mixers='gather'"),
@@ -221,6 +223,34 @@ def test_heads_refused_by_name_where_it_cannot_split(family, cp, fields, match):
     _quiet()
     with pytest.raises(ndp.hf.Unsupported, match=match):
         ndp.hf.check_model(_zoo.tiny_model(family, **fields), ndp.ParallelismConfig(cp_size=cp, cp_mixers="heads"))
+
+
+def _fused_body(rank, world):
+    import ndp
+    import ndp.hf
+    from transformers.models.bamba import modeling_bamba
+
+    _quiet()
+    calls = []
+
+    def fused(*args, **kwargs):  # the torch fallback's answer (None: take the unfused path), the call recorded
+        calls.append(kwargs["ngroups"])
+
+    modeling_bamba.mamba2_split_conv1d_scan_combined = fused
+    ids = torch.randint(3, _zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    _zoo.tiny_model("bamba").train()(input_ids=ids)
+    assert calls == [1], calls  # one process in training: transformers calls the fused kernel where one is installed
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_mixers="heads")
+    model = ndp.hf.parallelize(_zoo.tiny_model("bamba").train(), cfg, _zoo.mesh(cfg))
+    model(**ndp.hf.shard_batch(model, input_ids=ids))
+    assert calls == [1], calls  # split by heads: never (the kernel's norm would cover this rank's heads alone)
+
+
+@pytest.mark.distributed
+def test_heads_keep_a_norm_over_all_heads_off_the_fused_kernel(tmp_path):
+    """Where mamba_ssm or a hub kernel is installed (GPUs), transformers runs a training forward of Bamba's mixer as
+    one fused kernel whose gated norm spans the heads it is given: split by heads, that would be the rank's alone."""
+    spawn(_fused_body, 2, tmp_path)
 
 
 def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
@@ -241,6 +271,11 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     ("lfm3", "zigzag", 1, 1, "ring", 2),
     ("nemotron_h", "zigzag", 1, 1, "ring", 2),          # Mamba2 in 8 groups: split by groups
     ("falcon_h1", "zigzag", 1, 1, "ring", 2),           # Mamba2 of one group: its B and C whole on each rank
+    ("bamba", "zigzag", 1, 1, "ring", 2),               # ... under a gated norm over all heads: its squares summed
+    ("granitemoehybrid", "striped", 1, 1, "ulysses", 2),
+    ("zamba2", "contiguous", 1, 1, "ring", 2),
+    ("jamba", "zigzag", 1, 1, "ring", 2),               # Mamba1 per channel: x_proj's partial products summed
+    ("bamba", "zigzag", 2, 1, "ring", 4),               # dp_shard 2 x cp 2: the summed norm's weight sharded
     ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
     ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
     ("lara_mini", "striped", 1, 1, "ring", 2),

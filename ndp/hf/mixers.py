@@ -110,7 +110,8 @@ class HeadSplit:
         unit: the attribute counting the groups of heads the ranks divide (a gated DeltaNet's key heads, each with
             its value heads; a short convolution's channels), dotted for one of its config's; a multiple of the CP
             size.
-        scaled: the attributes counting heads or channels, divided by the CP size while a rank runs its heads.
+        scaled: the attributes counting heads or channels (dotted for a submodule's), divided by the CP size while a
+            rank runs its heads.
         split: parameter (or buffer) -> (dim, segments): along dim it holds the segments, each laid out head by head
             (their sizes: attribute names, or products of them "a*b"; "" for the whole dim), and a rank takes its
             share of each; a segment marked "=" every head reads whole (Mamba2's B and C of its one group), and
@@ -178,6 +179,20 @@ _NORMED_ONE_GROUP = HeadSplit(
     {k: v for k, v in _FALCON_H1.split.items() if k != "mup_vector"} | {"norm.weight": (0, ("",))},
     once=("out_proj.bias",), requires={"n_groups": 1}, derived=_FALCON_H1.derived,
     summed={"norm": "gated_norm"}, during={"training": False})
+# Kimi's delta attention: a gated DeltaNet with a decay per channel; its gates' low-rank down-projections (forget,
+# output) and the per-head norm read whole by every head
+_KIMI_DELTA = HeadSplit("num_heads", ("num_heads", "qkv_dim", "conv_dim"), {
+    **{f"{p}_proj.weight": (0, ("",)) for p in "qkvb"}, "conv1d.weight": (0, ("qkv_dim",) * 3),
+    "forget_gate.dt_bias": (0, ("",)), "forget_gate.A_log": (2, ("",)), "forget_gate.f_b_proj.weight": (0, ("",)),
+    "g_b_proj.weight": (0, ("",)), "o_proj.weight": (1, ("",))},
+    shared=("forget_gate.f_a_proj.weight", "g_a_proj.weight", "o_norm.weight"))
+# Bailing's (Ling / Ring linear) delta attention: Kimi's, its gates projected whole per head, its forget gate counting
+# the heads too
+_BAILING_DELTA = HeadSplit("num_heads", ("num_heads", "qkv_dim", "conv_dim", "forget_gate.num_heads",
+                                         "forget_gate.qkv_dim"), {
+    **{f"{p}_proj.weight": (0, ("",)) for p in "qkvbg"}, "conv1d.weight": (0, ("qkv_dim",) * 3),
+    **{f"forget_gate.{p}": (0, ("",)) for p in ("A_log", "dt_bias", "f_proj.weight")}, "o_proj.weight": (1, ("",))},
+    shared=("o_norm.weight",))
 # Jamba's Mamba1: per channel but for x_proj, which reads every channel (its partial products summed over the ranks)
 # into dt, B and C; their norms and dt_proj's input whole on each rank
 _MAMBA1 = HeadSplit("intermediate_size", ("intermediate_size",), {
@@ -192,7 +207,8 @@ HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _Q
                "Lfm2MoeShortConv": _SHORT_CONV, "Lfm3ShortConv": _SHORT_CONV, "NemotronHMamba2Mixer": _MAMBA2,
                "FalconH1Mixer": _FALCON_H1, "BambaMixer": _NORMED_ONE_GROUP,
                "GraniteMoeHybridMambaLayer": _NORMED_ONE_GROUP, "Zamba2MambaMixer": _NORMED_ONE_GROUP,
-               "JambaMambaMixer": _MAMBA1}
+               "JambaMambaMixer": _MAMBA1, "KimiLinearDeltaAttention": _KIMI_DELTA,
+               "BailingHybridDeltaAttention": _BAILING_DELTA}
 # The modules cp_mixers="gather" runs whole (ndp.hf.models.gathered_mixers) whose forward does per-token work alone
 # around one mixer (Zamba2's Mamba decoder layer inside its hybrid layer: a norm, a sum, the residual): "heads"
 # splits the mixer, the rest runs on the shard.
@@ -267,18 +283,24 @@ def _swapped(module, tensors: dict, attrs: dict):
         owner, leaf = module.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
         slots[n] = (owner._parameters if leaf in owner._parameters else owner._buffers, leaf)
     saved = {n: where[leaf] for n, (where, leaf) in slots.items()}
-    values = {a: getattr(module, a) for a in attrs}
+    values = {a: attrgetter(a)(module) for a in attrs}
     try:
         for n, (where, leaf) in slots.items():
             where[leaf] = tensors[n]
         for a, v in attrs.items():
-            setattr(module, a, v)
+            _set(module, a, v)
         yield
     finally:
         for n, (where, leaf) in slots.items():
             where[leaf] = saved[n]
         for a, v in values.items():
-            setattr(module, a, v)
+            _set(module, a, v)
+
+
+def _set(module, dotted: str, value) -> None:
+    """setattr for a dotted attribute of `module` (a submodule's: ``forget_gate.num_heads``)."""
+    head, _, leaf = dotted.rpartition(".")
+    setattr(attrgetter(head)(module) if head else module, leaf, value)
 
 
 class _SummedLinear(nn.Module):
@@ -318,8 +340,8 @@ def _heads_forward(module, split, ctx, *args, **kwargs):
     # A cache built under CP (an eval forward with use_cache) holds shards and serves no generation (ndp's attention
     # refuses a cache passed in); this rank's heads' states are left out of it.
     kwargs = {k: None if k in ("cache", "cache_params") else v for k, v in kwargs.items()}
-    local = {a: getattr(module, a) // ctx.size for a in split.scaled}
-    local.update({a: fn(lambda b: local.get(b, getattr(module, b))) for a, fn in split.derived.items()})
+    local = {a: attrgetter(a)(module) // ctx.size for a in split.scaled}
+    local.update({a: fn(lambda b: local.get(b, attrgetter(b)(module))) for a, fn in split.derived.items()})
     mine = _my_heads(module, split, ctx.size, ctx.rank)
     local.update({name: _SUMMED[kind](module.get_submodule(name), mine[f"{name}.weight"], ctx.group)
                   for name, kind in split.summed.items()})

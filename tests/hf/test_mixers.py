@@ -276,6 +276,8 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     ("zamba2", "contiguous", 1, 1, "ring", 2),
     ("jamba", "zigzag", 1, 1, "ring", 2),               # Mamba1 per channel: x_proj's partial products summed
     ("bamba", "zigzag", 2, 1, "ring", 4),               # dp_shard 2 x cp 2: the summed norm's weight sharded
+    ("kimi_linear", "zigzag", 1, 1, "ring", 2),         # a decay per channel, low-rank gates read whole
+    ("bailing_hybrid", "striped", 1, 1, "ring", 2),     # its forget gate's head count scaled too
     ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
     ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
     ("lara_mini", "striped", 1, 1, "ring", 2),

@@ -121,7 +121,7 @@ class HeadSplit:
         requires: attribute values the split holds for only (one group of B and C, no norm over all heads).
         derived: attribute -> its rank's value from a getter of the rank's attributes (a count of channels that
             holds whole segments besides split ones), set after the scaled ones.
-        summed: submodule -> kind ("linear", "gated_norm" in ``_SUMMED``): the submodules reading every head (Mamba1's
+        summed: submodule -> kind ("linear", "rms_norm" in ``_SUMMED``): the submodules reading every head (Mamba1's
             projection of all channels to dt, B and C; a norm over all the heads), each replaced while a rank runs by
             one that sums its heads' part over the CP group.
         during: attribute values while a rank runs its heads (``training=False``: transformers' fused Mamba2 kernel
@@ -178,7 +178,7 @@ _NORMED_ONE_GROUP = HeadSplit(
     "num_heads", ("num_heads", "intermediate_size"),
     {k: v for k, v in _FALCON_H1.split.items() if k != "mup_vector"} | {"norm.weight": (0, ("",))},
     once=("out_proj.bias",), requires={"n_groups": 1}, derived=_FALCON_H1.derived,
-    summed={"norm": "gated_norm"}, during={"training": False})
+    summed={"norm": "rms_norm"}, during={"training": False})
 # Kimi's delta attention: a gated DeltaNet with a decay per channel; its gates' low-rank down-projections (forget,
 # output) and the per-head norm read whole by every head
 _KIMI_DELTA = HeadSplit("num_heads", ("num_heads", "qkv_dim", "conv_dim"), {
@@ -193,6 +193,16 @@ _BAILING_DELTA = HeadSplit("num_heads", ("num_heads", "qkv_dim", "conv_dim", "fo
     **{f"{p}_proj.weight": (0, ("",)) for p in "qkvbg"}, "conv1d.weight": (0, ("qkv_dim",) * 3),
     **{f"forget_gate.{p}": (0, ("",)) for p in ("A_log", "dt_bias", "f_proj.weight")}, "o_proj.weight": (1, ("",))},
     shared=("o_norm.weight",))
+# MiniMax's lightning attention: per head (its decays, buffers, too), an RMS norm over all the heads summed
+_LIGHTNING = HeadSplit("num_attention_heads", ("num_attention_heads",), {
+    **{p: (0, ("",)) for p in ("qkv_proj.weight", "output_gate.weight", "norm.weight", "slope_rate", "query_decay",
+                               "key_decay")}, "diagonal_decay": (1, ("",)), "out_proj.weight": (1, ("",))},
+    summed={"norm": "rms_norm"})
+# Zamba's Mamba1 of several heads, each with its own x_proj and dt_proj (its in_proj's rows: x and gate per channel)
+_ZAMBA_MAMBA = HeadSplit("n_mamba_heads", ("n_mamba_heads", "intermediate_size"), {
+    **{p: (0, ("",)) for p in ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj_weight",
+                               "dt_proj_weight", "dt_proj_bias", "A_log", "D")}, "out_proj.weight": (1, ("",))},
+    once=("out_proj.bias",))
 # Jamba's Mamba1: per channel but for x_proj, which reads every channel (its partial products summed over the ranks)
 # into dt, B and C; their norms and dt_proj's input whole on each rank
 _MAMBA1 = HeadSplit("intermediate_size", ("intermediate_size",), {
@@ -208,11 +218,12 @@ HEAD_SPLITS = {"Qwen3NextGatedDeltaNet": _QWEN3_NEXT, "Qwen3_5GatedDeltaNet": _Q
                "FalconH1Mixer": _FALCON_H1, "BambaMixer": _NORMED_ONE_GROUP,
                "GraniteMoeHybridMambaLayer": _NORMED_ONE_GROUP, "Zamba2MambaMixer": _NORMED_ONE_GROUP,
                "JambaMambaMixer": _MAMBA1, "KimiLinearDeltaAttention": _KIMI_DELTA,
-               "BailingHybridDeltaAttention": _BAILING_DELTA}
+               "BailingHybridDeltaAttention": _BAILING_DELTA, "MiniMaxLightningAttention": _LIGHTNING,
+               "ZambaMambaMixer": _ZAMBA_MAMBA}
 # The modules cp_mixers="gather" runs whole (ndp.hf.models.gathered_mixers) whose forward does per-token work alone
-# around one mixer (Zamba2's Mamba decoder layer inside its hybrid layer: a norm, a sum, the residual): "heads"
-# splits the mixer, the rest runs on the shard.
-PER_TOKEN_WRAPPERS = {"Zamba2MambaDecoderLayer": "mamba"}
+# around one mixer (Zamba's and Zamba2's Mamba decoder layer inside a hybrid layer: a norm, a sum, the residual):
+# "heads" splits the mixer, the rest runs on the shard.
+PER_TOKEN_WRAPPERS = {"ZambaMambaDecoderLayer": "mamba", "Zamba2MambaDecoderLayer": "mamba"}
 
 
 def split_target(model: nn.Module, name: str) -> str:
@@ -315,13 +326,15 @@ class _SummedLinear(nn.Module):
         return dist_fn.all_reduce(F.linear(x, self.weight), group=self.group)
 
 
-class _SummedGatedNorm(nn.Module):
-    """transformers' gated RMS norm of Mamba2 (the gate applied before the norm, the weight after) over one group of
-    all the heads, run by a rank on its heads' channels: their squares summed over the CP group."""
+class _SummedRMSNorm(nn.Module):
+    """An RMS norm over all the heads (MiniMax's; transformers' gated one of Mamba2 of one group: the gate applied
+    before the norm, the weight after) run by a rank on its heads' channels: their squares summed over the CP
+    group."""
 
     def __init__(self, norm, weight, group):
         super().__init__()
-        self.weight, self.group, self.eps, self.size = weight, group, norm.variance_epsilon, norm.group_size
+        # the norm's weight covers every channel it normalizes (one group): inside the forward, FSDP2's is whole
+        self.weight, self.group, self.eps, self.size = weight, group, norm.variance_epsilon, norm.weight.shape[0]
 
     def forward(self, hidden_states, gate=None):
         dtype = hidden_states.dtype
@@ -332,7 +345,7 @@ class _SummedGatedNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(squares / self.size + self.eps)).to(dtype)
 
 
-_SUMMED = {"linear": lambda old, weight, group: _SummedLinear(weight, group), "gated_norm": _SummedGatedNorm}
+_SUMMED = {"linear": lambda old, weight, group: _SummedLinear(weight, group), "rms_norm": _SummedRMSNorm}
 
 
 def _heads_forward(module, split, ctx, *args, **kwargs):
@@ -362,10 +375,14 @@ def split_mixer_heads(model: nn.Module, names: list[str], ctx) -> None:
 def _sum_outputs(ctx):
     def hook(module, args, kwargs, output):
         full = _reference(args, kwargs).shape[1]
-        if not (torch.is_tensor(output) and output.dim() >= 2 and output.shape[1] == full):
+        # (output, state): MiniMax's lightning attention returns its heads' last state too, which its decoder layer
+        # drops; the rank's heads' state is no model's, so None goes back in its place
+        out = output[0] if isinstance(output, tuple) else output
+        if not (torch.is_tensor(out) and out.dim() >= 2 and out.shape[1] == full):
             raise RuntimeError(f"{type(module).__name__} split by heads returned {type(output).__name__} where ndp "
                                f"sums one per-token tensor over the ranks")
-        return reduce_scatter_sequence(output, dim=1, group=ctx.group, layout=ctx.layout)
+        out = reduce_scatter_sequence(out, dim=1, group=ctx.group, layout=ctx.layout)
+        return (out, *(None for _ in output[1:])) if isinstance(output, tuple) else out
 
     return hook
 

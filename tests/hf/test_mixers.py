@@ -209,8 +209,8 @@ def test_reduce_scatter_sequence_sums_the_parts(tmp_path, layout):
     ("falcon_h1", 2, dict(mamba_rms_norm=True), r"FalconH1Mixer\) over cp_size=2 by heads: it has "
                                                 r"\{'mamba_rms_norm': True\}, and its head split holds for "
                                                 r"\{'n_groups': 1, 'mamba_rms_norm': False\} only"),
-    ("minimax", 2, {}, r"cannot split model\.layers\.\d\.self_attn \(MiniMaxLightningAttention\) over cp_size=2 by "
-                   r"heads: ndp has no head split for MiniMaxLightningAttention.*Set cp_mixers='gather'"),
+    ("zaya", 2, {}, r"cannot split model\.layers\.\d\.self_attn\.qkv_proj \(ZayaCCAProjection\) over cp_size=2 by "
+                r"heads: ndp has no head split for ZayaCCAProjection.*Set cp_mixers='gather'"),
     ("bamba", 2, dict(mamba_n_groups=2), r"BambaMixer\) over cp_size=2 by heads: it has \{'n_groups': 2\}"),
     ("qwen3_next", 3, {}, r"cannot split model\.layers\.\d\.linear_attn \(Qwen3NextGatedDeltaNet\) over cp_size=3 by "
                       r"heads: its num_k_heads=16 is not a multiple of cp_size=3 \(or choose a cp_size that divides "
@@ -278,6 +278,8 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     ("bamba", "zigzag", 2, 1, "ring", 4),               # dp_shard 2 x cp 2: the summed norm's weight sharded
     ("kimi_linear", "zigzag", 1, 1, "ring", 2),         # a decay per channel, low-rank gates read whole
     ("bailing_hybrid", "striped", 1, 1, "ring", 2),     # its forget gate's head count scaled too
+    ("minimax", "zigzag", 1, 1, "ring", 2),             # lightning attention: an RMS norm over all heads
+    ("zamba", "zigzag", 1, 1, "ring", 2),               # Mamba1 heads, each with its own x_proj
     ("qwen3_5", "contiguous", 1, 1, "ring", 2),         # the multimodal model: its text decoder's gated DeltaNets
     ("qwen3_5_moe", "zigzag", 1, 1, "ulysses", 2),
     ("lara_mini", "striped", 1, 1, "ring", 2),
@@ -288,7 +290,8 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
 ])
 def test_heads_under_cp_equal_one_process(tmp_path, family, layout, dp_shard, tp, impl, world):
     # LFM with biases: the convolution's and the input projection's split, the output projection's added once
-    fields = {"conv_bias": True} if family == "lfm2" else None
+    # MiniMax in blocks of 8 tokens: its state carried from block to block
+    fields = {"lfm2": {"conv_bias": True}, "minimax": {"block_size": 8}}.get(family)
     spawn(_hybrid_body, world, tmp_path, family, layout, 32, False, dp_shard, tp, "heads", impl, fields,
           timeout_s=300)
 

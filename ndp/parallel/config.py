@@ -37,8 +37,8 @@ class ParallelismConfig:
             (default): such a model is refused by name; "gather": each runs on the whole sequence, gathered on every
             CP rank (exact; cp_size times their work and their activations for the whole sequence); "heads": each
             runs on the gathered sequence split by heads over the CP ranks (exact; 1/cp_size of their work each; the
-            mixers ``ndp.hf.mixers.HEAD_SPLITS`` names: gated DeltaNets, Nemotron-H's and Falcon-H1's Mamba2, LFM's
-            short convolutions; others refused by name).
+            mixers ``ndp.hf.mixers.HEAD_SPLITS`` names: gated DeltaNets and delta attention, Mamba2 and Mamba1
+            layers, MiniMax's lightning attention, LFM's short convolutions; others refused by name).
 
     Raises:
         TypeError: a size is not an int.

@@ -221,8 +221,23 @@ def test_bench_mixers_split_by_heads_saves_a_rank_half_the_deltanet(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["mode"]: row for row in json.load(open(tmp_path / "bench_mixers.json"))["rows"]}
-    one, gather, heads = (rows[m]["deltanet_saved_bytes"] for m in ("one", "gather", "heads"))
+    one, gather, heads = (rows[m]["mixer_saved_bytes"] for m in ("one", "gather", "heads"))
     assert gather == one and 0.5 * one < heads < 0.52 * one, rows
+
+
+def test_bench_mixers_granite4_split_by_heads_saves_a_rank_about_half(tmp_path):
+    # Granite 4's Mamba2 of one group: split by heads, B and C (projected and convolved whole on every rank) and the
+    # gathered input stay whole
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_mixers.py"), "--family", "granite4",
+                        "--seqlens", "128", "--steps", "1", "--modes", "gather,heads", "--hidden", "64",
+                        "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.load(open(tmp_path / "bench_mixers.json"))["rows"]}
+    assert all(row["family"] == "granite4" for row in rows.values()), rows
+    flops, heads_flops = rows["gather"]["mixer_flops"], rows["heads"]["mixer_flops"]
+    saved, heads_saved = rows["gather"]["mixer_saved_bytes"], rows["heads"]["mixer_saved_bytes"]
+    assert 0.5 * flops < heads_flops < 0.55 * flops and 0.5 * saved < heads_saved < 0.6 * saved, rows
 
 
 def test_gpu_report_names_the_failed_tests(tmp_path):

@@ -17,10 +17,10 @@ from ndp_kernels.segments import read_once
 
 from ._validate import check_layout, resolve_group
 from .schedule import Placement
-from .stats import all_gather_flat, reduce_scatter_flat
+from .stats import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 
-__all__ = ["shard_sequence", "gather_sequence", "reduce_scatter_sequence", "shard_packed", "PackedShard",
-           "DEFAULT_MIN_PIECE", "seq_multiple"]
+__all__ = ["shard_sequence", "gather_sequence", "reduce_scatter_sequence", "sum_over_group", "shard_packed",
+           "PackedShard", "DEFAULT_MIN_PIECE", "seq_multiple"]
 
 # Documents of at least 2*N*DEFAULT_MIN_PIECE tokens are cut in 2N zigzag pieces; shorter ones travel
 # whole. 8 keeps pieces from being tiny while the per-rank work stays level (<= 1.05 max/mean
@@ -129,6 +129,18 @@ class _ReduceScatterFn(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.world, ctx.layout), None, None, None, None
 
 
+class _SumFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce_sum(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # this rank's x reached every rank's sum: its gradient is the sum of theirs
+        return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
 def shard_sequence(x, dim=1, group=None, layout="zigzag", *, world_size=None, rank=None):
     """This rank's load-balanced shard of `x` along `dim` (differentiable).
 
@@ -208,6 +220,21 @@ def reduce_scatter_sequence(x, dim=1, group=None, layout="zigzag"):
     d = _check_seq(x, dim, world, layout, "reduce_scatter_sequence")
     _check_divisible(x.shape[d], world, layout)
     return _ReduceScatterFn.apply(x, d, pg, world, layout)
+
+
+def sum_over_group(x, group=None):
+    """The sum over the group of every rank's `x` (same shape on every rank; differentiable: backward sums the
+    gradients alike). torch's differentiable all_reduce (``torch.distributed.nn``) is deprecated.
+
+    Args:
+        x: this rank's part.  group: the CP group (None = default group).
+    Returns:
+        the sum, on every rank.
+    Raises:
+        RuntimeError: torch.distributed not initialized.
+    """
+    pg, _, _ = resolve_group(group)
+    return _SumFn.apply(x, pg)
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,7 +34,7 @@ class CommStats:
 
     Bytes are the payload this rank sends and receives with a bandwidth-optimal algorithm for each
     collective: P2P exact; all-gather (N-1) local chunks each way; reduce-scatter and all-to-all
-    (N-1)/N of the input each way. `attn_flops` counts 4*B*H*D per visible (query, key) pair of every
+    (N-1)/N of the input each way; all-reduce 2(N-1)/N of it. `attn_flops` counts 4*B*H*D per visible (query, key) pair of every
     block the schedule ran in forward, and 2.5x that in backward (the FLOP convention of docs/design.md).
     `fwd_flops`/`bwd_flops` split it; `by_op` is a dict op-kind -> OpStats.
 
@@ -107,6 +107,17 @@ def all_gather_flat(out, inp, group, async_op=False):
     work = fn(out, inp, group=group, async_op=async_op)
     record_comm("all_gather", nbytes(inp) * (world - 1), nbytes(inp) * (world - 1))
     return work
+
+
+def all_reduce_sum(t, group):
+    """dist.all_reduce (sum, in place) with byte accounting (a ring's: 2(N-1)/N of the tensor each way)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    dist.all_reduce(t, group=group)
+    moved = 2 * nbytes(t) * (world - 1) // world
+    record_comm("all_reduce", moved, moved)
+    return t
 
 
 def reduce_scatter_flat(out, inp, group, async_op=False):

@@ -31,10 +31,9 @@ from operator import attrgetter
 
 import torch
 from torch import nn
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
-from ndp.cp import gather_sequence, reduce_scatter_sequence, shard_sequence
+from ndp.cp import gather_sequence, reduce_scatter_sequence, shard_sequence, sum_over_group
 
 
 def _reference(args, kwargs):
@@ -323,7 +322,7 @@ class _SummedLinear(nn.Module):
         self.weight, self.group = weight, group
 
     def forward(self, x):
-        return dist_fn.all_reduce(F.linear(x, self.weight), group=self.group)
+        return sum_over_group(F.linear(x, self.weight), self.group)
 
 
 class _SummedRMSNorm(nn.Module):
@@ -341,7 +340,7 @@ class _SummedRMSNorm(nn.Module):
         h = hidden_states.to(torch.float32)
         if gate is not None:
             h = h * F.silu(gate.to(torch.float32))
-        squares = dist_fn.all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.group)
+        squares = sum_over_group(h.pow(2).sum(-1, keepdim=True), self.group)
         return self.weight * (h * torch.rsqrt(squares / self.size + self.eps)).to(dtype)
 
 

@@ -205,6 +205,26 @@ def test_reduce_scatter_sequence_sums_the_parts(tmp_path, layout):
     spawn(_reduce_scatter_body, 2, tmp_path, layout)
 
 
+def _sum_body(rank, world):
+    from ndp.cp import CommStats, sum_over_group
+
+    parts = torch.randn(world, 2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    weights = torch.randn(world, 2, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mine = parts[rank].clone().requires_grad_()
+    with CommStats() as stats:
+        total = sum_over_group(mine)
+    torch.testing.assert_close(total, parts.sum(0), rtol=1e-12, atol=1e-12)
+    # a ring all-reduce: 2 (N-1)/N of the tensor each way
+    assert (stats.by_op["all_reduce"].calls, stats.bytes_sent) == (1, 2 * mine.numel() * 8 * (world - 1) // world)
+    (total * weights[rank]).sum().backward()  # each rank uses the sum its own way: its part reaches them all
+    torch.testing.assert_close(mine.grad, weights.sum(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.distributed
+def test_sum_over_group_sums_the_parts_and_their_gradients(tmp_path):
+    spawn(_sum_body, 2, tmp_path)
+
+
 @pytest.mark.parametrize("family, cp, fields, match", [
     ("falcon_h1", 2, dict(mamba_rms_norm=True), r"FalconH1Mixer\) over cp_size=2 by heads: it has "
                                                 r"\{'mamba_rms_norm': True\}, and its head split holds for "

@@ -8,6 +8,7 @@ process running the same model on the whole global batch with the plain mean cro
 import os
 import re
 import socket
+import sys
 
 import pytest
 import torch
@@ -59,6 +60,11 @@ def _rank(rank, world, code, port, out):
     finally:
         ndp.shutdown = shutdown
     assert not dist.is_initialized()  # the script's own ndp.shutdown() ran
+    # as tests/dist.py: torch 2.13's gloo can abort in its static destructors at interpreter exit after every rank
+    # finished and agreed (seen once in 4 ranks on 2 cores, test_accelerate's cp_size=4 case): leave without them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _reference(saved):

@@ -1,4 +1,5 @@
-"""Load-balanced sequence sharding: `shard_sequence`, `gather_sequence`, `reduce_scatter_sequence`, `shard_packed`.
+"""Load-balanced sequence sharding: `shard_sequence`, `gather_sequence`, `reduce_scatter_sequence`, `shard_packed`;
+and `sum_over_group`, the differentiable sum over the CP group of parts split by something other than the sequence.
 
 The permutations themselves are the compiled ops `torch.ops.ndp.shard_index / shard_gather /
 unshard / packed_shard_plan` (csrc/); this module adds process groups, autograd and the packed

@@ -34,8 +34,9 @@ class CommStats:
 
     Bytes are the payload this rank sends and receives with a bandwidth-optimal algorithm for each
     collective: P2P exact; all-gather (N-1) local chunks each way; reduce-scatter and all-to-all
-    (N-1)/N of the input each way; all-reduce 2(N-1)/N of it. `attn_flops` counts 4*B*H*D per visible (query, key) pair of every
-    block the schedule ran in forward, and 2.5x that in backward (the FLOP convention of docs/design.md).
+    (N-1)/N of the input each way; all-reduce 2(N-1)/N of it. `attn_flops` counts 4*B*H*D per visible
+    (query, key) pair of every block the schedule ran in forward, and 2.5x that in backward (the FLOP
+    convention of docs/design.md).
     `fwd_flops`/`bwd_flops` split it; `by_op` is a dict op-kind -> OpStats.
 
     Nested and concurrent CommStats all record. Counts are per process (per rank), not summed over

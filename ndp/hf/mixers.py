@@ -243,6 +243,9 @@ def head_split_problem(module: nn.Module, size: int) -> str | None:
     tensors = _tensors(module)
     if set(tensors) - set(split.split) - set(split.shared) - set(split.once):
         return f"its parameters and buffers {sorted(tensors)} are not the ones its head split knows"
+    missing = [n for n in split.summed if f"{n}.weight" not in tensors]
+    if missing:
+        return f"it has no weight in {missing}, which its head split sums over the ranks"
     units = attrgetter(split.unit)(module)
     if units % size:
         return f"its {split.unit}={units} is not a multiple of cp_size={size} (or choose a cp_size that divides it)"

@@ -281,6 +281,10 @@ def test_heads_refuses_a_module_with_a_parameter_its_split_does_not_know():
     assert head_split_problem(module, 2) is None
     module.conv1d.bias = torch.nn.Parameter(torch.zeros(module.conv_dim, dtype=torch.float64))  # not split by heads
     assert "are not the ones its head split knows" in head_split_problem(module, 2)
+    mamba = _zoo.tiny_model("bamba").model.layers[0].mamba
+    assert head_split_problem(mamba, 2) is None
+    del mamba.norm.weight  # the norm its split sums over the ranks, without its weight: refused, not a KeyError later
+    assert head_split_problem(mamba, 2) == "it has no weight in ['norm'], which its head split sums over the ranks"
 
 
 @pytest.mark.distributed

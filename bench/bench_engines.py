@@ -48,7 +48,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark CSV row carries)
 import ndp.hf  # noqa: E402
-from _common import rank_job, spawn_json  # noqa: E402  (a spawned gloo job that hands one JSON result back)
+from _common import rank_job, spawn_json  # noqa: E402  (a spawned job of ranks that hands one JSON result back)
 from ndp.testing import tol  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 

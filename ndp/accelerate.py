@@ -32,6 +32,8 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   Accelerate gathered each batch's once per TP rank), and the padded last evaluation step cut by data-parallel
   sample, every CP rank's entries of a real sample kept: a per-rank value (a 0-dim tensor: TRL's token counts and
   sums) or a per-sample tensor (Accelerate cuts the gathered entries one by one, as if each were a sample's).
+  With ``whole_batch_metrics`` set (ndp.trainer's DPOTrainer: each CP rank holds its batch's whole values, copies),
+  gathered from the data-parallel ranks only.
 """
 from __future__ import annotations
 
@@ -100,6 +102,9 @@ class Accelerator(accelerate.Accelerator):
         self._ndp_fields = dict(cp_impl=cp_impl, ulysses_size=ulysses_size, cp_layout=cp_layout, cp_mixers=cp_mixers)
         self._ndp_step = None
         self._ndp_alone = []  # models prepared without an optimizer (prepare)
+        self._ndp_cp_only = []  # models given CP alone (prepare_cp)
+        # True: each CP rank holds its data-parallel batch's whole values, not a shard's (gather_for_metrics)
+        self.whole_batch_metrics = False
         pc = kwargs.get("parallelism_config")
         if pc is not None:
             ndp_config(pc, **self._ndp_fields)  # refuse a bad field by name before any process group work
@@ -168,6 +173,14 @@ class Accelerator(accelerate.Accelerator):
             model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True, prepend=True)
         return args
 
+    def prepare_cp(self, model):
+        """ndp's CP on a transformers model prepared outside the Accelerator (TRL shards a DPO reference model with
+        FSDP2 itself), once: a model that has it, or any model without cp_size > 1, is returned as it is."""
+        if self.parallelism_config and self.parallelism_config.cp_enabled and not hasattr(model, PARALLEL_ATTR):
+            self._prepare_cp(model)
+            self._ndp_cp_only.append(model)  # its CP context serves maybe_context_parallel before prepare
+        return model
+
     def _prepare_fsdp2(self, *args):
         result = super()._prepare_fsdp2(*args)
         # Accelerate's fully_shard, as ndp's apply_fsdp: an expert that none of this rank's tokens reached (fewer
@@ -206,12 +219,13 @@ class Accelerator(accelerate.Accelerator):
         mesh = self.torch_device_mesh if self.parallelism_config else None
         if mesh is None or use_gather_object or batch_ranks(mesh) == 1 or not _all_tensors(input_data):
             return super().gather_for_metrics(input_data, use_gather_object)
-        state, cp = self.gradient_state, mesh_axis(mesh, "cp").size()
+        state = self.gradient_state
+        cp = 1 if self.whole_batch_metrics else mesh_axis(mesh, "cp").size()
         cut = state.end_of_dataloader and state.remainder > 0
 
         def gather(t):
             t = t.reshape(1) if t.dim() == 0 else t  # a per-rank value: one entry
-            parts = gather_over(t, mesh_axis(mesh, "dp_cp"))  # [dp, cp, rows] in mesh order
+            parts = gather_over(t, mesh_axis(mesh, "dp" if cp == 1 else "dp_cp"))  # [dp, cp, rows] in mesh order
             return parts[_real_samples(len(parts) // (cp * len(t)), cp, len(t), state.remainder)] if cut else parts
 
         return recursively_apply(gather, input_data, error_on_other_type=True)
@@ -250,7 +264,7 @@ class Accelerator(accelerate.Accelerator):
                     b.resize_(old.shape).copy_(old)
 
     def _cp_context_of_models(self):
-        ctxs = [getattr(m, CP_ATTR) for m in self._models if hasattr(m, CP_ATTR)]
+        ctxs = [getattr(m, CP_ATTR) for m in (*self._models, *self._ndp_cp_only) if hasattr(m, CP_ATTR)]
         if not ctxs:
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")

@@ -62,6 +62,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
+from .cp import sum_over_group
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -71,11 +72,15 @@ try:
 except ImportError:  # optional (ndp[hf]): Trainer works without it, SFTTrainer says what to install
     trl = None
 
-__all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer"]
+__all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer", "DPOTrainer"]
 
 
 class NdpTrainerMixin:
     """The overrides that put a ``transformers.Trainer`` (or a subclass of it) on ndp's context parallelism."""
+
+    # Under CP the Trainer's batch is sharded before the loss; False: the loss reads the whole batch and each model
+    # call inside shards its own (DPOTrainer)
+    _ndp_shards_batch = True
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
@@ -116,6 +121,13 @@ class NdpTrainerMixin:
         pc = self._cp_config()
         if pc is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
+        if not self._ndp_shards_batch:
+            return contextlib.nullcontext, inputs  # each model call shards its own (DPOTrainer)
+        return self._shard_for_cp(model, inputs, pc)
+
+    def _shard_for_cp(self, model, inputs, pc):
+        """(the CP context to run the model in, the batch's tensors that context shards in place), as
+        ``_prepare_context_parallel_inputs`` returns them (module docstring)."""
         inputs = dict(inputs)
         _check_token_batch(inputs, pc.cp_size)
         # what the token counts read (the Trainer's num_input_tokens_seen, TRL's num_tokens): the buffers are sharded
@@ -143,7 +155,7 @@ class NdpTrainerMixin:
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         pc = self._cp_config()
-        if pc is None:
+        if pc is None or not self._ndp_shards_batch:
             with _smoothing_shifted(self, model, None):
                 return super().compute_loss(model, inputs, *args, **kwargs)
         if self.compute_loss_func is not None:
@@ -159,7 +171,7 @@ class NdpTrainerMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = self._cp_config()
-        if pc is None:
+        if pc is None or not self._ndp_shards_batch:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         if not has_labels and prediction_loss_only:
@@ -272,7 +284,8 @@ class NdpTrainerMixin:
         # from its tensors held before sharding; the Trainer gathers every rank's count, and each data-parallel batch
         # is held whole by its CP and TP ranks: counted once per data-parallel rank, as a run without CP counts it
         seen = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(self._ndp_unsharded if self._cp_config() is not None else inputs)
+        sharded = self._cp_config() is not None and self._ndp_shards_batch
+        super()._track_num_input_tokens(self._ndp_unsharded if sharded else inputs)
         self.state.num_input_tokens_seen = seen + (self.state.num_input_tokens_seen - seen) // self._ranks_per_batch()
 
     def _ranks_per_batch(self) -> int:
@@ -379,15 +392,18 @@ def _load_param_groups(optimizer, groups) -> None:
 def _check_token_loss_trainer(cls, cp_size) -> None:
     """Refuse, at construction on every rank, a TRL trainer whose loss ndp cannot compute from CP shards: under CP
     each rank holds a shard of every sequence, exact for a sum over tokens (transformers.Trainer's loss,
-    trl.SFTTrainer's), not for what TRL's other trainers compute per sequence (DPO's and KTO's log-probability sums
-    inside a non-linear loss, a reward model's pooled score, GKD's teacher run on the shard)."""
+    trl.SFTTrainer's) and for DPO on ndp's DPOTrainer (each call's per-token outputs gathered back), not for what
+    TRL's other trainers compute per sequence (KTO's log-probability sums against a batch-level KL term, a reward
+    model's pooled score, GKD's teacher run on the shard) nor for DPO on the mixin alone."""
     owner = next((c for c in cls.__mro__ if "compute_loss" in vars(c) and c.__module__.split(".")[0] == "trl"), None)
-    if owner is not None and owner is not trl.SFTTrainer:
-        raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
-                         f"which ndp's context parallelism (cp_size={cp_size}) cannot compute from each rank's shard "
-                         f"of the sequences (ndp serves a sum over tokens: transformers.Trainer's loss, "
-                         f"trl.SFTTrainer's). Train it with cp_size=1 (data, tensor or fully sharded parallelism "
-                         f"only).")
+    if owner is None or owner is trl.SFTTrainer or (owner is trl.DPOTrainer and issubclass(cls, DPOTrainer)):
+        return
+    how = "Use ndp.trainer.DPOTrainer (DPO under CP), or train" if owner is trl.DPOTrainer else "Train"
+    raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
+                     f"which ndp's context parallelism (cp_size={cp_size}) cannot compute from each rank's shard "
+                     f"of the sequences (ndp serves a sum over tokens: transformers.Trainer's loss, "
+                     f"trl.SFTTrainer's; and DPO on ndp.trainer.DPOTrainer). {how} it with "
+                     f"cp_size=1 (data, tensor or fully sharded parallelism only).")
 
 
 def _check_token_batch(inputs, cp_size) -> None:
@@ -494,3 +510,118 @@ def _trl_batch_tokens(inputs):
     if torch.is_tensor(inputs.get("position_ids")):
         return torch.tensor(inputs["position_ids"].size(1))
     return None
+
+
+class DPOTrainer(NdpTrainerMixin, trl.DPOTrainer if trl is not None else object):
+    """``trl.DPOTrainer`` with ndp's context parallelism.
+
+    DPO's loss is per sequence: a non-linear function of each completion's summed log-probabilities and the
+    reference model's, so a rank's shard of the sequences cannot compute it. Under CP, TRL's loss and metrics run
+    on the whole batch, alike on every CP rank; each model call inside them (the policy's, the reference model's,
+    the reference log-probabilities' precomputation) runs on this rank's shard of its own tensors (the labels
+    shifted before sharding, a right-padded batch's mask made all ones: ``ndp.hf.batch.without_padding``), and the
+    per-token outputs of TRL's fused LM head are gathered back into the batch (``gather_tokens``; differentiable: a
+    shard's gradient is every CP rank's gradient of its tokens, summed, so FSDP's average over the dp x cp ranks is
+    the gradient of the data-parallel batches' mean loss). An MoE's load-balancing loss (each rank's share x
+    cp_size) becomes its batch's on every rank (``ndp.cp.sum_over_group``). A reference model TRL shards with FSDP2
+    itself gets ndp's CP on its first call. The Accelerator's ``gather_for_metrics`` takes each data-parallel
+    batch's values once (``whole_batch_metrics``). Refused under CP, by name: a model call without the fused LM head
+    (the logits TRL recomputes for ``compute_metrics`` and ``predict``, deprecated by TRL).
+    """
+
+    _ndp_shards_batch = False
+
+    def __init__(self, *args, **kwargs):
+        if trl is None:
+            raise ImportError("ndp.trainer.DPOTrainer subclasses trl.DPOTrainer, and trl is not installed: "
+                              "pip install trl (or ndp[hf]).")
+        super().__init__(*args, **kwargs)
+        if isinstance(self.accelerator, Accelerator):
+            self._tp_size = 1  # TRL divides its gathered token count by tp_size: ndp's gather counts no TP copy
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if isinstance(self.accelerator, Accelerator):
+            self.accelerator.whole_batch_metrics = self._cp_config() is not None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        with self._calls_on_shards(model, self.ref_model):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        pc = self._cp_config()
+        if pc is not None and not prediction_loss_only:  # before TRL's forwards: refused on every rank alike
+            raise _unfused(pc.cp_size, "the logits asked for (prediction_loss_only=False)")
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def compute_ref_log_probs(self, model, inputs):
+        with self._calls_on_shards(model):
+            return super().compute_ref_log_probs(model, inputs)
+
+    @contextlib.contextmanager
+    def _calls_on_shards(self, *models):
+        """Inside, under CP, each call of `models` runs on this rank's shard of its tensors, its per-token outputs
+        gathered back (class docstring)."""
+        pc = self._cp_config()
+        if pc is None:
+            yield
+            return
+        calls, handles = [], []
+        for model in {id(m): m for m in models if m is not None}.values():
+            self.accelerator.prepare_cp(model)
+            handles += [model.register_forward_pre_hook(functools.partial(self._shard_call, pc, calls),
+                                                        with_kwargs=True, prepend=True),
+                        model.register_forward_hook(functools.partial(self._gather_call, pc, calls),
+                                                    with_kwargs=True, always_call=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            while calls:
+                calls.pop()[0].close()
+
+    def _shard_call(self, pc, calls, model, args, kwargs):
+        """Forward pre-hook: the call's [batch, seq] tensors and labels (shifted first) sharded; the CP context
+        entered until :meth:`_gather_call`."""
+        if args or not kwargs.get("fused_lm_head") or not torch.is_tensor(kwargs.get("labels")):
+            raise _unfused(pc.cp_size, "positional arguments" if args else "no fused LM head or no labels")
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels")
+        like = kwargs["input_ids"]
+        batch = {k: kwargs.pop(k).clone() for k in [k for k, v in kwargs.items()
+                                                     if torch.is_tensor(v) and v.shape == like.shape]}
+        batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)  # before sharding
+        batch[ORIGIN] = origin_rows(like)
+        cp_context, batch = self._shard_for_cp(model, batch, pc)
+        stack = contextlib.ExitStack()
+        calls.append((stack, self._ndp_origin, tuple(like.shape)))
+        stack.enter_context(cp_context())
+        return args, {**kwargs, **batch}
+
+    def _gather_call(self, pc, calls, model, args, kwargs, output):
+        """Forward hook: the CP context left; each per-token output of the shard gathered into the batch's rows
+        (without the last position: TRL's unshifted call returns seq - 1), the load-balancing loss made the
+        batch's, the shard's own loss dropped (TRL's preference losses read the per-token outputs)."""
+        if not calls:  # a pre-hook refused the call
+            return None
+        stack, origin, shape = calls.pop()
+        stack.close()
+        if output is None:  # the forward raised
+            return None
+        axis = mesh_axis(self.accelerator.torch_device_mesh, "cp")
+        fields = {k: gather_tokens(v, origin, shape, axis)[:, :-1] if _per_token(v, origin.shape) else v
+                  for k, v in output.items() if k != "loss"}
+        if torch.is_tensor(fields.get("aux_loss")):
+            fields["aux_loss"] = sum_over_group(fields["aux_loss"] / pc.cp_size, axis.get_group())
+        return type(output)(**fields)
+
+
+def _unfused(cp_size, what) -> ValueError:
+    """DPOTrainer's refusal of a model call under CP that TRL's fused LM head does not serve."""
+    return ValueError(f"ndp.trainer.DPOTrainer: under context parallelism (cp_size={cp_size}) each model call inside "
+                      f"TRL's loss runs on a shard of the sequences with TRL's fused LM head (keyword arguments, "
+                      f"fused_lm_head=True, labels=...), whose per-token log-probabilities ndp gathers back; this "
+                      f"one has {what}: the logits TRL recomputes for compute_metrics or predict (deprecated by "
+                      f"TRL), which ndp does not gather. Evaluate without compute_metrics, or with cp_size=1.")

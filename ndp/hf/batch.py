@@ -262,7 +262,16 @@ def gather_tokens(shard, origin, shape, axis) -> torch.Tensor:
     """Per-token values of this rank's CP shard (``[rows, tokens, ...]``, `origin` the shard's ``ORIGIN`` row)
     gathered from every rank of the CP axis `axis` into the batch's ``shape`` (``[batch, seq]``) and order, ndp's
     pads dropped: what a run without CP computes for the batch, on every rank. A packed batch's shards differ in
-    length: each is padded to the longest for the all-gather."""
+    length: each is padded to the longest for the all-gather. Differentiable: every rank uses the whole batch's
+    values, so a shard's gradient is the sum of every CP rank's gradient of its tokens (one all-reduce)."""
+    if shard.requires_grad and torch.is_grad_enabled():
+        return _GatherTokens.apply(shard, origin, tuple(shape), axis)
+    return _gathered_tokens(shard.detach(), origin, shape, axis)
+
+
+def _gathered_tokens(shard, origin, shape, axis) -> torch.Tensor:
+    if shard.dtype == torch.bool:  # gloo gathers no bool
+        return _gathered_tokens(shard.to(torch.uint8), origin, shape, axis).bool()
     values = shard.reshape(origin.numel(), *shard.shape[origin.dim():])
     where = origin.reshape(-1)
     most = int(gather_over(torch.tensor([where.numel()], device=where.device), axis).max())
@@ -276,6 +285,25 @@ def gather_tokens(shard, origin, shape, axis) -> torch.Tensor:
     out = values.new_zeros(math.prod(shape), *values.shape[1:])
     out[where[keep]] = values[keep]
     return out.reshape(*shape, *values.shape[1:])
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, origin, shape, axis):
+        ctx.save_for_backward(origin)
+        ctx.shard_shape, ctx.axis = shard.shape, axis
+        return _gathered_tokens(shard, origin, shape, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (origin,) = ctx.saved_tensors
+        grad = grad.contiguous().clone()
+        if ctx.axis.size() > 1:
+            dist.all_reduce(grad, group=ctx.axis.get_group())
+        flat = grad.reshape(-1, *grad.shape[origin.dim():])
+        where = origin.reshape(-1)
+        mine = torch.where((where >= 0).reshape(-1, *[1] * (flat.dim() - 1)), flat[where.clamp(min=0)], 0)
+        return mine.reshape(ctx.shard_shape), None, None, None
 
 
 def _take_dp_rows(state, rows):

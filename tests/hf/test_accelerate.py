@@ -1000,9 +1000,10 @@ def _preferences():
 
 
 def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_path):
-    # DPO sums each sequence's log-probabilities inside a non-linear loss: under CP each rank would sum its shard's
-    # (with equal-length chosen / rejected rows nothing else stopped it). Refused when the trainer is built, before
-    # the Accelerator (no collective: one process here); the same trainer without CP is built.
+    # DPO sums each sequence's log-probabilities inside a non-linear loss: under CP with the mixin alone each rank
+    # would sum its shard's (with equal-length chosen / rejected rows nothing else stopped it). Refused when the
+    # trainer is built, before the Accelerator (no collective: one process here), ndp.trainer.DPOTrainer named (it
+    # gathers them: tests/hf/test_dpo.py); the same trainer without CP is built.
     trl = pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
     _save_tiny(model_dir, "llama")
@@ -1014,8 +1015,8 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
                    processing_class=AutoTokenizer.from_pretrained(model_dir))
 
     with pytest.raises(ValueError, match=r"NdpDPO takes its loss from trl\.trainer\.dpo_trainer\.DPOTrainer, which "
-                                         r"ndp's context parallelism \(cp_size=2\) cannot compute .* Train it with "
-                                         r"cp_size=1"):
+                                         r"ndp's context parallelism \(cp_size=2\) cannot compute .* Use "
+                                         r"ndp\.trainer\.DPOTrainer \(DPO under CP\), or train it with cp_size=1"):
         build({"cp_size": 2})
     AcceleratorState._reset_state(True)
     assert isinstance(build(None), trl.DPOTrainer)
@@ -1029,6 +1030,7 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
     for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer):
         with pytest.raises(ValueError, match=f"takes its loss from .*{cls.__name__}"):
             ndp.trainer._check_token_loss_trainer(cls, 2)
-    for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, type("Mine", (ndp.trainer.Trainer,), own),
+    for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, ndp.trainer.DPOTrainer,
+                type("Mine", (ndp.trainer.Trainer,), own),
                 type("MySft", (ndp.trainer.SFTTrainer,), own)):
         ndp.trainer._check_token_loss_trainer(cls, 2)

@@ -1,0 +1,183 @@
+"""ndp.trainer.DPOTrainer: TRL's DPO under ndp's context parallelism equals TRL's without it (losses, evaluation
+loss, TRL's metrics), its per-sequence log-probability sums computed from every CP rank's shard."""
+import math
+import os
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from datasets import Dataset, load_from_disk
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import ndp.trainer
+from dist import spawn
+from test_accelerate import _rank_env, _save_tiny, _trainer_args
+
+# TRL's DPO metrics a run logs, training and evaluation.
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens",
+               "aux_loss")
+
+
+def _preferences(seed, n):
+    """A preference dataset of the word tokenizer's words: prompts, chosen and rejected completions of uneven
+    lengths (each pair's rows padded to the longer: pads in every batch)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def words(lo, hi):
+        size = int(torch.randint(lo, hi, (1,), generator=g))
+        return " ".join(f"t{i}" for i in torch.randint(2, 256, (size,), generator=g).tolist())
+
+    rows = [(words(5, 14), " " + words(3, 20), " " + words(3, 20)) for _ in range(n)]
+    return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+
+
+def _save_preferences(where):
+    """The training (6 pairs) and evaluation (3 pairs) data saved in `where`: on disk, TRL's precomputed reference
+    log-probabilities are cached next to them, where every rank finds them."""
+    _preferences(1, 6).save_to_disk(os.path.join(where, "train"))
+    _preferences(2, 3).save_to_disk(os.path.join(where, "eval"))
+    return where
+
+
+def _dpo_trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **overrides):
+    """cls (ndp's DPOTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the model in
+    model_dir and the data saved in `data`, fp32, the data in order: 3 SGD steps of one pair per data-parallel rank (unclipped: a gradient of
+    the wrong scale shows), then an evaluation on 3 pairs; `overrides` replace any of the DPOConfig arguments."""
+    import trl
+    args = _trainer_args(tmp, par, layer, cls=trl.DPOConfig, per_device_eval_batch_size=1, bf16=False,
+                         **{"learning_rate": 0.1, "max_grad_norm": 0.0, **overrides})
+    in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
+                                        torch.utils.data.SequentialSampler(self.train_dataset)})
+    return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
+                    args=args, train_dataset=load_from_disk(os.path.join(data, "train")),
+                    eval_dataset=load_from_disk(os.path.join(data, "eval")),
+                    processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+def _dpo_log(trainer, eval_loss):
+    logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
+    return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
+            "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in DPO_METRICS} for h in logs]}
+
+
+def _dpo_rank(rank, world, tmp, model_dir, par, layer, overrides):
+    _rank_env(rank, world)
+    trainer = _dpo_trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), par, layer,
+                           **overrides)
+    trainer.train()
+    ev = trainer.evaluate()["eval_loss"]
+    if rank == 0:
+        torch.save(_dpo_log(trainer, ev), os.path.join(tmp, "dpo.pt"))
+
+
+def _dpo_against(tmp_path, family, par, **overrides):
+    """ndp's DPOTrainer under Accelerate's ParallelismConfig(**par), and what it must equal: the same without CP and
+    TP, ndp's at the data-parallel degrees left, else TRL's DPOTrainer on one process."""
+    import trl
+    model_dir = str(tmp_path / "model")
+    layer = _save_tiny(model_dir, family)
+    _save_preferences(str(tmp_path / "data"))
+    spawn(_dpo_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, par, layer, overrides,
+          timeout_s=300)
+    got = torch.load(tmp_path / "dpo.pt")
+    dp = {k: v for k, v in par.items() if k not in ("cp_size", "tp_size")}
+    if dp:
+        (tmp_path / "dp").mkdir()  # a rendezvous of its own, its own data (and reference log-probabilities)
+        _save_preferences(str(tmp_path / "dp" / "data"))
+        spawn(_dpo_rank, math.prod(dp.values()), tmp_path / "dp", str(tmp_path / "dp"), model_dir, dp, layer,
+              overrides, timeout_s=300)
+        return got, torch.load(tmp_path / "dp" / "dpo.pt")
+    ref = _dpo_trainer(trl.DPOTrainer, str(tmp_path / "ref"), model_dir, _save_preferences(str(tmp_path / "ref")),
+                       **overrides)
+    ref.train()
+    want = _dpo_log(ref, ref.evaluate()["eval_loss"])
+    AcceleratorState._reset_state(True)
+    return got, want
+
+
+CP2 = {"cp_size": 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family, par, overrides", [
+    ("llama", CP2, {}),
+    ("llama", {"dp_shard_size": 2, "cp_size": 2}, {}),
+    ("llama", {"cp_size": 2, "tp_size": 2}, {}),
+    ("llama", {"dp_shard_size": 2, "tp_size": 2}, {}),
+    # IPO's loss is ~20 here: smaller steps, else float noise grows past the tolerance by the evaluation
+    ("llama", CP2, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5, "use_weighting": True,
+                    "learning_rate": 0.01}),
+    ("llama", CP2, {"precompute_ref_log_probs": True}),
+    ("olmoe", CP2, {}),
+])
+def test_dpo_under_cp_trains_and_evaluates_as_without(tmp_path, family, par, overrides):
+    """Each rank summed its shard's log-probabilities (refused before): the chosen / rejected sums, the losses
+    built on them (sigmoid; IPO's per-token means, LD-DPO's shared-length split, WPO's weights), the reference
+    model's (TRL shards it with FSDP2 itself, without CP; precomputed in the constructor, gathered once per
+    data-parallel batch), an MoE's load-balancing loss (its metric and the evaluation loss each CP rank's share x
+    cp_size without the sum), every metric TRL logs. Under TP (no CP) TRL divided its token count by tp_size
+    after ndp's gather had left the TP copies out: num_tokens half the count."""
+    pytest.importorskip("trl")
+    got, want = _dpo_against(tmp_path, family, par, **overrides)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
+    assert got["metrics"] == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in want["metrics"]]
+
+
+def _gather_grad_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    axis = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    full = torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    # uneven shards, as a packed batch's: rank 1's has a pad column (origin -1)
+    cols = [[0, 1, 5], [2, 3, 4, -1]][rank]
+    origin = torch.arange(12).reshape(2, 6)[:, cols]
+    origin[:, torch.tensor(cols) < 0] = -1
+    shard = full[:, cols].clone()
+    shard[:, torch.tensor(cols) < 0] = 0
+    shard.requires_grad_(True)
+    gathered = ndp.hf.batch.gather_tokens(shard, origin, (2, 6), axis)
+    assert torch.equal(gathered, full)
+    weights = [torch.randn(2, 6, 3, generator=torch.Generator().manual_seed(1 + r), dtype=torch.float64)
+               for r in range(world)]
+    (gathered * weights[rank]).sum().backward()  # each rank its own use of the whole batch
+    want = sum(weights)[:, cols]
+    want[:, torch.tensor(cols) < 0] = 0
+    assert torch.equal(shard.grad, want), (shard.grad, want)
+    # without gradient: the values alone, no autograd node
+    assert not ndp.hf.batch.gather_tokens(shard.detach(), origin, (2, 6), axis).requires_grad
+
+
+@pytest.mark.distributed
+def test_gather_tokens_gradient_is_every_ranks_gradient_of_its_tokens(tmp_path):
+    """What DPO's gradient rests on: every CP rank uses the whole batch's log-probabilities, so each shard's gradient
+    is the sum of every rank's gradient of its tokens (a pad ndp added gets none)."""
+    spawn(_gather_grad_rank, 2, tmp_path)
+
+
+def _unfused_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    trainer = _dpo_trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), CP2)
+    trainer.compute_metrics = lambda p: {"n": float(len(p.predictions))}
+    with pytest.raises(ValueError, match=r"DPOTrainer: under context parallelism \(cp_size=2\) .* the logits asked "
+                                         r"for \(prediction_loss_only=False\).* Evaluate without compute_metrics, "
+                                         r"or with cp_size=1"):
+        trainer.evaluate()
+    model = trainer.accelerator.prepare(trainer.model)
+    hooks = (len(model._forward_hooks), len(model._forward_pre_hooks))
+    with trainer._calls_on_shards(model), pytest.raises(ValueError, match="no fused LM head"):
+        model(input_ids=torch.ones(2, 8, dtype=torch.long))
+    assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == hooks  # the call's hooks gone
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_dpo_logits_under_cp_are_refused_by_name_on_every_rank(tmp_path):
+    """TRL recomputes the logits without its fused LM head for compute_metrics and predict: ndp gathers the fused
+    log-probabilities only, and refuses the rest before any forward, on every rank."""
+    pytest.importorskip("trl")
+    model_dir = str(tmp_path / "model")
+    _save_tiny(model_dir, "llama")
+    _save_preferences(str(tmp_path / "data"))
+    spawn(_unfused_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=120)

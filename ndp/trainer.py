@@ -10,8 +10,9 @@ and overrides, nothing patched:
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
 - ``_build_accelerator_args`` also refuses, under CP, a TRL trainer whose loss is not a sum over tokens
-  (DPO, KTO, reward modelling, GKD: per-sequence sums or pooled scores, each rank holding a shard of every
-  sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact;
+  (KTO, reward modelling, GKD, and DPO on the mixin alone: per-sequence sums or pooled scores, each rank holding
+  a shard of every sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact, and DPO is on
+  :class:`DPOTrainer` (each model call sharded, its per-token log-probabilities gathered back);
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
   whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and

@@ -10,9 +10,10 @@ and overrides, nothing patched:
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
 - ``_build_accelerator_args`` also refuses, under CP, a TRL trainer whose loss is not a sum over tokens
-  (KTO, reward modelling, GKD, and DPO on the mixin alone: per-sequence sums or pooled scores, each rank holding
-  a shard of every sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact, and DPO is on
-  :class:`DPOTrainer` (each model call sharded, its per-token log-probabilities gathered back);
+  (reward modelling, GKD, and DPO or KTO on the mixin alone: per-sequence sums or pooled scores, each rank
+  holding a shard of every sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact, DPO and KTO are
+  on :class:`DPOTrainer` and :class:`KTOTrainer` (:class:`NdpSequenceLossMixin`: each model call sharded, its
+  per-token log-probabilities gathered back);
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
   whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
@@ -73,7 +74,7 @@ try:
 except ImportError:  # optional (ndp[hf]): Trainer works without it, SFTTrainer says what to install
     trl = None
 
-__all__ = ["NdpTrainerMixin", "Trainer", "SFTTrainer", "DPOTrainer"]
+__all__ = ["NdpTrainerMixin", "NdpSequenceLossMixin", "Trainer", "SFTTrainer", "DPOTrainer", "KTOTrainer"]
 
 
 class NdpTrainerMixin:
@@ -393,17 +394,18 @@ def _load_param_groups(optimizer, groups) -> None:
 def _check_token_loss_trainer(cls, cp_size) -> None:
     """Refuse, at construction on every rank, a TRL trainer whose loss ndp cannot compute from CP shards: under CP
     each rank holds a shard of every sequence, exact for a sum over tokens (transformers.Trainer's loss,
-    trl.SFTTrainer's) and for DPO on ndp's DPOTrainer (each call's per-token outputs gathered back), not for what
-    TRL's other trainers compute per sequence (KTO's log-probability sums against a batch-level KL term, a reward
-    model's pooled score, GKD's teacher run on the shard) nor for DPO on the mixin alone."""
+    trl.SFTTrainer's) and for DPO's and KTO's on :class:`NdpSequenceLossMixin` (each call's per-token outputs
+    gathered back), not for what TRL's other trainers compute per sequence (a reward model's pooled score, GKD's
+    teacher run on the shard) nor for DPO or KTO on the mixin alone."""
     owner = next((c for c in cls.__mro__ if "compute_loss" in vars(c) and c.__module__.split(".")[0] == "trl"), None)
-    if owner is None or owner is trl.SFTTrainer or (owner is trl.DPOTrainer and issubclass(cls, DPOTrainer)):
+    served = owner in (trl.DPOTrainer, trl.KTOTrainer)
+    if owner is None or owner is trl.SFTTrainer or (served and issubclass(cls, NdpSequenceLossMixin)):
         return
-    how = "Use ndp.trainer.DPOTrainer (DPO under CP), or train" if owner is trl.DPOTrainer else "Train"
+    how = f"Use ndp.trainer.{owner.__name__} (it runs it under CP), or train" if served else "Train"
     raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
                      f"which ndp's context parallelism (cp_size={cp_size}) cannot compute from each rank's shard "
                      f"of the sequences (ndp serves a sum over tokens: transformers.Trainer's loss, "
-                     f"trl.SFTTrainer's; and DPO on ndp.trainer.DPOTrainer). {how} it with "
+                     f"trl.SFTTrainer's; and DPO and KTO on ndp.trainer.DPOTrainer and KTOTrainer). {how} it with "
                      f"cp_size=1 (data, tensor or fully sharded parallelism only).")
 
 
@@ -513,29 +515,31 @@ def _trl_batch_tokens(inputs):
     return None
 
 
-class DPOTrainer(NdpTrainerMixin, trl.DPOTrainer if trl is not None else object):
-    """``trl.DPOTrainer`` with ndp's context parallelism.
+class NdpSequenceLossMixin(NdpTrainerMixin):
+    """The overrides that put a TRL trainer whose loss is per sequence (DPO's, KTO's) on ndp's context parallelism.
 
-    DPO's loss is per sequence: a non-linear function of each completion's summed log-probabilities and the
-    reference model's, so a rank's shard of the sequences cannot compute it. Under CP, TRL's loss and metrics run
-    on the whole batch, alike on every CP rank; each model call inside them (the policy's, the reference model's,
-    the reference log-probabilities' precomputation) runs on this rank's shard of its own tensors (the labels
-    shifted before sharding, a right-padded batch's mask made all ones: ``ndp.hf.batch.without_padding``), and the
-    per-token outputs of TRL's fused LM head are gathered back into the batch (``gather_tokens``; differentiable: a
-    shard's gradient is every CP rank's gradient of its tokens, summed, so FSDP's average over the dp x cp ranks is
-    the gradient of the data-parallel batches' mean loss). An MoE's load-balancing loss (each rank's share x
-    cp_size) becomes its batch's on every rank (``ndp.cp.sum_over_group``). A reference model TRL shards with FSDP2
-    itself gets ndp's CP on its first call. The Accelerator's ``gather_for_metrics`` takes each data-parallel
-    batch's values once (``whole_batch_metrics``). Refused under CP, by name: a model call without the fused LM head
-    (the logits TRL recomputes for ``compute_metrics`` and ``predict``, deprecated by TRL).
+    DPO's and KTO's losses are non-linear functions of each completion's summed log-probabilities and the reference
+    model's, so a rank's shard of the sequences cannot compute them. Under CP, TRL's loss and metrics run on the
+    whole batch, alike on every CP rank; each model call inside them (the policy's, the reference model's, KTO's
+    mismatched KL pairs', the reference log-probabilities' precomputation) runs on this rank's shard of its own
+    tensors (the labels shifted before sharding, a right-padded batch's mask made all ones:
+    ``ndp.hf.batch.without_padding``), and the per-token outputs of TRL's fused LM head are gathered back into the
+    batch (``gather_tokens``; differentiable: a shard's gradient is every CP rank's gradient of its tokens, summed,
+    so FSDP's average over the dp x cp ranks is the gradient of the data-parallel batches' mean loss). An MoE's
+    load-balancing loss (each rank's share x cp_size) becomes its batch's on every rank (``ndp.cp.sum_over_group``).
+    A reference model TRL shards with FSDP2 itself gets ndp's CP on its first call. The Accelerator's
+    ``gather_for_metrics`` takes each data-parallel batch's values once (``whole_batch_metrics``), and TRL's token
+    count is not divided by tp_size (ndp's gather counts no TP copy). Refused under CP, by name: a model call
+    without the fused LM head (the logits TRL recomputes for ``compute_metrics`` and ``predict``, deprecated by TRL).
     """
 
     _ndp_shards_batch = False
 
     def __init__(self, *args, **kwargs):
         if trl is None:
-            raise ImportError("ndp.trainer.DPOTrainer subclasses trl.DPOTrainer, and trl is not installed: "
-                              "pip install trl (or ndp[hf]).")
+            name = type(self).__name__
+            raise ImportError(f"ndp.trainer.{name} subclasses trl.{name}, and trl is not installed: pip install trl "
+                              f"(or ndp[hf]).")
         super().__init__(*args, **kwargs)
         if isinstance(self.accelerator, Accelerator):
             self._tp_size = 1  # TRL divides its gathered token count by tp_size: ndp's gather counts no TP copy
@@ -619,9 +623,17 @@ class DPOTrainer(NdpTrainerMixin, trl.DPOTrainer if trl is not None else object)
         return type(output)(**fields)
 
 
+class DPOTrainer(NdpSequenceLossMixin, trl.DPOTrainer if trl is not None else object):
+    """``trl.DPOTrainer`` with ndp's context parallelism (:class:`NdpSequenceLossMixin`)."""
+
+
+class KTOTrainer(NdpSequenceLossMixin, trl.KTOTrainer if trl is not None else object):
+    """``trl.KTOTrainer`` with ndp's context parallelism (:class:`NdpSequenceLossMixin`)."""
+
+
 def _unfused(cp_size, what) -> ValueError:
     """DPOTrainer's refusal of a model call under CP that TRL's fused LM head does not serve."""
-    return ValueError(f"ndp.trainer.DPOTrainer: under context parallelism (cp_size={cp_size}) each model call inside "
+    return ValueError(f"ndp.trainer: under context parallelism (cp_size={cp_size}) each model call inside "
                       f"TRL's loss runs on a shard of the sequences with TRL's fused LM head (keyword arguments, "
                       f"fused_lm_head=True, labels=...), whose per-token log-probabilities ndp gathers back; this "
                       f"one has {what}: the logits TRL recomputes for compute_metrics or predict (deprecated by "

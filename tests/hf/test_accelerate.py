@@ -1003,7 +1003,7 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
     # DPO sums each sequence's log-probabilities inside a non-linear loss: under CP with the mixin alone each rank
     # would sum its shard's (with equal-length chosen / rejected rows nothing else stopped it). Refused when the
     # trainer is built, before the Accelerator (no collective: one process here), ndp.trainer.DPOTrainer named (it
-    # gathers them: tests/hf/test_dpo.py); the same trainer without CP is built.
+    # gathers them: tests/hf/test_preference.py); the same trainer without CP is built.
     trl = pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
     _save_tiny(model_dir, "llama")
@@ -1016,13 +1016,14 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
 
     with pytest.raises(ValueError, match=r"NdpDPO takes its loss from trl\.trainer\.dpo_trainer\.DPOTrainer, which "
                                          r"ndp's context parallelism \(cp_size=2\) cannot compute .* Use "
-                                         r"ndp\.trainer\.DPOTrainer \(DPO under CP\), or train it with cp_size=1"):
+                                         r"ndp\.trainer\.DPOTrainer \(it runs it under CP\), or train it with "
+                                         r"cp_size=1"):
         build({"cp_size": 2})
     AcceleratorState._reset_state(True)
     assert isinstance(build(None), trl.DPOTrainer)
     # the rule reads which class's compute_loss the trainer runs: TRL's other trainers are refused (GKD too, an
     # SFTTrainer whose loss runs a teacher on the shard), a subclass's own loss on top of transformers' Trainer or
-    # trl.SFTTrainer is the user's (not refused)
+    # trl.SFTTrainer is the user's (not refused); KTO is refused on the mixin alone, served by ndp's KTOTrainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trl.experimental says its API may change
         from trl.experimental.gkd import GKDTrainer
@@ -1030,7 +1031,7 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
     for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer):
         with pytest.raises(ValueError, match=f"takes its loss from .*{cls.__name__}"):
             ndp.trainer._check_token_loss_trainer(cls, 2)
-    for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, ndp.trainer.DPOTrainer,
+    for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, ndp.trainer.DPOTrainer, ndp.trainer.KTOTrainer,
                 type("Mine", (ndp.trainer.Trainer,), own),
                 type("MySft", (ndp.trainer.SFTTrainer,), own)):
         ndp.trainer._check_token_loss_trainer(cls, 2)

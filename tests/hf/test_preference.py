@@ -1,5 +1,6 @@
-"""ndp.trainer.DPOTrainer: TRL's DPO under ndp's context parallelism equals TRL's without it (losses, evaluation
-loss, TRL's metrics), its per-sequence log-probability sums computed from every CP rank's shard."""
+"""ndp.trainer.DPOTrainer and KTOTrainer: TRL's DPO and KTO under ndp's context parallelism equal TRL's without it
+(losses, evaluation loss, TRL's metrics), their per-sequence log-probability sums computed from every CP rank's
+shard."""
 import math
 import os
 
@@ -13,15 +14,15 @@ import ndp.trainer
 from dist import spawn
 from test_accelerate import _rank_env, _save_tiny, _trainer_args
 
-# TRL's DPO metrics a run logs, training and evaluation.
-DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-               "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens",
-               "aux_loss")
+# TRL's DPO and KTO metrics a run logs, training and evaluation.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens",
+           "aux_loss", "kl", "count/chosen", "count/rejected")
 
 
-def _preferences(seed, n):
-    """A preference dataset of the word tokenizer's words: prompts, chosen and rejected completions of uneven
-    lengths (each pair's rows padded to the longer: pads in every batch)."""
+def _preferences(seed, n, kind):
+    """A preference dataset of the word tokenizer's words, completions of uneven lengths (pads in every batch):
+    prompt, chosen and rejected (DPO) or prompt, completion and a label alternating True / False (KTO)."""
     g = torch.Generator().manual_seed(seed)
 
     def words(lo, hi):
@@ -29,23 +30,29 @@ def _preferences(seed, n):
         return " ".join(f"t{i}" for i in torch.randint(2, 256, (size,), generator=g).tolist())
 
     rows = [(words(5, 14), " " + words(3, 20), " " + words(3, 20)) for _ in range(n)]
+    if kind == "kto":
+        return Dataset.from_dict({"prompt": [r[0] for r in rows], "completion": [r[1] for r in rows],
+                                  "label": [i % 2 == 0 for i in range(n)]})
     return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
 
 
-def _save_preferences(where):
-    """The training (6 pairs) and evaluation (3 pairs) data saved in `where`: on disk, TRL's precomputed reference
-    log-probabilities are cached next to them, where every rank finds them."""
-    _preferences(1, 6).save_to_disk(os.path.join(where, "train"))
-    _preferences(2, 3).save_to_disk(os.path.join(where, "eval"))
+def _save_preferences(where, kind):
+    """The training (6 rows) and evaluation (3 rows; KTO 4) data saved in `where`: on disk, TRL's precomputed
+    reference log-probabilities are cached next to them, where every rank finds them."""
+    _preferences(1, 6, kind).save_to_disk(os.path.join(where, "train"))
+    _preferences(2, 4 if kind == "kto" else 3, kind).save_to_disk(os.path.join(where, "eval"))
     return where
 
 
-def _dpo_trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **overrides):
-    """cls (ndp's DPOTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the model in
-    model_dir and the data saved in `data`, fp32, the data in order: 3 SGD steps of one pair per data-parallel rank (unclipped: a gradient of
-    the wrong scale shows), then an evaluation on 3 pairs; `overrides` replace any of the DPOConfig arguments."""
+def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **overrides):
+    """cls (ndp's DPOTrainer / KTOTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on
+    the model in model_dir and the data saved in `data`, fp32, the data in order: 3 SGD steps (unclipped: a gradient
+    of the wrong scale shows) of one DPO pair or two KTO rows (KTO's KL pairs each completion with another prompt
+    of its batch) per data-parallel rank, then an evaluation; `overrides` replace any of the config's arguments."""
     import trl
-    args = _trainer_args(tmp, par, layer, cls=trl.DPOConfig, per_device_eval_batch_size=1, bf16=False,
+    kto = issubclass(cls, trl.KTOTrainer)
+    args = _trainer_args(tmp, par, layer, cls=trl.KTOConfig if kto else trl.DPOConfig, bf16=False,
+                         per_device_train_batch_size=2 if kto else 1, per_device_eval_batch_size=2 if kto else 1,
                          **{"learning_rate": 0.1, "max_grad_norm": 0.0, **overrides})
     in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
                                         torch.utils.data.SequentialSampler(self.train_dataset)})
@@ -55,43 +62,43 @@ def _dpo_trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer",
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
-def _dpo_log(trainer, eval_loss):
+def _log(trainer, eval_loss):
     logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
     return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
-            "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in DPO_METRICS} for h in logs]}
+            "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in METRICS} for h in logs]}
 
 
-def _dpo_rank(rank, world, tmp, model_dir, par, layer, overrides):
+def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides):
     _rank_env(rank, world)
-    trainer = _dpo_trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), par, layer,
-                           **overrides)
+    cls = ndp.trainer.KTOTrainer if kind == "kto" else ndp.trainer.DPOTrainer
+    trainer = _trainer(cls, tmp, model_dir, os.path.join(tmp, "data"), par, layer, **overrides)
     trainer.train()
     ev = trainer.evaluate()["eval_loss"]
     if rank == 0:
-        torch.save(_dpo_log(trainer, ev), os.path.join(tmp, "dpo.pt"))
+        torch.save(_log(trainer, ev), os.path.join(tmp, "log.pt"))
 
 
-def _dpo_against(tmp_path, family, par, **overrides):
-    """ndp's DPOTrainer under Accelerate's ParallelismConfig(**par), and what it must equal: the same without CP and
-    TP, ndp's at the data-parallel degrees left, else TRL's DPOTrainer on one process."""
+def _against(tmp_path, family, kind, par, **overrides):
+    """ndp's trainer of `kind` under Accelerate's ParallelismConfig(**par), and what it must equal: the same without
+    CP and TP, ndp's at the data-parallel degrees left, else TRL's trainer on one process."""
     import trl
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
-    _save_preferences(str(tmp_path / "data"))
-    spawn(_dpo_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, par, layer, overrides,
+    _save_preferences(str(tmp_path / "data"), kind)
+    spawn(_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, kind, par, layer, overrides,
           timeout_s=300)
-    got = torch.load(tmp_path / "dpo.pt")
+    got = torch.load(tmp_path / "log.pt")
     dp = {k: v for k, v in par.items() if k not in ("cp_size", "tp_size")}
     if dp:
         (tmp_path / "dp").mkdir()  # a rendezvous of its own, its own data (and reference log-probabilities)
-        _save_preferences(str(tmp_path / "dp" / "data"))
-        spawn(_dpo_rank, math.prod(dp.values()), tmp_path / "dp", str(tmp_path / "dp"), model_dir, dp, layer,
+        _save_preferences(str(tmp_path / "dp" / "data"), kind)
+        spawn(_rank, math.prod(dp.values()), tmp_path / "dp", str(tmp_path / "dp"), model_dir, kind, dp, layer,
               overrides, timeout_s=300)
-        return got, torch.load(tmp_path / "dp" / "dpo.pt")
-    ref = _dpo_trainer(trl.DPOTrainer, str(tmp_path / "ref"), model_dir, _save_preferences(str(tmp_path / "ref")),
-                       **overrides)
+        return got, torch.load(tmp_path / "dp" / "log.pt")
+    cls = trl.KTOTrainer if kind == "kto" else trl.DPOTrainer
+    ref = _trainer(cls, str(tmp_path / "ref"), model_dir, _save_preferences(str(tmp_path / "ref"), kind), **overrides)
     ref.train()
-    want = _dpo_log(ref, ref.evaluate()["eval_loss"])
+    want = _log(ref, ref.evaluate()["eval_loss"])
     AcceleratorState._reset_state(True)
     return got, want
 
@@ -101,18 +108,21 @@ CP2 = {"cp_size": 2}
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("family, par, overrides", [
-    ("llama", CP2, {}),
-    ("llama", {"dp_shard_size": 2, "cp_size": 2}, {}),
-    ("llama", {"cp_size": 2, "tp_size": 2}, {}),
-    ("llama", {"dp_shard_size": 2, "tp_size": 2}, {}),
+@pytest.mark.parametrize("family, kind, par, overrides", [
+    ("llama", "dpo", CP2, {}),
+    ("llama", "dpo", {"dp_shard_size": 2, "cp_size": 2}, {}),
+    ("llama", "dpo", {"cp_size": 2, "tp_size": 2}, {}),
+    ("llama", "dpo", {"dp_shard_size": 2, "tp_size": 2}, {}),
     # IPO's loss is ~20 here: smaller steps, else float noise grows past the tolerance by the evaluation
-    ("llama", CP2, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5, "use_weighting": True,
-                    "learning_rate": 0.01}),
-    ("llama", CP2, {"precompute_ref_log_probs": True}),
-    ("olmoe", CP2, {}),
+    ("llama", "dpo", CP2, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5,
+                           "use_weighting": True, "learning_rate": 0.01}),
+    ("llama", "dpo", CP2, {"precompute_ref_log_probs": True}),
+    ("olmoe", "dpo", CP2, {}),
+    ("llama", "kto", CP2, {}),
+    ("llama", "kto", {"dp_shard_size": 2, "cp_size": 2}, {}),
+    ("llama", "kto", CP2, {"precompute_ref_log_probs": True}),
 ])
-def test_dpo_under_cp_trains_and_evaluates_as_without(tmp_path, family, par, overrides):
+def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, family, kind, par, overrides):
     """Each rank summed its shard's log-probabilities (refused before): the chosen / rejected sums, the losses
     built on them (sigmoid; IPO's per-token means, LD-DPO's shared-length split, WPO's weights), the reference
     model's (TRL shards it with FSDP2 itself, without CP; precomputed in the constructor, gathered once per
@@ -120,7 +130,7 @@ def test_dpo_under_cp_trains_and_evaluates_as_without(tmp_path, family, par, ove
     cp_size without the sum), every metric TRL logs. Under TP (no CP) TRL divided its token count by tp_size
     after ndp's gather had left the TP copies out: num_tokens half the count."""
     pytest.importorskip("trl")
-    got, want = _dpo_against(tmp_path, family, par, **overrides)
+    got, want = _against(tmp_path, family, kind, par, **overrides)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
     assert got["metrics"] == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in want["metrics"]]
@@ -158,9 +168,9 @@ def test_gather_tokens_gradient_is_every_ranks_gradient_of_its_tokens(tmp_path):
 
 def _unfused_rank(rank, world, tmp, model_dir):
     _rank_env(rank, world)
-    trainer = _dpo_trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), CP2)
+    trainer = _trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), CP2)
     trainer.compute_metrics = lambda p: {"n": float(len(p.predictions))}
-    with pytest.raises(ValueError, match=r"DPOTrainer: under context parallelism \(cp_size=2\) .* the logits asked "
+    with pytest.raises(ValueError, match=r"ndp.trainer: under context parallelism \(cp_size=2\) .* the logits asked "
                                          r"for \(prediction_loss_only=False\).* Evaluate without compute_metrics, "
                                          r"or with cp_size=1"):
         trainer.evaluate()
@@ -179,5 +189,5 @@ def test_dpo_logits_under_cp_are_refused_by_name_on_every_rank(tmp_path):
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
     _save_tiny(model_dir, "llama")
-    _save_preferences(str(tmp_path / "data"))
+    _save_preferences(str(tmp_path / "data"), "dpo")
     spawn(_unfused_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=120)

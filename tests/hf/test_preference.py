@@ -110,7 +110,7 @@ CP2 = {"cp_size": 2}
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family, kind, par, overrides", [
     ("llama", "dpo", CP2, {}),
-    ("llama", "dpo", {"dp_shard_size": 2, "cp_size": 2}, {}),
+    ("llama", "dpo", {"dp_shard_size": 2, "cp_size": 2}, {"gradient_accumulation_steps": 2}),
     ("llama", "dpo", {"cp_size": 2, "tp_size": 2}, {}),
     ("llama", "dpo", {"dp_shard_size": 2, "tp_size": 2}, {}),
     # IPO's loss is ~20 here: smaller steps, else float noise grows past the tolerance by the evaluation
@@ -127,7 +127,7 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     built on them (sigmoid; IPO's per-token means, LD-DPO's shared-length split, WPO's weights), the reference
     model's (TRL shards it with FSDP2 itself, without CP; precomputed in the constructor, gathered once per
     data-parallel batch), an MoE's load-balancing loss (its metric and the evaluation loss each CP rank's share x
-    cp_size without the sum), every metric TRL logs. Under TP (no CP) TRL divided its token count by tp_size
+    cp_size without the sum), every metric TRL logs, with gradient accumulation. Under TP (no CP) TRL divided its token count by tp_size
     after ndp's gather had left the TP copies out: num_tokens half the count."""
     pytest.importorskip("trl")
     got, want = _against(tmp_path, family, kind, par, **overrides)

@@ -127,8 +127,9 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     built on them (sigmoid; IPO's per-token means, LD-DPO's shared-length split, WPO's weights), the reference
     model's (TRL shards it with FSDP2 itself, without CP; precomputed in the constructor, gathered once per
     data-parallel batch), an MoE's load-balancing loss (its metric and the evaluation loss each CP rank's share x
-    cp_size without the sum), every metric TRL logs, with gradient accumulation. Under TP (no CP) TRL divided its token count by tp_size
-    after ndp's gather had left the TP copies out: num_tokens half the count."""
+    cp_size without the sum), every metric TRL logs (KTO's KL estimate too), with gradient accumulation. Under TP
+    (no CP) TRL divided its token count by tp_size after ndp's gather had left the TP copies out: num_tokens half
+    the count."""
     pytest.importorskip("trl")
     got, want = _against(tmp_path, family, kind, par, **overrides)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)

@@ -590,6 +590,12 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
     def _shard_call(self, pc, calls, model, args, kwargs):
         """Forward pre-hook: the call's [batch, seq] tensors and labels (shifted first) sharded; the CP context
         entered until :meth:`_gather_call`."""
+        if calls:  # inside its own forward: TRL's fused head found no backbone (base_model is the model itself)
+            raise ValueError(f"ndp.trainer: {type(model).__name__} was called again inside its own forward: TRL's "
+                             f"fused LM head runs the model's base_model as its backbone, and this model's "
+                             f"base_model is the model itself (TRL's trainer fails on it without CP too: its "
+                             f"output has no last_hidden_state). Train this family with the SFT loss, or load it "
+                             f"as a class whose base_model is its decoder.")
         if args or not kwargs.get("fused_lm_head") or not torch.is_tensor(kwargs.get("labels")):
             raise _unfused(pc.cp_size, "positional arguments" if args else "no fused LM head or no labels")
         kwargs = dict(kwargs)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ndp.trainer
 from dist import spawn
-from test_accelerate import _rank_env, _save_tiny, _trainer_args
+from test_accelerate import _rank_env, _save_tiny, _save_tiny_family, _trainer_args
 
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -68,8 +68,8 @@ def _log(trainer, eval_loss):
             "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in METRICS} for h in logs]}
 
 
-def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides):
-    _rank_env(rank, world)
+def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides, env):
+    _rank_env(rank, world, **env)
     cls = ndp.trainer.KTOTrainer if kind == "kto" else ndp.trainer.DPOTrainer
     trainer = _trainer(cls, tmp, model_dir, os.path.join(tmp, "data"), par, layer, **overrides)
     trainer.train()
@@ -78,14 +78,16 @@ def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides):
         torch.save(_log(trainer, ev), os.path.join(tmp, "log.pt"))
 
 
-def _against(tmp_path, family, kind, par, **overrides):
-    """ndp's trainer of `kind` under Accelerate's ParallelismConfig(**par), and what it must equal: the same without
-    CP and TP, ndp's at the data-parallel degrees left, else TRL's trainer on one process."""
+def _against(tmp_path, family, kind, par, env=None, **overrides):
+    """ndp's trainer of `kind` under Accelerate's ParallelismConfig(**par) (`env`: ndp's variables, e.g.
+    NDP_CP_MIXERS), and what it must equal: the same without CP and TP, ndp's at the data-parallel degrees left, else
+    TRL's trainer on one process."""
+    env = env or {}
     import trl
     model_dir = str(tmp_path / "model")
     layer = _save_tiny(model_dir, family)
     _save_preferences(str(tmp_path / "data"), kind)
-    spawn(_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, kind, par, layer, overrides,
+    spawn(_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, kind, par, layer, overrides, env,
           timeout_s=300)
     got = torch.load(tmp_path / "log.pt")
     dp = {k: v for k, v in par.items() if k not in ("cp_size", "tp_size")}
@@ -93,7 +95,7 @@ def _against(tmp_path, family, kind, par, **overrides):
         (tmp_path / "dp").mkdir()  # a rendezvous of its own, its own data (and reference log-probabilities)
         _save_preferences(str(tmp_path / "dp" / "data"), kind)
         spawn(_rank, math.prod(dp.values()), tmp_path / "dp", str(tmp_path / "dp"), model_dir, kind, dp, layer,
-              overrides, timeout_s=300)
+              overrides, env, timeout_s=300)
         return got, torch.load(tmp_path / "dp" / "log.pt")
     cls = trl.KTOTrainer if kind == "kto" else trl.DPOTrainer
     ref = _trainer(cls, str(tmp_path / "ref"), model_dir, _save_preferences(str(tmp_path / "ref"), kind), **overrides)
@@ -132,6 +134,18 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     the count."""
     pytest.importorskip("trl")
     got, want = _against(tmp_path, family, kind, par, **overrides)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
+    assert got["metrics"] == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in want["metrics"]]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_dpo_on_a_hybrid_under_cp_with_its_mixers_split_by_heads(tmp_path):
+    """Qwen3-Next's gated DeltaNets split by heads over the CP group (cp_mixers="heads") inside the policy's and the
+    reference model's calls: DPO's losses and metrics are TRL's on one process."""
+    pytest.importorskip("trl")
+    got, want = _against(tmp_path, "qwen3_next", "dpo", CP2, env={"NDP_CP_MIXERS": "heads"})
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
     assert got["metrics"] == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in want["metrics"]]
@@ -192,3 +206,24 @@ def test_dpo_logits_under_cp_are_refused_by_name_on_every_rank(tmp_path):
     _save_tiny(model_dir, "llama")
     _save_preferences(str(tmp_path / "data"), "dpo")
     spawn(_unfused_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=120)
+
+
+def _nested_rank(rank, world, tmp, model_dir, layer):
+    _rank_env(rank, world)
+    trainer = _trainer(ndp.trainer.DPOTrainer, tmp, model_dir, os.path.join(tmp, "data"), CP2, layer)
+    with pytest.raises(ValueError, match=r"FSDPLlama4ForCausalLM was called again inside its own forward: TRL's "
+                                         r"fused LM head runs the model's base_model"):
+        trainer.train()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_model_that_is_its_own_base_model_is_refused_by_name_on_every_rank(tmp_path):
+    """TRL's fused LM head runs ``model.base_model`` as the backbone; Llama4ForCausalLM's is the model itself, so
+    the fused forward calls the model again (TRL fails on it without CP: no last_hidden_state). Under CP that
+    nested call would be sharded a second time: refused by name instead."""
+    pytest.importorskip("trl")
+    model_dir = str(tmp_path / "model")
+    _save_tiny_family(model_dir, "llama4_text")
+    _save_preferences(str(tmp_path / "data"), "dpo")
+    spawn(_nested_rank, 2, tmp_path, str(tmp_path), model_dir, "Llama4TextDecoderLayer", timeout_s=120)

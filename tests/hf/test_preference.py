@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ndp.trainer
 from dist import spawn
-from test_accelerate import _rank_env, _save_tiny, _save_tiny_family, _trainer_args
+from test_accelerate import DECODER_LAYERS, _rank_env, _save_tiny, _save_tiny_family, _trainer_args
 
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -62,6 +62,12 @@ def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **o
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
+def _save_family(model_dir, family):
+    """A zoo family's tiny model and the word tokenizer in model_dir; its decoder layer class (what FSDP2 wraps)."""
+    _save_tiny_family(model_dir, family)
+    return sorted(AutoModelForCausalLM.from_pretrained(model_dir)._no_split_modules)[0]
+
+
 def _log(trainer, eval_loss):
     logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
     return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
@@ -85,7 +91,7 @@ def _against(tmp_path, family, kind, par, env=None, **overrides):
     env = env or {}
     import trl
     model_dir = str(tmp_path / "model")
-    layer = _save_tiny(model_dir, family)
+    layer = _save_tiny(model_dir, family) if family in DECODER_LAYERS else _save_family(model_dir, family)
     _save_preferences(str(tmp_path / "data"), kind)
     spawn(_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, kind, par, layer, overrides, env,
           timeout_s=300)
@@ -120,6 +126,12 @@ CP2 = {"cp_size": 2}
                            "use_weighting": True, "learning_rate": 0.01}),
     ("llama", "dpo", CP2, {"precompute_ref_log_probs": True}),
     ("olmoe", "dpo", CP2, {}),
+    # sliding windows and softcapping, an MoE, sinks, MLA, an LM head Accelerate shards alone
+    ("gemma2", "dpo", CP2, {}),
+    ("qwen3_moe", "dpo", CP2, {}),
+    ("gpt_oss", "dpo", CP2, {}),
+    ("deepseek_v3", "dpo", CP2, {}),
+    ("opt", "dpo", CP2, {}),
     ("llama", "kto", CP2, {}),
     ("llama", "kto", {"dp_shard_size": 2, "cp_size": 2}, {}),
     ("llama", "kto", CP2, {"precompute_ref_log_probs": True}),

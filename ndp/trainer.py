@@ -63,8 +63,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
-from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
 from .cp import sum_over_group
+from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -81,7 +81,7 @@ class NdpTrainerMixin:
     """The overrides that put a ``transformers.Trainer`` (or a subclass of it) on ndp's context parallelism."""
 
     # Under CP the Trainer's batch is sharded before the loss; False: the loss reads the whole batch and each model
-    # call inside shards its own (DPOTrainer)
+    # call inside shards its own (NdpSequenceLossMixin)
     _ndp_shards_batch = True
 
     def _build_accelerator_args(self, **kwargs):
@@ -124,7 +124,7 @@ class NdpTrainerMixin:
         if pc is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         if not self._ndp_shards_batch:
-            return contextlib.nullcontext, inputs  # each model call shards its own (DPOTrainer)
+            return contextlib.nullcontext, inputs  # each model call shards its own (NdpSequenceLossMixin)
         return self._shard_for_cp(model, inputs, pc)
 
     def _shard_for_cp(self, model, inputs, pc):
@@ -398,8 +398,10 @@ def _check_token_loss_trainer(cls, cp_size) -> None:
     gathered back), not for what TRL's other trainers compute per sequence (a reward model's pooled score, GKD's
     teacher run on the shard) nor for DPO or KTO on the mixin alone."""
     owner = next((c for c in cls.__mro__ if "compute_loss" in vars(c) and c.__module__.split(".")[0] == "trl"), None)
+    if owner is None:  # no TRL loss (transformers' Trainer, or no trl installed)
+        return
     served = owner in (trl.DPOTrainer, trl.KTOTrainer)
-    if owner is None or owner is trl.SFTTrainer or (served and issubclass(cls, NdpSequenceLossMixin)):
+    if owner is trl.SFTTrainer or (served and issubclass(cls, NdpSequenceLossMixin)):
         return
     how = f"Use ndp.trainer.{owner.__name__} (it runs it under CP), or train" if served else "Train"
     raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
@@ -638,7 +640,7 @@ class KTOTrainer(NdpSequenceLossMixin, trl.KTOTrainer if trl is not None else ob
 
 
 def _unfused(cp_size, what) -> ValueError:
-    """DPOTrainer's refusal of a model call under CP that TRL's fused LM head does not serve."""
+    """NdpSequenceLossMixin's refusal of a model call under CP that TRL's fused LM head does not serve."""
     return ValueError(f"ndp.trainer: under context parallelism (cp_size={cp_size}) each model call inside "
                       f"TRL's loss runs on a shard of the sequences with TRL's fused LM head (keyword arguments, "
                       f"fused_lm_head=True, labels=...), whose per-token log-probabilities ndp gathers back; this "

@@ -777,11 +777,15 @@ def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():
     code = ("import sys; sys.modules['trl'] = None\n"  # what `import trl` meets where trl is not installed
             "import transformers, ndp.trainer as t\n"
             "assert issubclass(t.Trainer, transformers.Trainer)\n"
-            "try:\n    t.SFTTrainer()\nexcept ImportError as e:\n    print(e)\n")
+            "t._check_token_loss_trainer(t.Trainer, 2)\n"  # the CP check reads no trl attribute
+            "for cls in (t.SFTTrainer, t.DPOTrainer, t.KTOTrainer):\n"
+            "    try:\n        cls()\n    except ImportError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "trl is not installed: pip install trl (or ndp[hf])" in out.stdout
+    assert "SFTTrainer subclasses trl.SFTTrainer, and trl is not installed: pip install trl (or ndp[hf])" in out.stdout
+    for name in ("DPOTrainer", "KTOTrainer"):
+        assert f"ndp.trainer.{name} subclasses trl.{name}, and trl is not installed: pip install trl" in out.stdout
 
 
 def _one_process_script(code, imports, tmp_path, model_dir):

@@ -124,7 +124,8 @@ CP2 = {"cp_size": 2}
     # IPO's loss is ~20 here: smaller steps, else float noise grows past the tolerance by the evaluation
     ("llama", "dpo", CP2, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5,
                            "use_weighting": True, "learning_rate": 0.01}),
-    ("llama", "dpo", CP2, {"precompute_ref_log_probs": True}),
+    # precomputed over 2 data-parallel ranks: the evaluation's 3 pairs pad the last step, cut once per DP rank
+    ("llama", "dpo", {"dp_shard_size": 2, "cp_size": 2}, {"precompute_ref_log_probs": True}),
     ("olmoe", "dpo", CP2, {}),
     # sliding windows and softcapping, an MoE, sinks, MLA, an LM head Accelerate shards alone
     ("gemma2", "dpo", CP2, {}),

@@ -53,6 +53,7 @@ def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **o
     kto = issubclass(cls, trl.KTOTrainer)
     args = _trainer_args(tmp, par, layer, cls=trl.KTOConfig if kto else trl.DPOConfig, bf16=False,
                          per_device_train_batch_size=2 if kto else 1, per_device_eval_batch_size=2 if kto else 1,
+                         include_num_input_tokens_seen=True,
                          **{"learning_rate": 0.1, "max_grad_norm": 0.0, **overrides})
     in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
                                         torch.utils.data.SequentialSampler(self.train_dataset)})
@@ -71,6 +72,7 @@ def _save_family(model_dir, family):
 def _log(trainer, eval_loss):
     logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
     return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
+            "seen": trainer.state.num_input_tokens_seen,
             "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in METRICS} for h in logs]}
 
 
@@ -150,6 +152,7 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
     assert got["metrics"] == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in want["metrics"]]
+    assert got["seen"] == want["seen"] > 0  # the Trainer's num_input_tokens_seen: each batch once
 
 
 @pytest.mark.distributed

@@ -32,8 +32,10 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   Accelerate gathered each batch's once per TP rank), and the padded last evaluation step cut by data-parallel
   sample, every CP rank's entries of a real sample kept: a per-rank value (a 0-dim tensor: TRL's token counts and
   sums) or a per-sample tensor (Accelerate cuts the gathered entries one by one, as if each were a sample's).
-  With ``whole_batch_metrics`` set (ndp.trainer's DPOTrainer: each CP rank holds its batch's whole values, copies),
-  gathered from the data-parallel ranks only.
+  With ``whole_batch_metrics`` set (ndp.trainer's DPOTrainer and KTOTrainer: each CP rank holds its batch's whole
+  values, copies), gathered from the data-parallel ranks only.
+- ``prepare_cp`` (added): ndp's CP on a model prepared elsewhere (TRL shards a DPO / KTO reference model with FSDP2
+  itself), once.
 """
 from __future__ import annotations
 

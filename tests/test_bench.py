@@ -225,6 +225,21 @@ def test_bench_mixers_split_by_heads_saves_a_rank_half_the_deltanet(tmp_path):
     assert gather == one and 0.5 * one < heads < 0.52 * one, rows
 
 
+def test_bench_preference_runs_both_modes_with_the_same_losses(tmp_path):
+    # TRL's DPOTrainer on one process and ndp's on 2 CP ranks, rows of 128 tokens: the bench's smoke run; the
+    # second step's loss (the first is log 2 in both) must agree, or the bench times a wrong run
+    pytest.importorskip("trl")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_preference.py"), "--seqlens", "128",
+                        "--steps", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.load(open(tmp_path / "bench_preference.json"))["rows"]}
+    assert rows.keys() == {"one", "cp"} and rows["cp"]["cp"] == 2, rows
+    one, cp = rows["one"]["losses"], rows["cp"]["losses"]
+    assert len(one) == 2 and one[1] != one[0] and cp == pytest.approx(one, rel=1e-5), rows
+    assert all(row["step_s"] > 0 and row["peak_growth_bytes"] >= 0 for row in rows.values()), rows
+
+
 def test_bench_mixers_granite4_split_by_heads_saves_a_rank_about_half(tmp_path):
     # Granite 4's Mamba2 of one group: split by heads, B and C (projected and convolved whole on every rank) and the
     # gathered input stay whole

@@ -391,6 +391,13 @@ def _load_param_groups(optimizer, groups) -> None:
                                "param_groups": [dict(g, params=o["params"]) for g, o in zip(groups, own)]})
 
 
+def _need_trl(name) -> None:
+    """Raise, naming what to install, where trl is missing: ndp.trainer's `name` subclasses trl's."""
+    if trl is None:
+        raise ImportError(f"ndp.trainer.{name} subclasses trl.{name}, and trl is not installed: pip install trl (or "
+                          f"ndp[hf]). ndp.trainer.Trainer needs no trl.")
+
+
 def _check_token_loss_trainer(cls, cp_size) -> None:
     """Refuse, at construction on every rank, a TRL trainer whose loss ndp cannot compute from CP shards: under CP
     each rank holds a shard of every sequence, exact for a sum over tokens (transformers.Trainer's loss,
@@ -443,9 +450,7 @@ class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object)
     """
 
     def __init__(self, model=None, args=None, *rest, **kwargs):
-        if trl is None:
-            raise ImportError("ndp.trainer.SFTTrainer subclasses trl.SFTTrainer, and trl is not installed: "
-                              "pip install trl (or ndp[hf]). ndp.trainer.Trainer needs no trl.")
+        _need_trl("SFTTrainer")
         pc = getattr(args, "parallelism_config", None)
         self._ndp_packing = None
         if args is not None and (args.packing or args.eval_packing) and pc is not None and pc.cp_enabled:
@@ -538,10 +543,7 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
     _ndp_shards_batch = False
 
     def __init__(self, *args, **kwargs):
-        if trl is None:
-            name = type(self).__name__
-            raise ImportError(f"ndp.trainer.{name} subclasses trl.{name}, and trl is not installed: pip install trl "
-                              f"(or ndp[hf]).")
+        _need_trl(type(self).__name__)
         super().__init__(*args, **kwargs)
         if isinstance(self.accelerator, Accelerator):
             self._tp_size = 1  # TRL divides its gathered token count by tp_size: ndp's gather counts no TP copy

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import ndp.cp
 from ndp.cp.sharding import seq_multiple
+from ndp.cp.stats import all_reduce_sum
 from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_axis, mesh_device
 
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
@@ -299,7 +300,7 @@ class _GatherTokens(torch.autograd.Function):
         (origin,) = ctx.saved_tensors
         grad = grad.contiguous().clone()
         if ctx.axis.size() > 1:
-            dist.all_reduce(grad, group=ctx.axis.get_group())
+            all_reduce_sum(grad, ctx.axis.get_group())
         flat = grad.reshape(-1, *grad.shape[origin.dim():])
         where = origin.reshape(-1)
         mine = torch.where((where >= 0).reshape(-1, *[1] * (flat.dim() - 1)), flat[where.clamp(min=0)], 0)

@@ -5,7 +5,7 @@ VENV     ?= .venv
 VPY      := $(VENV)/bin/python
 TORCH    ?= torch==2.13.0
 DEPS     := triton==3.9.0 numpy ninja setuptools wheel pytest pytest-timeout transformers==5.24.0 safetensors \
-            accelerate==1.15.0 trl==1.16.0 \
+            accelerate==1.15.0 trl==1.16.0 peft==0.21.2 \
             pyyaml tqdm matplotlib pytest-benchmark
 PYTEST   := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VPY) -m pytest
 EXT_SRC  := $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu csrc/kernels/*) setup.py

@@ -65,6 +65,7 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
+from .hf.models import peft_inner
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -341,7 +342,7 @@ def _neftune_of_batch(cp_context, trainer, model, seq, shard):
     alpha is scaled by sqrt(shard length / the batch's length) for the step: the batch's magnitude."""
     with cp_context():
         on = getattr(trainer, "neftune_noise_alpha", None) is not None
-        embeddings = _unpeft(trainer.accelerator.unwrap_model(model)).get_input_embeddings() if on else None
+        embeddings = peft_inner(trainer.accelerator.unwrap_model(model)).get_input_embeddings() if on else None
         alpha = getattr(embeddings, "neftune_noise_alpha", None)  # None in evaluation: NEFTune trains only
         if alpha is None:
             yield
@@ -361,12 +362,6 @@ def _per_token(value, shape) -> bool:
     return torch.is_tensor(value) and tuple(value.shape[:len(shape)]) == tuple(shape)
 
 
-def _unpeft(model):
-    """A PEFT model's wrapped transformers model (where the Trainer's NEFTune and label smoothing look), else the
-    model."""
-    return model.base_model.model if type(model).__module__.startswith("peft") else model
-
-
 # The class names of transformers' causal-LM mapping: the Trainer's test for shifting a model's labels.
 _CAUSAL_LM_NAMES = frozenset(n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
                              for n in ([v] if isinstance(v, str) else v))
@@ -374,7 +369,7 @@ _CAUSAL_LM_NAMES = frozenset(n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values
 
 def _is_causal_lm(model) -> bool:
     """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class."""
-    return any(c.__name__ in _CAUSAL_LM_NAMES for c in type(_unpeft(model)).__mro__)
+    return any(c.__name__ in _CAUSAL_LM_NAMES for c in type(peft_inner(model)).__mro__)
 
 
 def _fsdp2(trainer) -> bool:

@@ -12,7 +12,9 @@ their own modality's inputs, never on the sharded text: they are allowed, and re
 A head that reads chosen positions of each row rather than every token's output (sequence classification's last
 non-pad token, question answering's span over the row, a multiple-choice token) would read them in each rank's shard
 (or, over packed documents, in the row's last document alone): refused too. Per-token heads (causal LM, token
-classification) and the base model are exact.
+classification) and the base model are exact. So is a PEFT wrapper whose adapters change weights (LoRA, DoRA): it is
+judged by the model it wraps (:func:`peft_inner`); one that learns virtual tokens before each row (prompt, prefix,
+P-tuning) would put them at every shard's start: refused.
 """
 from __future__ import annotations
 
@@ -219,11 +221,19 @@ def _mixing_outside_attention(model: nn.Module, gather: bool = False) -> str | N
     return None
 
 
+def peft_inner(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (the one its adapters were injected into; what transformers'
+    Trainer looks at for a PEFT model), else `model`. Looked up through FSDP2's renamed class."""
+    peft = any(c.__module__.startswith("peft.") for c in type(model).__mro__)
+    return model.get_base_model() if peft and hasattr(model, "get_base_model") else model
+
+
 def takes_shift_labels(model: nn.Module) -> bool:
     """Whether the model's own loss (``labels`` given) is transformers' causal-LM loss, which reads the targets from
     ``shift_labels`` when given and divides by ``num_items_in_batch`` (every forward hands its kwargs on); False
     for a model that computes its loss itself (BART's decoder family, Whisper, XLNet: a mean over this rank's
     tokens of ``labels`` as given)."""
+    model = peft_inner(model)  # a PEFT wrapper hands its kwargs on to the model it wraps
     fn = getattr(model, "loss_function", None)
     return _forward_names(type(model), "self.loss_function(") and getattr(fn, "__name__", "") == "ForCausalLMLoss"
 
@@ -237,11 +247,24 @@ def _pooling_head(model: nn.Module) -> str | None:
     return None
 
 
+def _virtual_tokens(model: nn.Module) -> str | None:
+    """The PEFT method, named, when the model is a PEFT wrapper learning a prompt (prompt, prefix, P-tuning:
+    virtual tokens before each row, as embeddings or as keys and values), else None."""
+    peft_config = getattr(model, "active_peft_config", None) if peft_inner(model) is not model else None
+    return str(peft_config.peft_type.value) if getattr(peft_config, "is_prompt_learning", False) else None
+
+
 def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -> None:
     """Raise :class:`Unsupported` when ndp's CP would not compute this model exactly (see the module docstring);
     `mixers` (``ParallelismConfig.cp_mixers``): "gather" accepts the token mixers :func:`gathered_mixers` runs on
     the gathered sequence, "heads" those of them ``ndp.hf.mixers`` splits by heads over `cp_size` ranks."""
     name = type(model).__name__
+    virtual = _virtual_tokens(model)
+    if virtual:
+        raise Unsupported(
+            f"{name}: PEFT's {virtual} puts learned virtual tokens before each row, and under context parallelism "
+            f"each rank holds a shard of the row: every shard would get them, at its own start. Run it with "
+            f"cp_size=1, or train an adapter that changes weights only (LoRA, DoRA, IA3) under CP.")
     head = _pooling_head(model)
     if head:
         raise Unsupported(
@@ -292,6 +315,6 @@ def check_packed_model(model: nn.Module) -> None:
             f"(ndp's attention keeps them apart, nothing else does). {fix}")
 
 
-__all__ = ["Unsupported", "text_config", "takes_shift_labels", "attention_modules", "decoder_layers",
+__all__ = ["Unsupported", "text_config", "peft_inner", "takes_shift_labels", "attention_modules", "decoder_layers",
            "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model",
            "gathered_mixers"]

@@ -641,15 +641,25 @@ def _prompt_completions(seed, lengths):
 def _sft_trainer(cls, tmp, model_dir, packing, eval_packing, par=None, layer="LlamaDecoderLayer", **overrides):
     """cls (ndp's SFTTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on the model in
     model_dir, fp32, the data in order: 3 SGD steps, then an evaluation on 5 documents, one per step; `overrides`
-    replace any of the SFTConfig arguments."""
+    replace any of the SFTConfig arguments (`peft_config`: the trainer's, its adapters' initialization seeded)."""
     from trl import SFTConfig
+    peft = _seeded_peft(overrides)
     args = _trainer_args(tmp, par, layer, cls=SFTConfig, per_device_eval_batch_size=1, bf16=False, max_length=32,
                          packing=packing, eval_packing=eval_packing, **overrides)
     in_order = type("InOrder", (cls,), {"_get_train_sampler": _InOrder._get_train_sampler})
     return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
                     args=args, train_dataset=_prompt_completions(5, (19, 40, 12, 23, 37, 9, 30, 45)),
                     eval_dataset=_prompt_completions(6, (33, 8, 26, 14, 38)),
-                    processing_class=AutoTokenizer.from_pretrained(model_dir))
+                    processing_class=AutoTokenizer.from_pretrained(model_dir), **peft)
+
+
+def _seeded_peft(overrides) -> dict:
+    """The trainer's `peft_config` taken out of a test's overrides ({} without one), the generator seeded: TRL
+    initialises the adapters in its constructor, alike on every rank and in the one-process reference."""
+    if "peft_config" not in overrides:
+        return {}
+    torch.manual_seed(0)
+    return {"peft_config": overrides.pop("peft_config")}
 
 
 def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, layer, overrides):

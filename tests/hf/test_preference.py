@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ndp.trainer
 from dist import spawn
-from test_accelerate import DECODER_LAYERS, _rank_env, _save_tiny, _save_tiny_family, _trainer_args
+from test_accelerate import DECODER_LAYERS, _rank_env, _save_tiny, _save_tiny_family, _seeded_peft, _trainer_args
 
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -51,6 +51,7 @@ def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **o
     of its batch) per data-parallel rank, then an evaluation; `overrides` replace any of the config's arguments."""
     import trl
     kto = issubclass(cls, trl.KTOTrainer)
+    peft = _seeded_peft(overrides)
     args = _trainer_args(tmp, par, layer, cls=trl.KTOConfig if kto else trl.DPOConfig, bf16=False,
                          per_device_train_batch_size=2 if kto else 1, per_device_eval_batch_size=2 if kto else 1,
                          include_num_input_tokens_seen=True,
@@ -60,7 +61,7 @@ def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **o
     return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
                     args=args, train_dataset=load_from_disk(os.path.join(data, "train")),
                     eval_dataset=load_from_disk(os.path.join(data, "eval")),
-                    processing_class=AutoTokenizer.from_pretrained(model_dir))
+                    processing_class=AutoTokenizer.from_pretrained(model_dir), **peft)
 
 
 def _save_family(model_dir, family):

@@ -4,8 +4,9 @@ An Accelerate ND-parallel script (``ParallelismConfig`` + ``FullyShardedDataPara
 ``Accelerator`` + ``accelerator.prepare`` + ``accelerator.maybe_context_parallel(...)``) runs on ndp's CP when
 ``from accelerate import Accelerator`` becomes ``from ndp.accelerate import Accelerator``: ndp's CP attention
 for every model family ndp serves (sliding windows, sinks, GQA without replication, Ulysses / USP), its
-load-balanced sharding of the buffers (packed rows per document), the global mean loss, and Accelerate's own
-FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-parallel there).
+load-balanced sharding of the buffers (packed rows per document), the global mean loss, Accelerate's own
+FSDP2, and TP (ndp's, where Accelerate would skip the model). It runs on CPU with gloo as well (Accelerate alone
+refuses ND-parallel there).
 
 :class:`Accelerator` subclasses ``accelerate.Accelerator`` and overrides, nothing else patched:
 
@@ -13,6 +14,11 @@ FSDP2 and TP. It runs on CPU with gloo as well (Accelerate alone refuses ND-para
   ``NDP_CP_IMPL``, ``NDP_ULYSSES_SIZE``, ``NDP_CP_LAYOUT``, ``NDP_CP_MIXERS`` from the environment, else ndp's
   defaults); on CPU it sets Accelerate's
   state to FSDP2 over gloo before Accelerate validates it.
+- ``_prepare_tp`` (called by ``prepare`` for tp_size > 1, first): Accelerate's TP takes only a model transformers
+  loaded sharded (DTensor parameters) and skips any other with a warning, tp_size dropped: every TP rank computed
+  the whole model. A transformers model with plain parameters gets ndp's TP (its own plan, checked by
+  ``ndp.hf.check_tp_plan``: refused by name where ndp cannot split it exactly), its optimizers moved onto the split
+  parameters.
 - ``_prepare_cp`` (called by ``prepare`` for cp_size > 1, after TP and before FSDP2): ndp's CP on each model
   (``ndp.hf.check_model``, attention switched to ``ndp_<cp_impl>``, the CP contexts), instead of torch's
   ``context_parallel`` hooks.
@@ -57,6 +63,7 @@ from ndp.cp.sharding import seq_multiple
 from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, gather_over, packed_cu, refuse_other_batches,
                           shard_positions, shard_rows)
 from ndp.parallel import (CP_ATTR, NDP_FIELDS, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp,
+                          apply_tp,
                           check_mesh, is_transformers_model, match_modules)
 from ndp.parallel.mesh import mesh_axis
 from ndp.parallel.parallelize import tie_experts
@@ -157,6 +164,31 @@ class Accelerator(accelerate.Accelerator):
     def _alone(self, module) -> bool:
         """`module` (or the module it compiles) is one :meth:`prepare` took without an optimizer."""
         return any(getattr(module, "_orig_mod", module) is getattr(m, "_orig_mod", m) for m in self._ndp_alone)
+
+    def _prepare_tp(self, *args):
+        """Accelerate's TP takes a model transformers loaded sharded over the TP ranks (DTensor parameters) and skips
+        any other with a warning: tp_size dropped, each TP rank computing the whole model. Such a model gets ndp's
+        TP instead (the model's own plan, checked as ``ndp.hf.parallelize`` checks it), the optimizers' references
+        moved onto the split parameters; a model loaded sharded goes to Accelerate's."""
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        if any(isinstance(p, DTensor) for m in models for p in m.parameters()):
+            return super()._prepare_tp(*args)
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        for model in models:
+            if not is_transformers_model(model):
+                raise ValueError(f"ndp.accelerate splits transformers models by tensor parallel (tp_size="
+                                 f"{self.parallelism_config.tp_size}); got a {type(model).__name__}. Use "
+                                 f"ndp.parallelize with a ModelPlan(tp_plan=...) for other modules.")
+            plan = ndp.hf.hf_plan(model).tp_plan
+            ndp.hf.check_model(model, self.ndp_config)
+            ndp.hf.check_tp_plan(model, plan)
+            names = {id(p): n for n, p in model.named_parameters()}
+            apply_tp(model, mesh_axis(self.torch_device_mesh, "tp"), plan)
+            split = dict(model.named_parameters())
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["params"] = [split[names[id(p)]] if id(p) in names else p for p in group["params"]]
+        return args
 
     def _prepare_cp(self, *args):
         cfg, mesh = self.ndp_config, self.torch_device_mesh

@@ -21,7 +21,8 @@ from .batch import guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
-                     decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, text_config)
+                     decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, peft_inner,
+                     text_config)
 from .mixers import gather_mixers, split_mixer_heads
 from .router import aux_loss_on, check_router_loss, guard_router_loss
 
@@ -132,6 +133,10 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
     name = type(model).__name__
     fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
+    if peft_inner(model) is not model:
+        raise Unsupported(f"tensor parallel: {name} is a PEFT model, whose adapted layers are PEFT's own modules "
+                          f"around the linear layers the plan splits, which ndp's tensor-parallel styles (torch's, for "
+                          f"nn.Linear) cannot split. {fix}")
     if not _own_tp_plan(model):
         raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
                           f"empty, its text decoder's too) and ndp does not guess one. {fix}")

@@ -248,12 +248,23 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False, par=Non
     trainer = _InOrder(model=model, args=args, train_dataset=_samples(), eval_dataset=_samples()[:5])
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
+    # under tp 2 the 7 projections of each of the 2 layers split over the TP ranks (Accelerate skipped the model)
+    assert tp_split(trainer.model) == (14 if par and par.get("tp_size", 1) > 1 else 0)
     assert not compile or torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the model ran compiled
     ev = trainer.evaluate()   # 5 rows over 2 data-parallel ranks: the last step pads one rank, cut off again
     if rank == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         torch.save({"losses": losses, "eval": ev["eval_loss"], "seen": trainer.state.num_input_tokens_seen},
                    os.path.join(tmp, "trainer.pt"))
+
+
+def tp_split(model) -> int:
+    """How many of the model's parameters are sharded over the mesh's "tp" axis."""
+    def on_tp(p):
+        names = p.device_mesh.mesh_dim_names or ()
+        return "tp" in names and p.placements[names.index("tp")].is_shard()
+
+    return sum(isinstance(p, DTensor) and on_tp(p) for p in model.parameters())
 
 
 def _samples():

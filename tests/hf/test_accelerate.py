@@ -568,13 +568,15 @@ def _resume_rank(rank, world, tmp, model_dir, par, optim, state_dict_type):
 @pytest.mark.parametrize("par, optim, state_dict_type", [
     ({"dp_shard_size": 2, "cp_size": 2}, "adamw_torch", "FULL_STATE_DICT"),
     ({"cp_size": 2}, "adamw_torch", "SHARDED_STATE_DICT"),
-    ({"cp_size": 2}, "sgd", "FULL_STATE_DICT")])   # no optimizer state at all: only the param groups to load
+    ({"cp_size": 2}, "sgd", "FULL_STATE_DICT"),   # no optimizer state at all: only the param groups to load
+    ({"cp_size": 2, "tp_size": 2}, "adamw_torch", "FULL_STATE_DICT"),   # parameters split over 2 mesh axes
+    ({"dp_shard_size": 2, "tp_size": 2}, "adamw_torch", "SHARDED_STATE_DICT")])
 def test_trainer_checkpoint_save_and_resume_under_cp(tmp_path, par, optim, state_dict_type):
     """Resume as if uninterrupted, with a parameter the optimizer kept no state for (Accelerate's FSDP2 load
     stopped on it: "Missing optimizer state for parameter"; with none at all, on "Expected device to be set")."""
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    spawn(_resume_rank, par.get("dp_shard_size", 1) * par["cp_size"], tmp_path, str(tmp_path), model_dir, par, optim,
+    spawn(_resume_rank, math.prod(par.values()), tmp_path, str(tmp_path), model_dir, par, optim,
           state_dict_type, timeout_s=300)
 
 

@@ -1,12 +1,17 @@
 """PEFT adapters under ndp's context parallelism: a LoRA / DoRA model trained by ndp's SFTTrainer, DPOTrainer and
 KTOTrainer (TRL wraps the model with the trainer's ``peft_config``) equals the same training without CP; a PEFT
 method that puts virtual tokens before each row (prompt, prefix, P-tuning) is refused by name."""
+import os
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ndp
 import ndp.hf
+from dist import spawn
 from test_accelerate import _save_tiny, _sft_against
 from test_preference import _against, _decided
 
@@ -71,3 +76,56 @@ def test_virtual_token_methods_are_refused_under_cp_and_adapters_pass(tmp_path, 
     # tensor parallel: PEFT's adapted layers are not the nn.Linear the plan splits; refused by name
     with pytest.raises(ndp.hf.Unsupported, match="tensor parallel: PeftModelForCausalLM is a PEFT model"):
         ndp.hf.check_tp_plan(lora, ndp.hf.hf_plan(lora).tp_plan)
+
+
+def _lora_llama():
+    """A tiny Llama with LoRA on every linear layer, its B matrices random (PEFT starts them at zero, which would
+    leave the A matrices without a gradient)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, _lora())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _batch():
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    return ids, F.pad(ids[:, 1:], (0, 1), value=-100)
+
+
+def _parallelized_lora_rank(rank, world, tmp):
+    cfg = ndp.ParallelismConfig(dp_shard_size=2, cp_size=2)
+    model = ndp.hf.parallelize(_lora_llama(), cfg, cfg.build_device_mesh("cpu"))
+    ids, labels = _batch()
+    b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids, labels=labels,
+                           position_ids=torch.arange(ids.shape[1]).expand_as(ids))
+    out = model(**b)  # the model's own loss on the shard, labels as shard_batch marked them
+    out.loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    loss = out.loss.detach().reshape(1)
+    dist.all_reduce(loss)  # each rank's loss is scaled for FSDP's average: their mean is the batch's
+    if rank == 0:
+        torch.save((loss.item() / world, grads), os.path.join(tmp, "lora.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_parallelize_a_lora_model_under_fsdp2_and_cp_matches_one_process(tmp_path):
+    """ndp.hf.parallelize on a PEFT model (dp_shard 2 x cp 2): its loss from shard_batch's labels and the adapters'
+    gradients (the frozen weights get none) equal one process's on the whole batch."""
+    spawn(_parallelized_lora_rank, 4, tmp_path, str(tmp_path), timeout_s=120)
+    loss, grads = torch.load(tmp_path / "lora.pt")
+    model = _lora_llama()
+    ids, labels = _batch()
+    want = model(input_ids=ids, labels=labels, shift_labels=labels)
+    want.loss.backward()
+    assert loss == pytest.approx(want.loss.item(), rel=1e-6)
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert sorted(grads) == sorted(ref) and all("lora_" in n for n in ref) and len(ref) == 28
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7)

@@ -10,10 +10,11 @@ and overrides, nothing patched:
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
   or without CP: its FSDP2 keeps MoE layers' reduce-scatters the same on every rank);
 - ``_build_accelerator_args`` also refuses, under CP, a TRL trainer whose loss is not a sum over tokens
-  (reward modelling, GKD, and DPO or KTO on the mixin alone: per-sequence sums or pooled scores, each rank
+  (GKD, and DPO, KTO or reward modelling on the mixin alone: per-sequence sums or pooled scores, each rank
   holding a shard of every sequence); transformers.Trainer's loss and trl.SFTTrainer's are exact, DPO and KTO are
   on :class:`DPOTrainer` and :class:`KTOTrainer` (:class:`NdpSequenceLossMixin`: each model call sharded, its
-  per-token log-probabilities gathered back);
+  per-token log-probabilities gathered back), reward modelling on :class:`RewardTrainer`
+  (:class:`NdpPooledScoreMixin`: its per-token scores gathered back and pooled as transformers pools them);
 - ``prediction_step``: under CP the loss-only evaluation step runs on each rank's shard (for ``trl.SFTTrainer`` too,
   whose own step does not shard), each rank's loss becomes its data-parallel batch's (combined over the CP group as
   the trainer normalises: transformers' by the tokens counted before sharding, TRL's by each batch's own), and
@@ -65,7 +66,7 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
-from .hf.models import peft_inner
+from .hf.models import POOLED_ON_WHOLE, peft_inner, pooled_last_token, pools_last_token
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -75,7 +76,8 @@ try:
 except ImportError:  # optional (ndp[hf]): Trainer works without it, SFTTrainer says what to install
     trl = None
 
-__all__ = ["NdpTrainerMixin", "NdpSequenceLossMixin", "Trainer", "SFTTrainer", "DPOTrainer", "KTOTrainer"]
+__all__ = ["NdpTrainerMixin", "NdpSequenceLossMixin", "NdpPooledScoreMixin", "Trainer", "SFTTrainer", "DPOTrainer",
+           "KTOTrainer", "RewardTrainer"]
 
 
 class NdpTrainerMixin:
@@ -84,6 +86,9 @@ class NdpTrainerMixin:
     # Under CP the Trainer's batch is sharded before the loss; False: the loss reads the whole batch and each model
     # call inside shards its own (NdpSequenceLossMixin)
     _ndp_shards_batch = True
+    # True: the model's head pools each row's scores from the gathered sequence (NdpPooledScoreMixin): no pad's
+    # output is read
+    _ndp_pools = False
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
@@ -139,7 +144,8 @@ class NdpTrainerMixin:
         self._ndp_unsharded = {k: inputs[k].clone() for k in counted if torch.is_tensor(inputs.get(k))}
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
-        inputs = without_padding(inputs)  # a padded collator's batch: exact when every pad's label is -100
+        # a padded collator's batch: exact when every pad's label is -100, or when no pad's output is read
+        inputs = without_padding(inputs, pads_read=not self._ndp_pools)
         # every per-token tensor (input_ids' shape: labels, position_ids, attention_mask, seq_idx, token_type_ids, ..)
         like = inputs.get("input_ids", inputs.get("labels"))
         names = [k for k, v in inputs.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == like.shape]
@@ -402,15 +408,16 @@ def _check_token_loss_trainer(cls, cp_size) -> None:
     owner = next((c for c in cls.__mro__ if "compute_loss" in vars(c) and c.__module__.split(".")[0] == "trl"), None)
     if owner is None:  # no TRL loss (transformers' Trainer, or no trl installed)
         return
-    served = owner in (trl.DPOTrainer, trl.KTOTrainer)
-    if owner is trl.SFTTrainer or (served and issubclass(cls, NdpSequenceLossMixin)):
+    mixin = {trl.DPOTrainer: NdpSequenceLossMixin, trl.KTOTrainer: NdpSequenceLossMixin,
+             trl.RewardTrainer: NdpPooledScoreMixin}.get(owner)
+    if owner is trl.SFTTrainer or (mixin is not None and issubclass(cls, mixin)):
         return
-    how = f"Use ndp.trainer.{owner.__name__} (it runs it under CP), or train" if served else "Train"
+    how = f"Use ndp.trainer.{owner.__name__} (it runs it under CP), or train" if mixin else "Train"
     raise ValueError(f"ndp.trainer: {cls.__name__} takes its loss from {owner.__module__}.{owner.__qualname__}, "
                      f"which ndp's context parallelism (cp_size={cp_size}) cannot compute from each rank's shard "
                      f"of the sequences (ndp serves a sum over tokens: transformers.Trainer's loss, "
-                     f"trl.SFTTrainer's; and DPO and KTO on ndp.trainer.DPOTrainer and KTOTrainer). {how} it with "
-                     f"cp_size=1 (data, tensor or fully sharded parallelism only).")
+                     f"trl.SFTTrainer's; DPO, KTO and reward modelling on ndp.trainer.DPOTrainer, KTOTrainer and "
+                     f"RewardTrainer). {how} it with cp_size=1 (data, tensor or fully sharded parallelism only).")
 
 
 def _check_token_batch(inputs, cp_size) -> None:
@@ -549,14 +556,14 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
             self.accelerator.whole_batch_metrics = self._cp_config() is not None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        with self._calls_on_shards(model, self.ref_model):
+        with self._calls_on_shards(model, getattr(self, "ref_model", None)):  # a reward model has none
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = self._cp_config()
-        if pc is not None and not prediction_loss_only:  # before TRL's forwards: refused on every rank alike
-            raise _unfused(pc.cp_size, "the logits asked for (prediction_loss_only=False)")
+        if pc is not None and not prediction_loss_only and not self._ndp_pools:  # before TRL's forwards: refused
+            raise _unfused(pc.cp_size, "the logits asked for (prediction_loss_only=False)")  # on every rank alike
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def compute_ref_log_probs(self, model, inputs):
@@ -599,16 +606,22 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
             raise _unfused(pc.cp_size, "positional arguments" if args else "no fused LM head or no labels")
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")
+        return args, self._on_shard(pc, calls, model, kwargs, shift_labels=F.pad(labels[:, 1:], (0, 1), value=-100))
+
+    def _on_shard(self, pc, calls, model, kwargs, **rows):
+        """The call's keyword arguments with its [batch, seq] tensors and `rows` (labels shifted before sharding)
+        replaced by this rank's shards, the CP context entered; `calls` holds what :meth:`_gather_call` needs (the
+        stack to leave, the shards' origin, the whole input_ids)."""
         like = kwargs["input_ids"]
         batch = {k: kwargs.pop(k).clone() for k in [k for k, v in kwargs.items()
                                                      if torch.is_tensor(v) and v.shape == like.shape]}
-        batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=-100)  # before sharding
+        batch.update(rows)
         batch[ORIGIN] = origin_rows(like)
         cp_context, batch = self._shard_for_cp(model, batch, pc)
         stack = contextlib.ExitStack()
-        calls.append((stack, self._ndp_origin, tuple(like.shape)))
+        calls.append((stack, self._ndp_origin, like))
         stack.enter_context(cp_context())
-        return args, {**kwargs, **batch}
+        return {**kwargs, **batch}
 
     def _gather_call(self, pc, calls, model, args, kwargs, output):
         """Forward hook: the CP context left; each per-token output of the shard gathered into the batch's rows
@@ -616,12 +629,12 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
         batch's, the shard's own loss dropped (TRL's preference losses read the per-token outputs)."""
         if not calls:  # a pre-hook refused the call
             return None
-        stack, origin, shape = calls.pop()
+        stack, origin, like = calls.pop()
         stack.close()
         if output is None:  # the forward raised
             return None
         axis = mesh_axis(self.accelerator.torch_device_mesh, "cp")
-        fields = {k: gather_tokens(v, origin, shape, axis)[:, :-1] if _per_token(v, origin.shape) else v
+        fields = {k: gather_tokens(v, origin, tuple(like.shape), axis)[:, :-1] if _per_token(v, origin.shape) else v
                   for k, v in output.items() if k != "loss"}
         if torch.is_tensor(fields.get("aux_loss")):
             fields["aux_loss"] = sum_over_group(fields["aux_loss"] / pc.cp_size, axis.get_group())
@@ -634,6 +647,71 @@ class DPOTrainer(NdpSequenceLossMixin, trl.DPOTrainer if trl is not None else ob
 
 class KTOTrainer(NdpSequenceLossMixin, trl.KTOTrainer if trl is not None else object):
     """``trl.KTOTrainer`` with ndp's context parallelism (:class:`NdpSequenceLossMixin`)."""
+
+
+class NdpPooledScoreMixin(NdpSequenceLossMixin):
+    """The overrides that put a TRL trainer of a sequence-classification model (a reward model: one score per row,
+    read at the row's last real token) on ndp's context parallelism.
+
+    Under CP each rank would hold a shard of the row, and transformers' pooling would read the shard's last token.
+    As for DPO (:class:`NdpSequenceLossMixin`), the trainer's batch stays whole and each model call runs on this
+    rank's shard of its tensors (a right-padded batch's mask made all ones: the pooled token is real, and no real
+    token sees a pad under the causal mask); the head's per-token scores (the ``score`` Linear's output) are gathered
+    back into the batch's rows (``gather_tokens``, differentiable) and pooled as transformers pools them
+    (``ndp.hf.models.pooled_last_token``), replacing the shard's pooled scores: the loss, its gradient and every
+    metric are the batch's, on every CP rank. The pooled scores are whole on every rank, so evaluation predictions
+    are served. Refused by name, at construction on every rank: a model whose head is not transformers' sequence
+    classification (``pools_last_token``); in a call: positional arguments, labels, hidden states or attentions
+    asked for.
+    """
+
+    _ndp_pools = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pc = self._cp_config()
+        if pc is not None:
+            if not pools_last_token(self.model):
+                raise ValueError(f"ndp.trainer: {type(self).__name__} under context parallelism (cp_size="
+                                 f"{pc.cp_size}) pools each row's score from the gathered per-token scores of "
+                                 f"transformers' sequence-classification head (GenericForSequenceClassification: a "
+                                 f"`score` Linear, pooled at the last non-pad token); {type(self.model).__name__}'s "
+                                 f"head is not one. Train it with cp_size=1.")
+            setattr(self.model, POOLED_ON_WHOLE, True)  # the CP check's pooling-head refusal does not apply
+
+    def _shard_call(self, pc, calls, model, args, kwargs):
+        """Forward pre-hook: the call's [batch, seq] tensors sharded, the CP context entered, the head's per-token
+        scores held for :meth:`_gather_call`."""
+        asked = [k for k in ("labels", "output_hidden_states", "output_attentions") if kwargs.get(k) is not None and
+                 kwargs.get(k) is not False]
+        if args or calls or asked or not torch.is_tensor(kwargs.get("input_ids")):
+            raise ValueError(f"ndp.trainer: under context parallelism (cp_size={pc.cp_size}) {type(self).__name__} "
+                             f"calls the model with input_ids by keyword and pools its scores from the gathered "
+                             f"sequence; this call has {asked or 'positional arguments, or no input_ids'}, which "
+                             f"would be each shard's. Call it with input_ids and attention_mask only, or with "
+                             f"cp_size=1.")
+        kwargs = self._on_shard(pc, calls, model, dict(kwargs))
+        held = []
+        head = peft_inner(self.accelerator.unwrap_model(model)).score
+        calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)
+        calls[-1] += (held,)
+        return args, kwargs
+
+    def _gather_call(self, pc, calls, model, args, kwargs, output):
+        """Forward hook: the CP context left; the held per-token scores gathered into the batch's rows and pooled
+        as transformers pools them, in place of the shard's pooled scores."""
+        if not calls:  # a pre-hook refused the call
+            return None
+        stack, origin, like, held = calls.pop()
+        stack.close()
+        if output is None:  # the forward raised
+            return None
+        whole = gather_tokens(held[-1], origin, tuple(like.shape), mesh_axis(self.accelerator.torch_device_mesh, "cp"))
+        return type(output)(logits=pooled_last_token(model, whole, like))
+
+
+class RewardTrainer(NdpPooledScoreMixin, trl.RewardTrainer if trl is not None else object):
+    """``trl.RewardTrainer`` with ndp's context parallelism (:class:`NdpPooledScoreMixin`)."""
 
 
 def _unfused(cp_size, what) -> ValueError:

@@ -206,16 +206,18 @@ def _refuse_restarts(pos, mask) -> None:
                          f"documents apart (packed rows, what DataCollatorWithFlattening gives), or the position_ids.")
 
 
-def without_padding(tensors: dict) -> dict:
+def without_padding(tensors: dict, *, pads_read: bool = True) -> dict:
     """`tensors` with a right-padded batch's ``attention_mask`` made all ones, for context parallelism (which applies
     no padding mask): under a causal mask no real token sees a pad (pads come last), so every real token's output
     is unchanged, and with -100 as every pad's label (``labels``, ``shift_labels``) the pads' outputs, which then
     also see earlier pads, reach no loss: the loss and every gradient are the padded batch's. ``shard_batch`` pads
-    the same way. Other tensors are returned as they are.
+    the same way. Other tensors are returned as they are. ``pads_read=False``: the caller reads no pad's output (a
+    sequence head's pooled real token), so no labels are needed.
 
     Raises:
-        ValueError: padding that is not at the end of each row, a batch without labels, a pad with a label, or
-            position_ids that restart between real tokens (with a mask they place RoPE only: rows, not documents).
+        ValueError: padding that is not at the end of each row, a batch without labels (unless ``pads_read`` is
+            False), a pad with a label, or position_ids that restart between real tokens (with a mask they place
+            RoPE only: rows, not documents).
     """
     mask = tensors.get("attention_mask")
     if not torch.is_tensor(mask) or mask.dim() != 2:
@@ -230,7 +232,7 @@ def without_padding(tensors: dict) -> dict:
         raise ValueError(f"context parallelism takes right padding only; the attention_mask has padding that is not "
                          f"all at the end of each row (real tokens per row: {lengths}). {fix}")
     names = [k for k in LABEL_KEYS if torch.is_tensor(tensors.get(k))]
-    if not names:
+    if not names and pads_read:
         raise ValueError(f"a padded batch under context parallelism needs its labels (labels or shift_labels, -100 "
                          f"at every pad): the pads' outputs differ from the padded model's, and only labels of -100 "
                          f"keep them out of the loss. {fix}")

@@ -22,6 +22,7 @@ import functools
 import inspect
 import re
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
@@ -238,8 +239,39 @@ def takes_shift_labels(model: nn.Module) -> bool:
     return _forward_names(type(model), "self.loss_function(") and getattr(fn, "__name__", "") == "ForCausalLMLoss"
 
 
+# Set on a sequence-classification model whose caller pools its scores from the gathered sequence
+# (ndp.trainer.RewardTrainer: pooled_last_token), not from each rank's shard.
+POOLED_ON_WHOLE = "ndp_pooled_on_whole"
+
+
+def pools_last_token(model: nn.Module) -> bool:
+    """Whether the model's head is transformers' sequence classification (GenericForSequenceClassification: a
+    per-token ``score`` Linear, pooled at each row's last token that is not the pad token), which
+    :func:`pooled_last_token` reproduces; through a PEFT wrapper and FSDP2's renamed class."""
+    inner = peft_inner(model)
+    return isinstance(inner, GenericForSequenceClassification) and isinstance(getattr(inner, "score", None), nn.Module)
+
+
+def pooled_last_token(model: nn.Module, scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' sequence-classification pooling of per-token `scores` [batch, seq, labels]: each row's scores
+    at its rightmost token whose id is not the config's pad token (left or right padding alike), or at the row's
+    last token where the config has no pad token (one row only, as transformers refuses more)."""
+    pad = peft_inner(model).config.get_text_config().pad_token_id
+    if pad is None:
+        if scores.shape[0] != 1:
+            raise ValueError(f"{type(model).__name__}: pooling a batch of {scores.shape[0]} rows needs the config's "
+                             f"pad_token_id (transformers refuses it too); set model.config.pad_token_id.")
+        return scores[:, -1]
+    kept = (input_ids != pad).to(scores.device, torch.int32)
+    last = (torch.arange(input_ids.shape[-1], device=scores.device, dtype=torch.int32) * kept).argmax(-1)
+    return scores[torch.arange(scores.shape[0], device=scores.device), last]
+
+
 def _pooling_head(model: nn.Module) -> str | None:
-    """What in the model's head reads chosen positions of each row (a noun phrase), else None."""
+    """What in the model's head reads chosen positions of each row (a noun phrase), else None (none, or one its
+    caller pools from the gathered sequence: ``POOLED_ON_WHOLE``)."""
+    if getattr(model, POOLED_ON_WHOLE, False):
+        return None
     if isinstance(model, (GenericForSequenceClassification, GenericForQuestionAnswering)) or \
             _POOLING_HEAD.search(type(model).__name__):
         return ("its head reads chosen positions of each row (a pooled last token, an answer span, a choice token) "
@@ -270,7 +302,8 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
         raise Unsupported(
             f"{name}: {head}, and under context parallelism each rank holds a shard of the row: the positions it "
             f"reads would be the shard's. Run it with cp_size=1, or put a per-token head (causal LM, token "
-            f"classification) under CP.")
+            f"classification) under CP; a reward model (sequence classification) trains under CP with "
+            f"ndp.trainer.RewardTrainer, which pools each row's score from the gathered sequence.")
     what = _mixing_outside_attention(model, gather=mixers in ("gather", "heads"))
     if what:
         gatherable = not _mixing_outside_attention(model, gather=True)
@@ -315,6 +348,6 @@ def check_packed_model(model: nn.Module) -> None:
             f"(ndp's attention keeps them apart, nothing else does). {fix}")
 
 
-__all__ = ["Unsupported", "text_config", "peft_inner", "takes_shift_labels", "attention_modules", "decoder_layers",
-           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model",
-           "gathered_mixers"]
+__all__ = ["Unsupported", "text_config", "peft_inner", "POOLED_ON_WHOLE", "pools_last_token", "pooled_last_token",
+           "takes_shift_labels", "attention_modules", "decoder_layers", "outside_layers", "cp_attention_modules",
+           "layer_stacks", "check_cp_model", "check_packed_model", "gathered_mixers"]

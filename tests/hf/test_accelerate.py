@@ -801,13 +801,13 @@ def test_trainer_needs_no_trl_and_sft_trainer_says_what_to_install():
             "import transformers, ndp.trainer as t\n"
             "assert issubclass(t.Trainer, transformers.Trainer)\n"
             "t._check_token_loss_trainer(t.Trainer, 2)\n"  # the CP check reads no trl attribute
-            "for cls in (t.SFTTrainer, t.DPOTrainer, t.KTOTrainer):\n"
+            "for cls in (t.SFTTrainer, t.DPOTrainer, t.KTOTrainer, t.RewardTrainer):\n"
             "    try:\n        cls()\n    except ImportError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "SFTTrainer subclasses trl.SFTTrainer, and trl is not installed: pip install trl (or ndp[hf])" in out.stdout
-    for name in ("DPOTrainer", "KTOTrainer"):
+    for name in ("DPOTrainer", "KTOTrainer", "RewardTrainer"):
         assert f"ndp.trainer.{name} subclasses trl.{name}, and trl is not installed: pip install trl" in out.stdout
 
 
@@ -1050,15 +1050,18 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
     assert isinstance(build(None), trl.DPOTrainer)
     # the rule reads which class's compute_loss the trainer runs: TRL's other trainers are refused (GKD too, an
     # SFTTrainer whose loss runs a teacher on the shard), a subclass's own loss on top of transformers' Trainer or
-    # trl.SFTTrainer is the user's (not refused); KTO is refused on the mixin alone, served by ndp's KTOTrainer
+    # trl.SFTTrainer is the user's (not refused); KTO is refused on the mixin alone, served by ndp's KTOTrainer;
+    # a reward model's pooled score on the mixins but ndp's pooling one (NdpPooledScoreMixin), served by
+    # ndp's RewardTrainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trl.experimental says its API may change
         from trl.experimental.gkd import GKDTrainer
     own = {"compute_loss": lambda self, *a, **k: None}
-    for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer):
-        with pytest.raises(ValueError, match=f"takes its loss from .*{cls.__name__}"):
+    for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer,
+                type("SeqReward", (ndp.trainer.NdpSequenceLossMixin, trl.RewardTrainer), {})):
+        with pytest.raises(ValueError, match=rf"{cls.__name__} takes its loss from trl\.\S+Trainer, which"):
             ndp.trainer._check_token_loss_trainer(cls, 2)
     for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, ndp.trainer.DPOTrainer, ndp.trainer.KTOTrainer,
-                type("Mine", (ndp.trainer.Trainer,), own),
+                ndp.trainer.RewardTrainer, type("Mine", (ndp.trainer.Trainer,), own),
                 type("MySft", (ndp.trainer.SFTTrainer,), own)):
         ndp.trainer._check_token_loss_trainer(cls, 2)

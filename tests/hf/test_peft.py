@@ -19,8 +19,8 @@ peft = pytest.importorskip("peft")
 
 
 def _lora(**kw):
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM",
-                           **kw)
+    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0,
+                              "task_type": "CAUSAL_LM", **kw})
 
 
 @pytest.mark.distributed
@@ -44,12 +44,15 @@ def test_sft_trainer_with_adapters_under_cp_trains_and_evaluates_as_without(tmp_
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind, par", [("dpo", {"cp_size": 2}), ("kto", {"dp_shard_size": 2, "cp_size": 2})])
+@pytest.mark.parametrize("kind, par", [("dpo", {"cp_size": 2}), ("kto", {"dp_shard_size": 2, "cp_size": 2}),
+                                       ("reward", {"cp_size": 2})])
 def test_preference_trainers_with_lora_under_cp_train_as_without(tmp_path, kind, par):
     """Without a reference model TRL's reference is the policy with its adapters off (``disable_adapter``): the
-    same model called twice per step, each call sharded and gathered by ndp's hooks."""
+    same model called twice per step, each call sharded and gathered by ndp's hooks. A reward model's score head
+    is PEFT's trained copy (modules_to_save), its pooling found through the wrapper."""
     pytest.importorskip("trl")
-    got, want = _against(tmp_path, "llama", kind, par, peft_config=_lora())
+    got, want = _against(tmp_path, "llama", kind, par,
+                         peft_config=_lora(task_type="SEQ_CLS") if kind == "reward" else _lora())
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["losses"][1] != got["losses"][2]
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)

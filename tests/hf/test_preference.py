@@ -17,7 +17,10 @@ from test_accelerate import DECODER_LAYERS, _rank_env, _save_tiny, _save_tiny_fa
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens",
-           "aux_loss", "kl", "count/chosen", "count/rejected")
+           "aux_loss", "kl", "count/chosen", "count/rejected", "min_reward", "mean_reward", "max_reward", "accuracy",
+           "margin")
+# ndp's and TRL's trainer classes by kind (a reward model trains on DPO's data: prompt, chosen, rejected)
+TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
 
 
 def _preferences(seed, n, kind):
@@ -45,21 +48,25 @@ def _save_preferences(where, kind):
 
 
 def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **overrides):
-    """cls (ndp's DPOTrainer / KTOTrainer under Accelerate's ParallelismConfig(**par), or TRL's on one process) on
-    the model in model_dir and the data saved in `data`, fp32, the data in order: 3 SGD steps (unclipped: a gradient
-    of the wrong scale shows) of one DPO pair or two KTO rows (KTO's KL pairs each completion with another prompt
-    of its batch) per data-parallel rank, then an evaluation; `overrides` replace any of the config's arguments."""
+    """cls (ndp's DPOTrainer / KTOTrainer / RewardTrainer under Accelerate's ParallelismConfig(**par), or TRL's on
+    one process) on the model in model_dir and the data saved in `data`, fp32, the data in order: 3 SGD steps
+    (unclipped: a gradient of the wrong scale shows) of one DPO pair or two KTO rows (KTO's KL pairs each completion
+    with another prompt of its batch) per data-parallel rank, then an evaluation; `overrides` replace any of the
+    config's arguments. A reward model is loaded by TRL from model_dir (its score head seeded by TRL's set_seed)."""
     import trl
     kto = issubclass(cls, trl.KTOTrainer)
+    reward = issubclass(cls, trl.RewardTrainer)
     peft = _seeded_peft(overrides)
-    args = _trainer_args(tmp, par, layer, cls=trl.KTOConfig if kto else trl.DPOConfig, bf16=False,
+    config = trl.KTOConfig if kto else trl.RewardConfig if reward else trl.DPOConfig
+    args = _trainer_args(tmp, par, layer, cls=config, bf16=False,
                          per_device_train_batch_size=2 if kto else 1, per_device_eval_batch_size=2 if kto else 1,
                          include_num_input_tokens_seen=True,
                          **{"learning_rate": 0.1, "max_grad_norm": 0.0, **overrides})
     in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
                                         torch.utils.data.SequentialSampler(self.train_dataset)})
-    return in_order(model=AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=None if par else "eager"),
-                    args=args, train_dataset=load_from_disk(os.path.join(data, "train")),
+    model = model_dir if reward else AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=None if par else "eager")
+    return in_order(model=model, args=args, train_dataset=load_from_disk(os.path.join(data, "train")),
                     eval_dataset=load_from_disk(os.path.join(data, "eval")),
                     processing_class=AutoTokenizer.from_pretrained(model_dir), **peft)
 
@@ -79,8 +86,8 @@ def _log(trainer, eval_loss):
 
 def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides, env):
     _rank_env(rank, world, **env)
-    cls = ndp.trainer.KTOTrainer if kind == "kto" else ndp.trainer.DPOTrainer
-    trainer = _trainer(cls, tmp, model_dir, os.path.join(tmp, "data"), par, layer, **overrides)
+    trainer = _trainer(getattr(ndp.trainer, TRAINERS[kind]), tmp, model_dir, os.path.join(tmp, "data"), par, layer,
+                       **overrides)
     trainer.train()
     ev = trainer.evaluate()["eval_loss"]
     if rank == 0:
@@ -106,8 +113,8 @@ def _against(tmp_path, family, kind, par, env=None, **overrides):
         spawn(_rank, math.prod(dp.values()), tmp_path / "dp", str(tmp_path / "dp"), model_dir, kind, dp, layer,
               overrides, env, timeout_s=300)
         return got, torch.load(tmp_path / "dp" / "log.pt")
-    cls = trl.KTOTrainer if kind == "kto" else trl.DPOTrainer
-    ref = _trainer(cls, str(tmp_path / "ref"), model_dir, _save_preferences(str(tmp_path / "ref"), kind), **overrides)
+    ref = _trainer(getattr(trl, TRAINERS[kind]), str(tmp_path / "ref"), model_dir,
+                   _save_preferences(str(tmp_path / "ref"), kind), **overrides)
     ref.train()
     want = _log(ref, ref.evaluate()["eval_loss"])
     AcceleratorState._reset_state(True)
@@ -149,6 +156,11 @@ CP2 = {"cp_size": 2}
     ("llama", "kto", CP2, {}),
     ("llama", "kto", {"dp_shard_size": 2, "cp_size": 2}, {}),
     ("llama", "kto", CP2, {"precompute_ref_log_probs": True}),
+    # a reward model: each row's score pooled at its last real token, read from the gathered scores
+    ("llama", "reward", CP2, {}),
+    ("llama", "reward", {"dp_shard_size": 2, "cp_size": 2}, {"center_rewards_coefficient": 0.01}),
+    ("llama", "reward", {"cp_size": 2, "tp_size": 2}, {}),
+    ("gemma2", "reward", CP2, {}),
 ])
 def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, family, kind, par, overrides):
     """Each rank summed its shard's log-probabilities (refused before): the chosen / rejected sums, the losses
@@ -157,7 +169,8 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     data-parallel batch), an MoE's load-balancing loss (its metric and the evaluation loss each CP rank's share x
     cp_size without the sum), every metric TRL logs (KTO's KL estimate too), with gradient accumulation. Under TP
     (no CP) TRL divided its token count by tp_size after ndp's gather had left the TP copies out: num_tokens half
-    the count."""
+    the count. A reward model's pooled score (refused under CP before: each rank would pool its shard's last token)
+    and the reward metrics (min / mean / max, accuracy, margin), the rewards' centring term."""
     pytest.importorskip("trl")
     got, want = _against(tmp_path, family, kind, par, **overrides)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
@@ -254,3 +267,23 @@ def test_a_model_that_is_its_own_base_model_is_refused_by_name_on_every_rank(tmp
     _save_tiny_family(model_dir, "llama4_text")
     _save_preferences(str(tmp_path / "data"), "dpo")
     spawn(_nested_rank, 2, tmp_path, str(tmp_path), model_dir, "Llama4TextDecoderLayer", timeout_s=120)
+
+
+def _other_pooling_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    with pytest.raises(ValueError, match=r"InOrder under context parallelism \(cp_size=2\) pools each row's "
+                                         r"score .* OPTForSequenceClassification's head is not one\. Train it with "
+                                         r"cp_size=1"):
+        _trainer(ndp.trainer.RewardTrainer, tmp, model_dir, os.path.join(tmp, "data"), CP2, "OPTDecoderLayer")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_reward_model_pooled_otherwise_is_refused_by_name_on_every_rank(tmp_path):
+    """OPT's sequence classification pools in its own forward (not transformers' GenericForSequenceClassification,
+    whose pooling ndp reproduces on the gathered scores): refused when the trainer is built, on every rank."""
+    pytest.importorskip("trl")
+    model_dir = str(tmp_path / "model")
+    _save_tiny(model_dir, "opt")
+    _save_preferences(str(tmp_path / "data"), "reward")
+    spawn(_other_pooling_rank, 2, tmp_path, str(tmp_path), model_dir, timeout_s=120)

@@ -1,17 +1,19 @@
-"""DPO under context parallelism: a training step's time and rank 0's peak memory, TRL alone vs ndp's DPOTrainer.
+"""DPO or reward modelling under context parallelism: a training step's time and rank 0's peak memory, TRL alone vs
+ndp's DPOTrainer / RewardTrainer.
 
     python bench/bench_preference.py                         # pairs of 2048 and 4096 tokens, cp 2, CPU, fp32
+    python bench/bench_preference.py --trainer reward        # a reward model (sequence classification) instead
     python bench/bench_preference.py --seqlens 8192 --cp 4 --hidden 512 --out bench/results/
 
 A Llama of --hidden (4 layers, heads of 64, vocabulary of the word tokenizer's 256) built from a config, one
 preference pair per step whose chosen and rejected rows are --seqlens tokens each (a quarter prompt), TRL's
-reference model loaded beside it, fp32, SGD. Modes, each in fresh processes (peak RSS is per process): ``one``,
-``trl.DPOTrainer`` on one process; ``cp``, ``ndp.trainer.DPOTrainer`` on --cp gloo ranks (FSDP2 over them, each
-rank's shard of the rows: policy and reference forwards, the policy's backward). Reported: the median step time
-after the first, rank 0's peak-RSS growth over the process just before training (activations, gradients,
-optimizer), and the logged losses (the same in both modes: ndp's DPO is exact; the first is log 2 in both, the
-policy starting as the reference). On a GPU this bench is not
-run: it needs one GPU per CP rank.
+reference model loaded beside it (DPO; a reward model has none: the same Llama with a score head, TRL's seeded
+init), fp32, SGD. Modes, each in fresh processes (peak RSS is per process): ``one``, TRL's trainer on one process;
+``cp``, ndp's on --cp gloo ranks (FSDP2 over them, each rank's shard of the rows: policy and reference forwards,
+the policy's backward). Reported: the median step time after the first, rank 0's peak-RSS growth over the process
+just before training (activations, gradients, optimizer), and the logged losses (the same in both modes: ndp's
+DPO and reward modelling are exact; DPO's first is log 2 in both, the policy starting as the reference). On a GPU
+this bench is not run: it needs one GPU per CP rank.
 """
 from __future__ import annotations
 
@@ -67,7 +69,12 @@ class _StepTimes(TrainerCallback):
         self.times.append(time.perf_counter() - self.start)
 
 
-def run_mode(where, mode, world, steps) -> dict:
+# --trainer: (TRL's config, TRL's trainer, ndp's trainer)
+TRAINERS = {"dpo": (trl.DPOConfig, trl.DPOTrainer, ndp.trainer.DPOTrainer),
+            "reward": (trl.RewardConfig, trl.RewardTrainer, ndp.trainer.RewardTrainer)}
+
+
+def run_mode(where, mode, world, steps, kind="dpo") -> dict:
     """This rank's median step seconds, peak-RSS growth over training and first loss for one mode."""
     par = {}
     if mode == "cp":
@@ -75,39 +82,40 @@ def run_mode(where, mode, world, steps) -> dict:
                           WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
         par = dict(parallelism_config=ParallelismConfig(cp_size=world), fsdp="full_shard",
                    fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    args = trl.DPOConfig(output_dir=os.path.join(where, f"out-{mode}"), per_device_train_batch_size=1, max_steps=steps,
-                         learning_rate=1e-3, optim="sgd", logging_steps=1, report_to=[], save_strategy="no",
-                         use_cpu=True, bf16=False, max_length=None, dataloader_num_workers=0, **par)
-    cls = ndp.trainer.DPOTrainer if mode == "cp" else trl.DPOTrainer
+    config, theirs, ours = TRAINERS[kind]
+    args = config(output_dir=os.path.join(where, f"out-{mode}"), per_device_train_batch_size=1, max_steps=steps,
+                  learning_rate=1e-3, optim="sgd", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                  bf16=False, max_length=None, dataloader_num_workers=0, **par)
     model_dir = os.path.join(where, "model")
     timer = _StepTimes()
-    trainer = cls(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, callbacks=[timer],
+    model = model_dir if kind == "reward" else AutoModelForCausalLM.from_pretrained(model_dir)  # TRL loads a scorer
+    trainer = (ours if mode == "cp" else theirs)(model=model, args=args, callbacks=[timer],
                   train_dataset=load_from_disk(os.path.join(where, "data")),
                   processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir))
     base = peak_bytes(torch.device("cpu"))
     trainer.train()
     growth = peak_bytes(torch.device("cpu")) - base
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return dict(mode=mode, cp=world, step_s=statistics.median(timer.times[1:] or timer.times),
+    return dict(trainer=kind, mode=mode, cp=world, step_s=statistics.median(timer.times[1:] or timer.times),
                 peak_growth_bytes=growth, losses=losses)
 
 
-def _rank(rank, tmp, out_file, where, mode, world, steps):
-    rank_job(rank, world, tmp, out_file, lambda: run_mode(where, mode, world, steps), timeout_s=900)
+def _rank(rank, tmp, out_file, where, mode, world, steps, kind):
+    rank_job(rank, world, tmp, out_file, lambda: run_mode(where, mode, world, steps, kind), timeout_s=900)
 
 
-def measure(seq, hidden, cp, steps) -> list[dict]:
+def measure(seq, hidden, cp, steps, kind="dpo") -> list[dict]:
     """Both modes at one length, each in fresh processes."""
     with tempfile.TemporaryDirectory() as where:
         _save_inputs(where, seq, hidden)
-        return [dict(spawn_json(_rank, world, where, mode, world, steps), seq=seq, hidden=hidden)
+        return [dict(spawn_json(_rank, world, where, mode, world, steps, kind), seq=seq, hidden=hidden)
                 for mode, world in (("one", 1), ("cp", cp))]
 
 
 def table(rows) -> str:
-    lines = ["| tokens per row | mode | cp | step s | rank 0 peak growth MiB | last loss |", "|---" * 6 + "|"]
+    lines = ["| trainer | tokens per row | mode | cp | step s | rank 0 peak growth MiB | last loss |", "|---" * 7 + "|"]
     for r in rows:
-        lines.append(f"| {r['seq']} | {r['mode']} | {r['cp']} | {r['step_s']:.2f} | "
+        lines.append(f"| {r['trainer']} | {r['seq']} | {r['mode']} | {r['cp']} | {r['step_s']:.2f} | "
                      f"{r['peak_growth_bytes'] / 2**20:.0f} | {r['losses'][-1]:.6f} |")
     return "\n".join(lines)
 
@@ -118,9 +126,10 @@ def main(argv=None):
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--trainer", choices=sorted(TRAINERS), default="dpo")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     a = ap.parse_args(argv)
-    rows = [r for seq in map(int, a.seqlens.split(",")) for r in measure(seq, a.hidden, a.cp, a.steps)]
+    rows = [r for seq in map(int, a.seqlens.split(",")) for r in measure(seq, a.hidden, a.cp, a.steps, a.trainer)]
     print(table(rows))
     write_results(a.out, "bench_preference", {"rows": rows})
 

@@ -225,12 +225,13 @@ def test_bench_mixers_split_by_heads_saves_a_rank_half_the_deltanet(tmp_path):
     assert gather == one and 0.5 * one < heads < 0.52 * one, rows
 
 
-def test_bench_preference_runs_both_modes_with_the_same_losses(tmp_path):
-    # TRL's DPOTrainer on one process and ndp's on 2 CP ranks, rows of 128 tokens: the bench's smoke run; the
-    # second step's loss (the first is log 2 in both) must agree, or the bench times a wrong run
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+def test_bench_preference_runs_both_modes_with_the_same_losses(tmp_path, trainer):
+    # TRL's DPOTrainer (or RewardTrainer) on one process and ndp's on 2 CP ranks, rows of 128 tokens: the bench's
+    # smoke run; the second step's loss (DPO's first is log 2 in both) must agree, or the bench times a wrong run
     pytest.importorskip("trl")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_preference.py"), "--seqlens", "128",
-                        "--steps", "2", "--out", str(tmp_path)],
+                        "--steps", "2", "--trainer", trainer, "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300, cwd=os.path.join(ROOT, "bench"))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["mode"]: row for row in json.load(open(tmp_path / "bench_preference.json"))["rows"]}

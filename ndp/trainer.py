@@ -690,7 +690,9 @@ class NdpPooledScoreMixin(NdpSequenceLossMixin):
                              f"sequence; this call has {asked or 'positional arguments, or no input_ids'}, which "
                              f"would be each shard's. Call it with input_ids and attention_mask only, or with "
                              f"cp_size=1.")
-        kwargs = self._on_shard(pc, calls, model, dict(kwargs))
+        # TRL hands the batch's margin column to the model too, which passes it on to the attention unread (ndp's
+        # attention refuses an argument it does not know): the loss reads it from the batch, not from the call
+        kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k != "margin"})
         held = []
         head = peft_inner(self.accelerator.unwrap_model(model)).score
         calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)

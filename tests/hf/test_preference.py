@@ -25,7 +25,8 @@ TRAINERS = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer"}
 
 def _preferences(seed, n, kind):
     """A preference dataset of the word tokenizer's words, completions of uneven lengths (pads in every batch):
-    prompt, chosen and rejected (DPO) or prompt, completion and a label alternating True / False (KTO)."""
+    prompt, chosen and rejected (DPO; a reward model's also a margin per pair, which TRL hands to the model call
+    too) or prompt, completion and a label alternating True / False (KTO)."""
     g = torch.Generator().manual_seed(seed)
 
     def words(lo, hi):
@@ -36,7 +37,10 @@ def _preferences(seed, n, kind):
     if kind == "kto":
         return Dataset.from_dict({"prompt": [r[0] for r in rows], "completion": [r[1] for r in rows],
                                   "label": [i % 2 == 0 for i in range(n)]})
-    return Dataset.from_dict({k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))})
+    data = {k: [r[i] for r in rows] for i, k in enumerate(("prompt", "chosen", "rejected"))}
+    if kind == "reward":
+        data["margin"] = [0.25 * (i % 3) for i in range(n)]
+    return Dataset.from_dict(data)
 
 
 def _save_preferences(where, kind):
@@ -156,7 +160,8 @@ CP2 = {"cp_size": 2}
     ("llama", "kto", CP2, {}),
     ("llama", "kto", {"dp_shard_size": 2, "cp_size": 2}, {}),
     ("llama", "kto", CP2, {"precompute_ref_log_probs": True}),
-    # a reward model: each row's score pooled at its last real token, read from the gathered scores
+    # a reward model: each row's score pooled at its last real token, read from the gathered scores (margins
+    # in the data: TRL hands them to the model too, which ndp's attention refused as an unknown argument)
     ("llama", "reward", CP2, {}),
     ("llama", "reward", {"dp_shard_size": 2, "cp_size": 2}, {"center_rewards_coefficient": 0.01}),
     ("llama", "reward", {"cp_size": 2, "tp_size": 2}, {}),

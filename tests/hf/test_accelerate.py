@@ -249,7 +249,7 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False, par=Non
     assert isinstance(trainer.accelerator, ndp.accelerate.Accelerator)
     trainer.train()
     # under tp 2 the 7 projections of each of the 2 layers split over the TP ranks (Accelerate skipped the model)
-    assert tp_split(trainer.model) == (14 if par and par.get("tp_size", 1) > 1 else 0)
+    assert _tp_split(trainer.model) == (14 if par and par.get("tp_size", 1) > 1 else 0)
     assert not compile or torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the model ran compiled
     ev = trainer.evaluate()   # 5 rows over 2 data-parallel ranks: the last step pads one rank, cut off again
     if rank == 0:
@@ -258,7 +258,7 @@ def _trainer_rank(rank, world, tmp, model_dir, ga, steps, compile=False, par=Non
                    os.path.join(tmp, "trainer.pt"))
 
 
-def tp_split(model) -> int:
+def _tp_split(model) -> int:
     """How many of the model's parameters are sharded over the mesh's "tp" axis."""
     def on_tp(p):
         names = p.device_mesh.mesh_dim_names or ()

@@ -40,6 +40,9 @@ refuses ND-parallel there).
   sums) or a per-sample tensor (Accelerate cuts the gathered entries one by one, as if each were a sample's).
   With ``whole_batch_metrics`` set (ndp.trainer's DPOTrainer and KTOTrainer: each CP rank holds its batch's whole
   values, copies), gathered from the data-parallel ranks only.
+- ``prepare_data_loader``: with ``even_batches=False``, a loader whose batch counts differ between the ranks is
+  refused on every rank (one all-reduce of the counts): the rank out of batches would leave the others waiting in
+  their next collective, a hang (stock Accelerate hangs there too).
 - ``prepare_cp`` (added): ndp's CP on a model prepared elsewhere (TRL shards a DPO / KTO reference model with FSDP2
   itself), once.
 """
@@ -244,6 +247,16 @@ class Accelerator(accelerate.Accelerator):
             extra.update(_dense_table(kwargs["cu_seq_lens_q"]))
         return args, {**kwargs, **extra}
 
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Accelerate's; with ``even_batches=False``, refused on every rank where the ranks' batch counts differ: a
+        rank out of batches would leave the others waiting in their next collective (FSDP2's all-gather, a CP
+        exchange: a hang). Accelerate's default (even batches: the last one completed from the data's start) is left
+        alone, and so is a loader without a length."""
+        prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if not self.even_batches and dist.is_initialized() and dist.get_world_size() > 1:
+            _refuse_uneven_batches(prepared, self.device)
+        return prepared
+
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """Accelerate's, each data-parallel batch's entries once: gathered from its CP ranks (each holds a part or a
         copy of a value, e.g. TRL's token sums, a shard's per-token values) but not its TP ranks (each holds a copy),
@@ -303,6 +316,23 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+def _refuse_uneven_batches(loader, device) -> None:
+    """Raise on every rank when the ranks' prepared loaders hold different numbers of batches (one all-reduce)."""
+    try:
+        count = len(loader)
+    except TypeError:  # an iterable dataset: its length is unknown
+        return
+    bounds = torch.tensor([count, -count], device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    most, fewest = int(bounds[0]), -int(bounds[1])
+    if most != fewest:
+        raise ValueError(f"even_batches=False gives the ranks {fewest} to {most} batches each (this rank {count}): "
+                         f"a rank out of batches would leave the others waiting in their next collective (FSDP2's "
+                         f"all-gather, a context-parallel exchange), a hang. Keep even_batches=True (Accelerate's "
+                         f"default: the last batch completed from the start of the data), or use drop_last=True or "
+                         f"a dataset the ranks' batches divide.")
 
 
 def _all_tensors(data) -> bool:

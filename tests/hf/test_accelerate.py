@@ -874,6 +874,29 @@ def _other_buffers_rank(rank, world):
                 pass
 
 
+def _uneven_batches_rank(rank, world):
+    from accelerate.utils import DataLoaderConfiguration
+    _rank_env(rank, world)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2),
+                                     fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(even_batches=False))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(5, 8)), batch_size=1)
+    with pytest.raises(ValueError, match=r"even_batches=False gives the ranks 2 to 3 batches each \(this rank "
+                                         r"[23]\): a rank out of batches .* Keep even_batches=True"):
+        acc.prepare(loader)
+    even = acc.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 8)), batch_size=1))
+    assert len(even) == 2
+
+
+@pytest.mark.distributed
+def test_uneven_batches_are_refused_on_every_rank_before_a_hang(tmp_path):
+    """even_batches=False on 5 samples over 2 data-parallel ranks (each with 2 CP ranks): 3 batches on one, 2 on the
+    other, whose FSDP2 and CP collectives the third step would leave the first rank waiting in. Refused by name at
+    prepare on all 4 ranks; 4 samples are prepared."""
+    spawn(_uneven_batches_rank, 4, tmp_path, timeout_s=60)
+
+
 @pytest.mark.distributed
 def test_maybe_context_parallel_refuses_another_batch_on_each_cp_rank(tmp_path):
     """A data loader not prepared by the Accelerator (a sampler over every rank) gave each CP rank its own batch,

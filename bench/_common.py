@@ -54,6 +54,12 @@ def write_results(out_dir, stem, result) -> None:
     write_json(os.path.join(out_dir, f"{stem}.json"), result, indent=1)
 
 
+def markdown_table(header, rows) -> str:
+    """A markdown table: the `header` cells, a separator, then one line per row of formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def parser(doc) -> argparse.ArgumentParser:
     """The command line the plan checks share: described by ``doc``'s first line, --out (the results' directory)
     and --model (an ndp.train preset)."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Qwen3NextConfig
 
-from _common import ROOT, peak_bytes, rank_job, spawn_json, write_results
+from _common import ROOT, markdown_table, peak_bytes, rank_job, spawn_json, write_results
 
 import ndp  # noqa: E402
 import ndp.hf  # noqa: E402
@@ -146,11 +146,10 @@ def measure(family, mode, world, seq, hidden, dtype, device_type, steps) -> dict
 
 
 def table(rows) -> str:
-    lines = ["| family | seq | mode | cp | step s | peak growth MiB | mixer saved MiB |", "|---" * 7 + "|"]
-    for r in rows:
-        lines.append(f"| {r['family']} | {r['seq']} | {r['mode']} | {r['cp']} | {r['step_s']:.3f} | "
-                     f"{r['peak_growth_bytes'] / 2**20:.1f} | {r['mixer_saved_bytes'] / 2**20:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(("family", "seq", "mode", "cp", "step s", "peak growth MiB", "mixer saved MiB"),
+                          [(r["family"], str(r["seq"]), r["mode"], str(r["cp"]), f"{r['step_s']:.3f}",
+                            f"{r['peak_growth_bytes'] / 2**20:.1f}", f"{r['mixer_saved_bytes'] / 2**20:.1f}")
+                           for r in rows])
 
 
 def main(argv=None):

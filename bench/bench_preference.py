@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from _common import ROOT, peak_bytes, rank_job, spawn_json, write_results  # noqa: F401  (repository on sys.path)
+# _common first: importing it puts the repository on sys.path (some names unused here: F401)
+from _common import ROOT, markdown_table, peak_bytes, rank_job, spawn_json, write_results  # noqa: F401
 import ndp.trainer
 import trl
 from accelerate.parallelism_config import ParallelismConfig
@@ -113,11 +114,9 @@ def measure(seq, hidden, cp, steps, kind="dpo") -> list[dict]:
 
 
 def table(rows) -> str:
-    lines = ["| trainer | tokens per row | mode | cp | step s | rank 0 peak growth MiB | last loss |", "|---" * 7 + "|"]
-    for r in rows:
-        lines.append(f"| {r['trainer']} | {r['seq']} | {r['mode']} | {r['cp']} | {r['step_s']:.2f} | "
-                     f"{r['peak_growth_bytes'] / 2**20:.0f} | {r['losses'][-1]:.6f} |")
-    return "\n".join(lines)
+    return markdown_table(("trainer", "tokens per row", "mode", "cp", "step s", "rank 0 peak growth MiB", "last loss"),
+                          [(r["trainer"], str(r["seq"]), r["mode"], str(r["cp"]), f"{r['step_s']:.2f}",
+                            f"{r['peak_growth_bytes'] / 2**20:.0f}", f"{r['losses'][-1]:.6f}") for r in rows])
 
 
 def main(argv=None):

@@ -41,6 +41,12 @@ and overrides, nothing patched:
   fails under FSDP2, which renames the class: it did not shift at all), under CP the labels shifted before sharding
   (the smoother would shift each shard's); a ``compute_loss_func`` under CP is refused (it would get each rank's
   shard of the logits and labels);
+- classification heads (:class:`Trainer`, with or without CP): a token classifier's loss is computed from its
+  logits with the Trainer's token count, its labels sharded unshifted under CP, and a sequence classifier's call
+  means are averaged by the Trainer (transformers' heads drop the count the Trainer hands them, which then neither
+  divides their loss by the accumulation steps nor keeps it from the processes' multiple:
+  :func:`_count_classifier_loss`); under CP a sequence classifier runs as a reward model does
+  (:class:`NdpPooledScoreMixin`: the batch whole, each call sharded, the scores pooled from the gathered row);
 - ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
@@ -60,13 +66,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from accelerate.utils import recursively_apply
+from transformers.loss.loss_utils import ForTokenClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import SCHEDULER_NAME
 
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
-from .hf.models import POOLED_ON_WHOLE, peft_inner, pooled_last_token, pools_last_token
+from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, pools_last_token
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -133,6 +140,51 @@ class NdpTrainerMixin:
             return contextlib.nullcontext, inputs  # each model call shards its own (NdpSequenceLossMixin)
         return self._shard_for_cp(model, inputs, pc)
 
+    @contextlib.contextmanager
+    def _calls_on_shards(self, *models):
+        """Inside, under CP, each call of `models` runs on this rank's shard of its tensors (:meth:`_shard_call`),
+        its per-token outputs gathered back (:meth:`_gather_call`); where the trainer's batch is not sharded
+        (:class:`NdpSequenceLossMixin`, :class:`NdpPooledScoreMixin`). Nested, the outer one serves."""
+        pc = self._cp_config()
+        if pc is None or not models or getattr(self, "_ndp_on_shards", False):
+            yield
+            return
+        self._ndp_on_shards = True
+        calls, handles = [], []
+        for model in {id(m): m for m in models if m is not None}.values():
+            self.accelerator.prepare_cp(model)
+            handles += [model.register_forward_pre_hook(functools.partial(self._shard_call, pc, calls),
+                                                        with_kwargs=True, prepend=True),
+                        model.register_forward_hook(functools.partial(self._gather_call, pc, calls),
+                                                    with_kwargs=True, always_call=True)]
+        try:
+            yield
+        finally:
+            self._ndp_on_shards = False
+            for handle in handles:
+                handle.remove()
+            while calls:
+                calls.pop()[0].close()
+
+    def _sharded_models(self, model) -> tuple:
+        """The models whose calls :meth:`compute_loss` runs on shards where the batch is not sharded."""
+        return (model,) if self._ndp_pools else ()
+
+    def _on_shard(self, pc, calls, model, kwargs, **rows):
+        """The call's keyword arguments with its [batch, seq] tensors and `rows` (labels shifted before sharding)
+        replaced by this rank's shards, the CP context entered; `calls` holds what :meth:`_gather_call` needs (the
+        stack to leave, the shards' origin, the whole input_ids)."""
+        like = kwargs["input_ids"]
+        batch = {k: kwargs.pop(k).clone() for k in [k for k, v in kwargs.items()
+                                                     if torch.is_tensor(v) and v.shape == like.shape]}
+        batch.update(rows)
+        batch[ORIGIN] = origin_rows(like)
+        cp_context, batch = self._shard_for_cp(model, batch, pc)
+        stack = contextlib.ExitStack()
+        calls.append((stack, self._ndp_origin, like))
+        stack.enter_context(cp_context())
+        return {**kwargs, **batch}
+
     def _shard_for_cp(self, model, inputs, pc):
         """(the CP context to run the model in, the batch's tensors that context shards in place), as
         ``_prepare_context_parallel_inputs`` returns them (module docstring)."""
@@ -142,7 +194,7 @@ class NdpTrainerMixin:
         # in place
         counted = (getattr(model, "main_input_name", "input_ids"), "attention_mask", "position_ids")
         self._ndp_unsharded = {k: inputs[k].clone() for k in counted if torch.is_tensor(inputs.get(k))}
-        if "labels" in inputs and "shift_labels" not in inputs:
+        if "labels" in inputs and "shift_labels" not in inputs and not classifies_tokens(model):
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         # a padded collator's batch: exact when every pad's label is -100, or when no pad's output is read
         inputs = without_padding(inputs, pads_read=not self._ndp_pools)
@@ -165,9 +217,9 @@ class NdpTrainerMixin:
     def compute_loss(self, model, inputs, *args, **kwargs):
         pc = self._cp_config()
         if pc is None or not self._ndp_shards_batch:
-            with _smoothing_shifted(self, model, None):
+            with _smoothing_shifted(self, model, None), self._calls_on_shards(*self._sharded_models(model)):
                 return super().compute_loss(model, inputs, *args, **kwargs)
-        if self.compute_loss_func is not None:
+        if self.compute_loss_func not in (None, getattr(self, "_ndp_token_loss", None)):
             raise ValueError(f"ndp.trainer: compute_loss_func under context parallelism (cp_size={pc.cp_size}) would "
                              f"get each rank's shard of the logits and labels, and a loss that shifts the labels or "
                              f"averages inside would be the shard's. Compute it in a compute_loss override from "
@@ -409,7 +461,7 @@ def _check_token_loss_trainer(cls, cp_size) -> None:
     if owner is None:  # no TRL loss (transformers' Trainer, or no trl installed)
         return
     mixin = {trl.DPOTrainer: NdpSequenceLossMixin, trl.KTOTrainer: NdpSequenceLossMixin,
-             trl.RewardTrainer: NdpPooledScoreMixin}.get(owner)
+             trl.RewardTrainer: RewardTrainer}.get(owner)
     if owner is trl.SFTTrainer or (mixin is not None and issubclass(cls, mixin)):
         return
     how = f"Use ndp.trainer.{owner.__name__} (it runs it under CP), or train" if mixin else "Train"
@@ -434,8 +486,118 @@ def _check_token_batch(inputs, cp_size) -> None:
                          f"input_ids or labels (the per-token tensors are sharded by their shape); got {got}")
 
 
-class Trainer(NdpTrainerMixin, transformers.Trainer):
-    """``transformers.Trainer`` with ndp's context parallelism (see the module docstring)."""
+class NdpPooledScoreMixin(NdpTrainerMixin):
+    """The overrides that put a trainer of a sequence-classification model (one score per row, read at the row's
+    last real token: a classifier under :class:`Trainer`, a reward model under :class:`RewardTrainer`) on ndp's
+    context parallelism.
+
+    Under CP each rank would hold a shard of the row, and transformers' pooling would read the shard's last token.
+    As for DPO (:class:`NdpSequenceLossMixin`), the trainer's batch stays whole and each model call runs on this
+    rank's shard of its tensors (a right-padded batch's mask made all ones: the pooled token is real, and no real
+    token sees a pad under the causal mask); the head's per-token scores (the ``score`` Linear's output) are gathered
+    back into the batch's rows (``gather_tokens``, differentiable) and pooled as transformers pools them
+    (``ndp.hf.models.pooled_last_token``), replacing the shard's pooled scores; a call's ``labels`` are held back
+    and the model's own loss (regression, single- or multi-label) is computed from the pooled scores: the loss, its
+    gradient and every metric are the batch's, on every CP rank (a shard's gradient is every CP rank's gradient of
+    its tokens, summed, so FSDP's average over the dp x cp ranks is the data-parallel batches' mean). The pooled
+    scores are whole on every rank, so evaluation predictions are served. A model whose head is not transformers'
+    sequence classification (``pools_last_token``) is refused by name at construction where the trainer serves
+    nothing else (``_ndp_pooled_only``: :class:`RewardTrainer`), else trained as the mixin's base class trains it
+    (a per-token head; a pooling head of its own is refused by the CP model check). Refused by name in a call:
+    positional arguments, hidden states or attentions asked for.
+    """
+
+    _ndp_pooled_only = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pc = self._cp_config()
+        if pc is None:
+            return
+        if pools_last_token(self.model):
+            self._ndp_pools, self._ndp_shards_batch = True, False
+            setattr(self.model, POOLED_ON_WHOLE, True)  # the CP check's pooling-head refusal does not apply
+        elif self._ndp_pooled_only:
+            raise ValueError(f"ndp.trainer: {type(self).__name__} under context parallelism (cp_size="
+                             f"{pc.cp_size}) pools each row's score from the gathered per-token scores of "
+                             f"transformers' sequence-classification head (GenericForSequenceClassification: a "
+                             f"`score` Linear, pooled at the last non-pad token); {type(self.model).__name__}'s "
+                             f"head is not one. Train it with cp_size=1.")
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # a batch without labels is predicted by a model call outside compute_loss: sharded too
+        with self._calls_on_shards(*self._sharded_models(model)):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+    def _shard_call(self, pc, calls, model, args, kwargs):
+        """Forward pre-hook: the call's [batch, seq] tensors sharded, the CP context entered, the head's per-token
+        scores and the call's labels held for :meth:`_gather_call`."""
+        asked = [k for k in ("output_hidden_states", "output_attentions") if kwargs.get(k)]
+        if args or calls or asked or not torch.is_tensor(kwargs.get("input_ids")):
+            raise ValueError(f"ndp.trainer: under context parallelism (cp_size={pc.cp_size}) {type(self).__name__} "
+                             f"calls the model with input_ids by keyword and pools its scores from the gathered "
+                             f"sequence; this call has {asked or 'positional arguments, or no input_ids'}, which "
+                             f"would be each shard's. Call it with input_ids, attention_mask and labels only, or "
+                             f"with cp_size=1.")
+        # TRL hands the batch's margin column to the model too, which passes it on to the attention unread (ndp's
+        # attention refuses an argument it does not know): the loss reads it from the batch, not from the call
+        labels = kwargs.get("labels")
+        kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k not in ("margin", "labels")})
+        held = []
+        head = peft_inner(self.accelerator.unwrap_model(model)).score
+        calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)
+        calls[-1] += (held, labels)
+        return args, kwargs
+
+    def _gather_call(self, pc, calls, model, args, kwargs, output):
+        """Forward hook: the CP context left; the held per-token scores gathered into the batch's rows and pooled
+        as transformers pools them, in place of the shard's pooled scores."""
+        if not calls:  # a pre-hook refused the call
+            return None
+        stack, origin, like, held, labels = calls.pop()
+        stack.close()
+        if output is None:  # the forward raised
+            return None
+        whole = gather_tokens(held[-1], origin, tuple(like.shape), mesh_axis(self.accelerator.torch_device_mesh, "cp"))
+        pooled = pooled_last_token(model, whole, like)
+        if labels is None:
+            return type(output)(logits=pooled)
+        inner = peft_inner(self.accelerator.unwrap_model(model))
+        loss = inner.loss_function(logits=whole, labels=labels, pooled_logits=pooled, config=inner.config)
+        return type(output)(loss=loss, logits=pooled)
+
+
+class Trainer(NdpPooledScoreMixin, transformers.Trainer):
+    """``transformers.Trainer`` with ndp's context parallelism (see the module docstring): a sequence classifier
+    under CP on :class:`NdpPooledScoreMixin`, a classifier's loss counted as the Trainer means
+    (:func:`_count_classifier_loss`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _count_classifier_loss(self)
+
+
+def _count_classifier_loss(trainer) -> None:
+    """transformers' token- and sequence-classification heads take ``**kwargs``, so the Trainer hands them
+    ``num_items_in_batch`` and, trusting them to divide by it, neither divides their loss by the gradient-accumulation
+    steps nor keeps it from being multiplied by the number of processes; they drop it and return their call's mean,
+    so the loss and its gradient come out gradient_accumulation_steps x world_size times too large. A token
+    classifier's loss is computed from its logits with the count instead (transformers' ``ForTokenClassification``
+    given ``num_items_in_batch``: the mean over every labelled token of the step, on CP shards too), unless the user
+    set a ``compute_loss_func`` or label smoothing (which takes the count); a sequence classifier's is its call's
+    mean, which the Trainer then averages over the calls (``model_accepts_loss_kwargs = False``)."""
+    model = trainer.model
+    if classifies_tokens(model) and trainer.compute_loss_func is None and trainer.label_smoother is None:
+        trainer._ndp_token_loss = functools.partial(_token_loss, peft_inner(model).config)
+        trainer.compute_loss_func = trainer._ndp_token_loss
+    elif pools_last_token(model):
+        trainer.model_accepts_loss_kwargs = False
+
+
+def _token_loss(config, outputs, labels, num_items_in_batch=None):
+    """A token classifier's loss from its outputs' logits: summed over the labelled tokens and divided by
+    `num_items_in_batch`, else their mean (the Trainer's ``compute_loss_func``)."""
+    return ForTokenClassification(outputs["logits"], labels, config, num_items_in_batch=num_items_in_batch)
 
 
 class SFTTrainer(NdpTrainerMixin, trl.SFTTrainer if trl is not None else object):
@@ -555,10 +717,8 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
         if isinstance(self.accelerator, Accelerator):
             self.accelerator.whole_batch_metrics = self._cp_config() is not None
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        with self._calls_on_shards(model, getattr(self, "ref_model", None)):  # a reward model has none
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+    def _sharded_models(self, model) -> tuple:
+        return model, getattr(self, "ref_model", None)  # a reward model has none
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         pc = self._cp_config()
@@ -569,29 +729,6 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
     def compute_ref_log_probs(self, model, inputs):
         with self._calls_on_shards(model):
             return super().compute_ref_log_probs(model, inputs)
-
-    @contextlib.contextmanager
-    def _calls_on_shards(self, *models):
-        """Inside, under CP, each call of `models` runs on this rank's shard of its tensors, its per-token outputs
-        gathered back (class docstring)."""
-        pc = self._cp_config()
-        if pc is None:
-            yield
-            return
-        calls, handles = [], []
-        for model in {id(m): m for m in models if m is not None}.values():
-            self.accelerator.prepare_cp(model)
-            handles += [model.register_forward_pre_hook(functools.partial(self._shard_call, pc, calls),
-                                                        with_kwargs=True, prepend=True),
-                        model.register_forward_hook(functools.partial(self._gather_call, pc, calls),
-                                                    with_kwargs=True, always_call=True)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            while calls:
-                calls.pop()[0].close()
 
     def _shard_call(self, pc, calls, model, args, kwargs):
         """Forward pre-hook: the call's [batch, seq] tensors and labels (shifted first) sharded; the CP context
@@ -607,21 +744,6 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")
         return args, self._on_shard(pc, calls, model, kwargs, shift_labels=F.pad(labels[:, 1:], (0, 1), value=-100))
-
-    def _on_shard(self, pc, calls, model, kwargs, **rows):
-        """The call's keyword arguments with its [batch, seq] tensors and `rows` (labels shifted before sharding)
-        replaced by this rank's shards, the CP context entered; `calls` holds what :meth:`_gather_call` needs (the
-        stack to leave, the shards' origin, the whole input_ids)."""
-        like = kwargs["input_ids"]
-        batch = {k: kwargs.pop(k).clone() for k in [k for k, v in kwargs.items()
-                                                     if torch.is_tensor(v) and v.shape == like.shape]}
-        batch.update(rows)
-        batch[ORIGIN] = origin_rows(like)
-        cp_context, batch = self._shard_for_cp(model, batch, pc)
-        stack = contextlib.ExitStack()
-        calls.append((stack, self._ndp_origin, like))
-        stack.enter_context(cp_context())
-        return {**kwargs, **batch}
 
     def _gather_call(self, pc, calls, model, args, kwargs, output):
         """Forward hook: the CP context left; each per-token output of the shard gathered into the batch's rows
@@ -649,71 +771,10 @@ class KTOTrainer(NdpSequenceLossMixin, trl.KTOTrainer if trl is not None else ob
     """``trl.KTOTrainer`` with ndp's context parallelism (:class:`NdpSequenceLossMixin`)."""
 
 
-class NdpPooledScoreMixin(NdpSequenceLossMixin):
-    """The overrides that put a TRL trainer of a sequence-classification model (a reward model: one score per row,
-    read at the row's last real token) on ndp's context parallelism.
-
-    Under CP each rank would hold a shard of the row, and transformers' pooling would read the shard's last token.
-    As for DPO (:class:`NdpSequenceLossMixin`), the trainer's batch stays whole and each model call runs on this
-    rank's shard of its tensors (a right-padded batch's mask made all ones: the pooled token is real, and no real
-    token sees a pad under the causal mask); the head's per-token scores (the ``score`` Linear's output) are gathered
-    back into the batch's rows (``gather_tokens``, differentiable) and pooled as transformers pools them
-    (``ndp.hf.models.pooled_last_token``), replacing the shard's pooled scores: the loss, its gradient and every
-    metric are the batch's, on every CP rank. The pooled scores are whole on every rank, so evaluation predictions
-    are served. Refused by name, at construction on every rank: a model whose head is not transformers' sequence
-    classification (``pools_last_token``); in a call: positional arguments, labels, hidden states or attentions
-    asked for.
-    """
-
-    _ndp_pools = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        pc = self._cp_config()
-        if pc is not None:
-            if not pools_last_token(self.model):
-                raise ValueError(f"ndp.trainer: {type(self).__name__} under context parallelism (cp_size="
-                                 f"{pc.cp_size}) pools each row's score from the gathered per-token scores of "
-                                 f"transformers' sequence-classification head (GenericForSequenceClassification: a "
-                                 f"`score` Linear, pooled at the last non-pad token); {type(self.model).__name__}'s "
-                                 f"head is not one. Train it with cp_size=1.")
-            setattr(self.model, POOLED_ON_WHOLE, True)  # the CP check's pooling-head refusal does not apply
-
-    def _shard_call(self, pc, calls, model, args, kwargs):
-        """Forward pre-hook: the call's [batch, seq] tensors sharded, the CP context entered, the head's per-token
-        scores held for :meth:`_gather_call`."""
-        asked = [k for k in ("labels", "output_hidden_states", "output_attentions") if kwargs.get(k) is not None and
-                 kwargs.get(k) is not False]
-        if args or calls or asked or not torch.is_tensor(kwargs.get("input_ids")):
-            raise ValueError(f"ndp.trainer: under context parallelism (cp_size={pc.cp_size}) {type(self).__name__} "
-                             f"calls the model with input_ids by keyword and pools its scores from the gathered "
-                             f"sequence; this call has {asked or 'positional arguments, or no input_ids'}, which "
-                             f"would be each shard's. Call it with input_ids and attention_mask only, or with "
-                             f"cp_size=1.")
-        # TRL hands the batch's margin column to the model too, which passes it on to the attention unread (ndp's
-        # attention refuses an argument it does not know): the loss reads it from the batch, not from the call
-        kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k != "margin"})
-        held = []
-        head = peft_inner(self.accelerator.unwrap_model(model)).score
-        calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)
-        calls[-1] += (held,)
-        return args, kwargs
-
-    def _gather_call(self, pc, calls, model, args, kwargs, output):
-        """Forward hook: the CP context left; the held per-token scores gathered into the batch's rows and pooled
-        as transformers pools them, in place of the shard's pooled scores."""
-        if not calls:  # a pre-hook refused the call
-            return None
-        stack, origin, like, held = calls.pop()
-        stack.close()
-        if output is None:  # the forward raised
-            return None
-        whole = gather_tokens(held[-1], origin, tuple(like.shape), mesh_axis(self.accelerator.torch_device_mesh, "cp"))
-        return type(output)(logits=pooled_last_token(model, whole, like))
-
-
-class RewardTrainer(NdpPooledScoreMixin, trl.RewardTrainer if trl is not None else object):
+class RewardTrainer(NdpPooledScoreMixin, NdpSequenceLossMixin, trl.RewardTrainer if trl is not None else object):
     """``trl.RewardTrainer`` with ndp's context parallelism (:class:`NdpPooledScoreMixin`)."""
+
+    _ndp_pooled_only = True
 
 
 def _unfused(cp_size, what) -> ValueError:

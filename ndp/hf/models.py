@@ -11,7 +11,8 @@ their own modality's inputs, never on the sharded text: they are allowed, and re
 
 A head that reads chosen positions of each row rather than every token's output (sequence classification's last
 non-pad token, question answering's span over the row, a multiple-choice token) would read them in each rank's shard
-(or, over packed documents, in the row's last document alone): refused too. Per-token heads (causal LM, token
+(or, over packed documents, in the row's last document alone): refused too, unless its caller pools from the gathered
+row (``POOLED_ON_WHOLE``: ndp.trainer's sequence classifiers). Per-token heads (causal LM, token
 classification) and the base model are exact. So is a PEFT wrapper whose adapters change weights (LoRA, DoRA): it is
 judged by the model it wraps (:func:`peft_inner`); one that learns virtual tokens before each row (prompt, prefix,
 P-tuning) would put them at every shard's start: refused.
@@ -25,7 +26,8 @@ import re
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.modeling_layers import GenericForQuestionAnswering, GenericForSequenceClassification
+from transformers.modeling_layers import (GenericForQuestionAnswering, GenericForSequenceClassification,
+                                         GenericForTokenClassification)
 
 from .mixers import head_split_problem, split_target
 
@@ -252,6 +254,14 @@ def pools_last_token(model: nn.Module) -> bool:
     return isinstance(inner, GenericForSequenceClassification) and isinstance(getattr(inner, "score", None), nn.Module)
 
 
+def classifies_tokens(model: nn.Module) -> bool:
+    """Whether the model's head is transformers' token classification (GenericForTokenClassification: a label per
+    token, its loss a mean over the labelled tokens of the call, unshifted), through a PEFT wrapper and FSDP2's
+    renamed class. Its forward hands no ``num_items_in_batch`` to that loss: a caller that splits a batch (micro-
+    batches, data-parallel ranks, CP shards) computes the loss from the logits with the batch's count."""
+    return isinstance(peft_inner(model), GenericForTokenClassification)
+
+
 def pooled_last_token(model: nn.Module, scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """transformers' sequence-classification pooling of per-token `scores` [batch, seq, labels]: each row's scores
     at its rightmost token whose id is not the config's pad token (left or right padding alike), or at the row's
@@ -302,8 +312,9 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
         raise Unsupported(
             f"{name}: {head}, and under context parallelism each rank holds a shard of the row: the positions it "
             f"reads would be the shard's. Run it with cp_size=1, or put a per-token head (causal LM, token "
-            f"classification) under CP; a reward model (sequence classification) trains under CP with "
-            f"ndp.trainer.RewardTrainer, which pools each row's score from the gathered sequence.")
+            f"classification) under CP; transformers' sequence classification trains under CP with ndp.trainer.Trainer "
+            f"(a classifier) or ndp.trainer.RewardTrainer (a reward model), which pool each row's score from the "
+            f"gathered sequence.")
     what = _mixing_outside_attention(model, gather=mixers in ("gather", "heads"))
     if what:
         gatherable = not _mixing_outside_attention(model, gather=True)
@@ -349,5 +360,5 @@ def check_packed_model(model: nn.Module) -> None:
 
 
 __all__ = ["Unsupported", "text_config", "peft_inner", "POOLED_ON_WHOLE", "pools_last_token", "pooled_last_token",
-           "takes_shift_labels", "attention_modules", "decoder_layers", "outside_layers", "cp_attention_modules",
+           "classifies_tokens", "takes_shift_labels", "attention_modules", "decoder_layers", "outside_layers", "cp_attention_modules",
            "layer_stacks", "check_cp_model", "check_packed_model", "gathered_mixers"]

@@ -1074,14 +1074,15 @@ def test_trl_trainers_whose_loss_is_not_a_token_sum_are_refused_under_cp(tmp_pat
     # the rule reads which class's compute_loss the trainer runs: TRL's other trainers are refused (GKD too, an
     # SFTTrainer whose loss runs a teacher on the shard), a subclass's own loss on top of transformers' Trainer or
     # trl.SFTTrainer is the user's (not refused); KTO is refused on the mixin alone, served by ndp's KTOTrainer;
-    # a reward model's pooled score on the mixins but ndp's pooling one (NdpPooledScoreMixin), served by
-    # ndp's RewardTrainer
+    # a reward model's pooled score on the mixins (NdpPooledScoreMixin alone pools for transformers' Trainer, not
+    # for TRL's), served by ndp's RewardTrainer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # trl.experimental says its API may change
         from trl.experimental.gkd import GKDTrainer
     own = {"compute_loss": lambda self, *a, **k: None}
     for cls in (trl.KTOTrainer, trl.RewardTrainer, GKDTrainer,
-                type("SeqReward", (ndp.trainer.NdpSequenceLossMixin, trl.RewardTrainer), {})):
+                type("SeqReward", (ndp.trainer.NdpSequenceLossMixin, trl.RewardTrainer), {}),
+                type("PoolReward", (ndp.trainer.NdpPooledScoreMixin, trl.RewardTrainer), {})):
         with pytest.raises(ValueError, match=rf"{cls.__name__} takes its loss from trl\.\S+Trainer, which"):
             ndp.trainer._check_token_loss_trainer(cls, 2)
     for cls in (ndp.trainer.Trainer, ndp.trainer.SFTTrainer, ndp.trainer.DPOTrainer, ndp.trainer.KTOTrainer,

@@ -45,8 +45,9 @@ and overrides, nothing patched:
   logits with the Trainer's token count, its labels sharded unshifted under CP, and a sequence classifier's call
   means are averaged by the Trainer (transformers' heads drop the count the Trainer hands them, which then neither
   divides their loss by the accumulation steps nor keeps it from the processes' multiple:
-  :func:`_count_classifier_loss`); under CP a sequence classifier runs as a reward model does
-  (:class:`NdpPooledScoreMixin`: the batch whole, each call sharded, the scores pooled from the gathered row);
+  :func:`_count_classifier_loss`); under CP a sequence classifier runs as a reward model does, and so does
+  question answering (:class:`NdpPooledScoreMixin`: the batch whole, each call sharded, the head's output read on
+  the gathered row);
 - ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
@@ -73,7 +74,7 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
-from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, pools_last_token
+from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, pools_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -487,24 +488,26 @@ def _check_token_batch(inputs, cp_size) -> None:
 
 
 class NdpPooledScoreMixin(NdpTrainerMixin):
-    """The overrides that put a trainer of a sequence-classification model (one score per row, read at the row's
-    last real token: a classifier under :class:`Trainer`, a reward model under :class:`RewardTrainer`) on ndp's
-    context parallelism.
+    """The overrides that put a trainer of a model whose head reads chosen positions of each row on ndp's context
+    parallelism: transformers' sequence classification (one score per row, read at the row's last real token: a
+    classifier under :class:`Trainer`, a reward model under :class:`RewardTrainer`) and question answering (a span's
+    start and end over the row, under :class:`Trainer`).
 
-    Under CP each rank would hold a shard of the row, and transformers' pooling would read the shard's last token.
+    Under CP each rank would hold a shard of the row, and transformers' head would read the shard's positions.
     As for DPO (:class:`NdpSequenceLossMixin`), the trainer's batch stays whole and each model call runs on this
     rank's shard of its tensors (a right-padded batch's mask made all ones: the pooled token is real, and no real
-    token sees a pad under the causal mask); the head's per-token scores (the ``score`` Linear's output) are gathered
-    back into the batch's rows (``gather_tokens``, differentiable) and pooled as transformers pools them
-    (``ndp.hf.models.pooled_last_token``), replacing the shard's pooled scores; a call's ``labels`` are held back
-    and the model's own loss (regression, single- or multi-label) is computed from the pooled scores: the loss, its
-    gradient and every metric are the batch's, on every CP rank (a shard's gradient is every CP rank's gradient of
-    its tokens, summed, so FSDP's average over the dp x cp ranks is the data-parallel batches' mean). The pooled
-    scores are whole on every rank, so evaluation predictions are served. A model whose head is not transformers'
-    sequence classification (``pools_last_token``) is refused by name at construction where the trainer serves
-    nothing else (``_ndp_pooled_only``: :class:`RewardTrainer`), else trained as the mixin's base class trains it
-    (a per-token head; a pooling head of its own is refused by the CP model check). Refused by name in a call:
-    positional arguments, hidden states or attentions asked for.
+    token sees a pad under the causal mask); the head's per-token output (its Linear's: ``ndp.hf.models.row_head``)
+    is gathered back into the batch's rows (``gather_tokens``, differentiable) and read as transformers reads it
+    (pooled at the last non-pad token: ``ndp.hf.models.pooled_last_token``; split into start and end logits),
+    replacing the shard's; a call's labels (``labels``, ``start_positions`` / ``end_positions``) are held back and
+    the model's own loss is computed on the whole rows: the loss, its gradient and every metric are the batch's, on
+    every CP rank (a shard's gradient is every CP rank's gradient of its tokens, summed, so FSDP's average over the
+    dp x cp ranks is the data-parallel batches' mean). The outputs are whole on every rank, so evaluation
+    predictions are served. A model without such a head is refused by name at construction where the trainer serves
+    nothing else (``_ndp_pooled_only``: :class:`RewardTrainer`, sequence classification only), else trained as the
+    mixin's base class trains it (a per-token head; a head of its own that pools is refused by the CP model check).
+    Refused by name in a call: positional arguments, hidden states or attentions asked for, a padded
+    question-answering batch (its pads' logits are read).
     """
 
     _ndp_pooled_only = False
@@ -514,7 +517,7 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
         pc = self._cp_config()
         if pc is None:
             return
-        if pools_last_token(self.model):
+        if pools_last_token(self.model) or (row_head(self.model) and not self._ndp_pooled_only):
             self._ndp_pools, self._ndp_shards_batch = True, False
             setattr(self.model, POOLED_ON_WHOLE, True)  # the CP check's pooling-head refusal does not apply
         elif self._ndp_pooled_only:
@@ -541,10 +544,12 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
                              f"with cp_size=1.")
         # TRL hands the batch's margin column to the model too, which passes it on to the attention unread (ndp's
         # attention refuses an argument it does not know): the loss reads it from the batch, not from the call
-        labels = kwargs.get("labels")
-        kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k not in ("margin", "labels")})
+        _refuse_padded_spans(pc, model, kwargs.get("attention_mask"))
+        labels = {k: kwargs[k] for k in _ROW_LABELS if kwargs.get(k) is not None}
+        kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k not in ("margin", *labels)})
         held = []
-        head = peft_inner(self.accelerator.unwrap_model(model)).score
+        inner = peft_inner(self.accelerator.unwrap_model(model))
+        head = getattr(inner, row_head(inner))
         calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)
         calls[-1] += (held, labels)
         return args, kwargs
@@ -559,12 +564,41 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
         if output is None:  # the forward raised
             return None
         whole = gather_tokens(held[-1], origin, tuple(like.shape), mesh_axis(self.accelerator.torch_device_mesh, "cp"))
-        pooled = pooled_last_token(model, whole, like)
-        if labels is None:
-            return type(output)(logits=pooled)
-        inner = peft_inner(self.accelerator.unwrap_model(model))
-        loss = inner.loss_function(logits=whole, labels=labels, pooled_logits=pooled, config=inner.config)
-        return type(output)(loss=loss, logits=pooled)
+        return type(output)(**_read_rows(peft_inner(self.accelerator.unwrap_model(model)), whole, like, labels))
+
+
+# what a row head's forward takes as labels (sequence classification's; question answering's span)
+_ROW_LABELS = ("labels", "start_positions", "end_positions")
+
+
+def _refuse_padded_spans(pc, model, mask) -> None:
+    """Question answering reads every position's start and end logits, the pads' included (transformers' loss and
+    predictions do not mask them), and under CP the pads' outputs are computed without the padding mask (its keys
+    are not masked: ``ndp.hf.batch.without_padding``): a padded batch is refused, on every CP rank alike."""
+    if row_head(model) != "qa_outputs" or not torch.is_tensor(mask) or bool(mask.all()):
+        return
+    raise ValueError(f"ndp.trainer: under context parallelism (cp_size={pc.cp_size}) a question-answering batch "
+                     f"with padding ({int((mask == 0).sum())} pad tokens in the attention_mask): its start and end "
+                     f"logits at the pads, which the loss and predictions read, would differ from a run without CP "
+                     f"(ndp drops the padding mask). Give it unpadded rows (per_device_train_batch_size=1, or rows all "
+                     f"of one length), or train with cp_size=1.")
+
+
+def _read_rows(model, scores, input_ids, labels) -> dict:
+    """What transformers' row head (``ndp.hf.models.row_head``) returns from its Linear's per-token `scores` of the
+    whole rows: sequence classification's pooled logits, question answering's start and end logits; with `labels`
+    (its forward's), the model's own loss on them."""
+    if row_head(model) == "qa_outputs":
+        start, end = (t.squeeze(-1).contiguous() for t in scores.split(1, dim=-1))
+        out = {"start_logits": start, "end_logits": end}
+        if "start_positions" in labels and "end_positions" in labels:
+            out["loss"] = model.loss_function(start, end, labels["start_positions"], labels["end_positions"])
+        return out
+    out = {"logits": pooled_last_token(model, scores, input_ids)}
+    if "labels" in labels:
+        out["loss"] = model.loss_function(logits=scores, labels=labels["labels"], pooled_logits=out["logits"],
+                                          config=model.config)
+    return out
 
 
 class Trainer(NdpPooledScoreMixin, transformers.Trainer):
@@ -590,7 +624,7 @@ def _count_classifier_loss(trainer) -> None:
     if classifies_tokens(model) and trainer.compute_loss_func is None and trainer.label_smoother is None:
         trainer._ndp_token_loss = functools.partial(_token_loss, peft_inner(model).config)
         trainer.compute_loss_func = trainer._ndp_token_loss
-    elif pools_last_token(model):
+    elif row_head(model):
         trainer.model_accepts_loss_kwargs = False
 
 

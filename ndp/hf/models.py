@@ -11,9 +11,9 @@ their own modality's inputs, never on the sharded text: they are allowed, and re
 
 A head that reads chosen positions of each row rather than every token's output (sequence classification's last
 non-pad token, question answering's span over the row, a multiple-choice token) would read them in each rank's shard
-(or, over packed documents, in the row's last document alone): refused too, unless its caller pools from the gathered
-row (``POOLED_ON_WHOLE``: ndp.trainer's sequence classifiers). Per-token heads (causal LM, token
-classification) and the base model are exact. So is a PEFT wrapper whose adapters change weights (LoRA, DoRA): it is
+(or, over packed documents, in the row's last document alone): refused too, unless its caller reads it on the
+gathered rows (``POOLED_ON_WHOLE``: ndp.trainer's sequence classification and question answering, :func:`row_head`;
+packed rows stay refused). Per-token heads (causal LM, token classification) and the base model are exact. So is a PEFT wrapper whose adapters change weights (LoRA, DoRA): it is
 judged by the model it wraps (:func:`peft_inner`); one that learns virtual tokens before each row (prompt, prefix,
 P-tuning) would put them at every shard's start: refused.
 """
@@ -250,8 +250,19 @@ def pools_last_token(model: nn.Module) -> bool:
     """Whether the model's head is transformers' sequence classification (GenericForSequenceClassification: a
     per-token ``score`` Linear, pooled at each row's last token that is not the pad token), which
     :func:`pooled_last_token` reproduces; through a PEFT wrapper and FSDP2's renamed class."""
+    return row_head(model) == "score"
+
+
+def row_head(model: nn.Module) -> str | None:
+    """The name of the per-token Linear of transformers' heads that read chosen positions of each row, whose output
+    a caller under CP gathers from the shards and reads on the whole row (``score``: GenericForSequenceClassification,
+    pooled at the last non-pad token; ``qa_outputs``: GenericForQuestionAnswering, a span's start and end over the
+    row), else None; through a PEFT wrapper and FSDP2's renamed class."""
     inner = peft_inner(model)
-    return isinstance(inner, GenericForSequenceClassification) and isinstance(getattr(inner, "score", None), nn.Module)
+    for cls, name in ((GenericForSequenceClassification, "score"), (GenericForQuestionAnswering, "qa_outputs")):
+        if isinstance(inner, cls) and isinstance(getattr(inner, name, None), nn.Module):
+            return name
+    return None
 
 
 def classifies_tokens(model: nn.Module) -> bool:
@@ -277,10 +288,11 @@ def pooled_last_token(model: nn.Module, scores: torch.Tensor, input_ids: torch.T
     return scores[torch.arange(scores.shape[0], device=scores.device), last]
 
 
-def _pooling_head(model: nn.Module) -> str | None:
-    """What in the model's head reads chosen positions of each row (a noun phrase), else None (none, or one its
-    caller pools from the gathered sequence: ``POOLED_ON_WHOLE``)."""
-    if getattr(model, POOLED_ON_WHOLE, False):
+def _pooling_head(model: nn.Module, whole_rows: bool = True) -> str | None:
+    """What in the model's head reads chosen positions of each row (a noun phrase), else None (none, or, where
+    `whole_rows` serves it, one its caller reads on the gathered rows: ``POOLED_ON_WHOLE``; a packed row's
+    documents still share it)."""
+    if whole_rows and getattr(model, POOLED_ON_WHOLE, False):
         return None
     if isinstance(model, (GenericForSequenceClassification, GenericForQuestionAnswering)) or \
             _POOLING_HEAD.search(type(model).__name__):
@@ -348,7 +360,7 @@ def check_packed_model(model: nn.Module) -> None:
     packed = "packed documents (several in one row: position_ids restarting at 0, cu_seq_lens_q or seq_idx)"
     fix = ("Train it on one document per row (unpacked rows, padded with labels -100), e.g. ndp-train without "
            "--pack-docs.")
-    head = _pooling_head(model)
+    head = _pooling_head(model, whole_rows=False)
     if head:
         raise Unsupported(f"{type(model).__name__}: {packed} would not stay apart: {head}, one set for all the "
                           f"documents of a row. {fix}")
@@ -360,5 +372,6 @@ def check_packed_model(model: nn.Module) -> None:
 
 
 __all__ = ["Unsupported", "text_config", "peft_inner", "POOLED_ON_WHOLE", "pools_last_token", "pooled_last_token",
-           "classifies_tokens", "takes_shift_labels", "attention_modules", "decoder_layers", "outside_layers", "cp_attention_modules",
-           "layer_stacks", "check_cp_model", "check_packed_model", "gathered_mixers"]
+           "row_head", "classifies_tokens", "takes_shift_labels", "attention_modules", "decoder_layers",
+           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model",
+           "gathered_mixers"]

@@ -128,6 +128,12 @@ class NdpTrainerMixin:
             self.gather_function = self._gather_over_dp
         return super().evaluation_loop(*args, **kwargs)
 
+    def _inner(self, model):
+        """The transformers model inside the Trainer's `model`: unwrapped from Accelerate's wrappers and from
+        torch.compile's (whose class, OptimizedModule, names no head: under torch_compile=True the label smoother's
+        causal-LM test failed, and a causal LM trained on unshifted labels), and from a PEFT wrapper."""
+        return peft_inner(self.accelerator.unwrap_model(model, keep_torch_compile=False))
+
     def _cp_config(self):
         """The Accelerator's parallelism_config where it turns CP on, else None."""
         pc = getattr(self.accelerator, "parallelism_config", None)
@@ -380,7 +386,7 @@ def _smoothing_shifted(trainer, model, shifted):
     if smoother is None:
         yield
         return
-    causal = _is_causal_lm(trainer.accelerator.unwrap_model(model))
+    causal = _is_causal_lm(trainer._inner(model))
 
     def as_meant(outputs, labels, shift_labels=False, num_items_in_batch=None):
         if causal and shifted is not None:
@@ -401,7 +407,7 @@ def _neftune_of_batch(cp_context, trainer, model, seq, shard):
     alpha is scaled by sqrt(shard length / the batch's length) for the step: the batch's magnitude."""
     with cp_context():
         on = getattr(trainer, "neftune_noise_alpha", None) is not None
-        embeddings = peft_inner(trainer.accelerator.unwrap_model(model)).get_input_embeddings() if on else None
+        embeddings = trainer._inner(model).get_input_embeddings() if on else None
         alpha = getattr(embeddings, "neftune_noise_alpha", None)  # None in evaluation: NEFTune trains only
         if alpha is None:
             yield
@@ -548,7 +554,7 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
         labels = {k: kwargs[k] for k in _ROW_LABELS if kwargs.get(k) is not None}
         kwargs = self._on_shard(pc, calls, model, {k: v for k, v in kwargs.items() if k not in ("margin", *labels)})
         held = []
-        inner = peft_inner(self.accelerator.unwrap_model(model))
+        inner = self._inner(model)
         head = getattr(inner, row_head(inner))
         calls[-1][0].callback(head.register_forward_hook(lambda m, a, out: held.append(out)).remove)
         calls[-1] += (held, labels)
@@ -564,7 +570,7 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
         if output is None:  # the forward raised
             return None
         whole = gather_tokens(held[-1], origin, tuple(like.shape), mesh_axis(self.accelerator.torch_device_mesh, "cp"))
-        return type(output)(**_read_rows(peft_inner(self.accelerator.unwrap_model(model)), whole, like, labels))
+        return type(output)(**_read_rows(self._inner(model), whole, like, labels))
 
 
 # what a row head's forward takes as labels (sequence classification's; question answering's span)

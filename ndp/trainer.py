@@ -201,7 +201,7 @@ class NdpTrainerMixin:
         # in place
         counted = (getattr(model, "main_input_name", "input_ids"), "attention_mask", "position_ids")
         self._ndp_unsharded = {k: inputs[k].clone() for k in counted if torch.is_tensor(inputs.get(k))}
-        if "labels" in inputs and "shift_labels" not in inputs and not classifies_tokens(model):
+        if "labels" in inputs and "shift_labels" not in inputs and not classifies_tokens(self._inner(model)):
             inputs["shift_labels"] = F.pad(inputs["labels"][:, 1:], (0, 1), value=-100)  # before sharding
         # a padded collator's batch: exact when every pad's label is -100, or when no pad's output is read
         inputs = without_padding(inputs, pads_read=not self._ndp_pools)

@@ -111,7 +111,10 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
 
 def _own_tp_plan(model: nn.Module) -> dict:
     """The model's own tensor-parallel plan by full module name: its config's (under its base model), or for a
-    multimodal wrapper without one, its text decoder's (under that decoder)."""
+    multimodal wrapper without one, its text decoder's (under that decoder); a PEFT wrapper's, the model it wraps'
+    with its LoRA layers split as :func:`_lora_tp_plan` splits them."""
+    if peft_inner(model) is not model:
+        return _lora_tp_plan(model, _own_tp_plan(peft_inner(model)))
     plan = getattr(model.config, "base_model_tp_plan", None)
     if plan:
         return {_base_prefix(model) + k: v for k, v in plan.items()}
@@ -123,20 +126,78 @@ def _own_tp_plan(model: nn.Module) -> dict:
     return {f"{where}.{k}": v for k, v in plan.items()} if where else {}
 
 
+# The tensor-parallel styles a LoRA layer is split by: its base layer's, and the one adapter matrix whose split
+# keeps the adapter's product on the base layer's split (the other one stays whole on every rank: colwise splits
+# lora_B's outputs, lora_A's rank-r output whole; rowwise splits lora_A's inputs, its output summed over the ranks
+# as the base layer's is, then lora_B whole).
+_LORA_SPLIT = {"colwise": "lora_B", "colwise_rep": "lora_B", "colwise_gather_output": "lora_B", "rowwise": "lora_A",
+               "rowwise_rep": "lora_A", "rowwise_split_input": "lora_A"}
+
+
+def _lora_tp_plan(model: nn.Module, inner_plan: dict) -> dict:
+    """The plan of a PEFT wrapper from the plan of the model it wraps (names under that model): each entry named
+    under the wrapper, and a LoRA layer's entry given to its ``base_layer`` and, by :data:`_LORA_SPLIT`, to one of
+    its adapter matrices (every adapter's); an entry on a layer ndp cannot split so stays on the layer, for
+    :func:`check_tp_plan` to refuse by name."""
+    where = next(n for n, m in model.named_modules() if m is peft_inner(model))
+    plan = {}
+    for pattern, style in inner_plan.items():
+        full = f"{where}.{pattern}"
+        layers = [m for _, m in match_modules(model, [full])]
+        if not layers or not all(_lora_layer(m) for m in layers) or style not in _LORA_SPLIT:
+            plan[full] = style
+            continue
+        plan[f"{full}.base_layer"] = style
+        for adapter in getattr(layers[0], _LORA_SPLIT[style]).keys():
+            plan[f"{full}.{_LORA_SPLIT[style]}.{adapter}"] = style
+    return plan
+
+
+def _lora_layer(module: nn.Module) -> bool:
+    """Whether `module` is one of PEFT's LoRA layers around a linear layer (base_layer, lora_A / lora_B dicts)."""
+    return all(isinstance(getattr(module, k, None), (nn.Linear, nn.ModuleDict)) for k in ("base_layer", "lora_A",
+                                                                                         "lora_B"))
+
+
+def _lora_tp_problem(model: nn.Module, inner_plan: dict) -> str | None:
+    """Why ndp cannot split a PEFT wrapper's adapted layers by `inner_plan` (the wrapped model's plan) exactly, else
+    None: a PEFT method other than LoRA, DoRA (its magnitude renormalizes the whole weight), dropout on the adapters'
+    input (drawn apart on each tensor-parallel rank), a planned layer of another kind."""
+    config = getattr(model, "active_peft_config", None)
+    method = str(getattr(getattr(config, "peft_type", None), "value", config))
+    if method != "LORA":
+        return f"its PEFT method is {method}, and ndp splits LoRA adapters only"
+    if getattr(config, "use_dora", False):
+        return "DoRA rescales each adapted layer by the norm of its whole weight, which the split leaves on no rank"
+    if getattr(config, "lora_dropout", 0.0):
+        return (f"lora_dropout={config.lora_dropout} draws each tensor-parallel rank's dropout apart, and the adapters "
+                f"kept whole on every rank would drift apart (set lora_dropout=0.0)")
+    inner = peft_inner(model)
+    odd = [n for pattern in inner_plan for n, m in match_modules(inner, [pattern])
+           if any(k.startswith("lora_") for k in dict(m.named_children())) and not _lora_layer(m)]
+    if odd:
+        return f"{', '.join(odd[:3])} {'is' if len(odd) == 1 else 'are'} adapted by PEFT modules ndp does not split"
+    return None
+
+
 def check_tp_plan(model: nn.Module, tp_plan) -> None:
     """Raise :class:`Unsupported` unless ndp can apply `tp_plan` (``hf_plan(model).tp_plan``), the model's own
     tensor-parallel plan, exactly: a model without a plan is not guessed one (a layer laid out like Llama's may hold
     per-head norms a split applies to another rank's heads); a style ndp does not implement (experts, packed or MLA
     projections, local parameters) is named; so are parameters the plan leaves whole inside a module whose
     projections it splits by columns (each rank would compute them on its share only: Apertus' xIELU activation, a
-    per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity (statistics over the split width)."""
+    per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity (statistics over the split width).
+    A PEFT wrapper: LoRA only, without DoRA or dropout (:func:`_lora_tp_problem`), the wrapped model checked with
+    its own plan."""
     name = type(model).__name__
     fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
     if peft_inner(model) is not model:
-        raise Unsupported(f"tensor parallel: {name} is a PEFT model, whose adapted layers are PEFT's own modules "
-                          f"around the linear layers the plan splits, which ndp's tensor-parallel styles (torch's, for "
-                          f"nn.Linear) cannot split. {fix}")
+        inner = peft_inner(model)
+        problem = _lora_tp_problem(model, _own_tp_plan(inner))
+        if problem:
+            raise Unsupported(f"tensor parallel: {name} is a PEFT model and {problem}. {fix}")
+        return check_tp_plan(inner, _own_tp_plan(inner))  # the wrapped model's plan, its entries its own
     if not _own_tp_plan(model):
         raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
                           f"empty, its text decoder's too) and ndp does not guess one. {fix}")

@@ -703,7 +703,7 @@ def _sft_rank(rank, world, tmp, model_dir, packing, eval_packing, par, layer, ov
 def _sft_losses(trainer, eval_loss):
     """The logged training losses, the eval loss and TRL's metrics of each logged step (training, then eval)."""
     logs = [h for h in trainer.state.log_history if "loss" in h or "eval_loss" in h]
-    return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss,
+    return {"losses": [h["loss"] for h in logs if "loss" in h], "eval": eval_loss, "tp_split": _tp_split(trainer.model),
             "metrics": [{k: v for k, v in h.items() if k.removeprefix("eval_") in TRL_METRICS} for h in logs]}
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import ndp
 import ndp.hf
 from dist import spawn
-from test_accelerate import _save_tiny, _sft_against
+from test_accelerate import _save_tiny, _sft_against, _tp_split
 from test_preference import _against, _decided
 
 peft = pytest.importorskip("peft")
@@ -25,17 +25,20 @@ def _lora(**kw):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("packing, dp, dora", [(False, 1, False), (True, 2, False), (False, 1, True)])
-def test_sft_trainer_with_adapters_under_cp_trains_and_evaluates_as_without(tmp_path, packing, dp, dora):
+@pytest.mark.parametrize("packing, dp, dora, split", [(False, 1, False, "cp_size"), (True, 2, False, "cp_size"),
+                                                       (False, 1, True, "cp_size"), (False, 2, False, "tp_size")])
+def test_sft_trainer_with_adapters_under_cp_trains_and_evaluates_as_without(tmp_path, packing, dp, dora, split):
     """The PEFT wrapper computes no loss itself: it hands `shift_labels` and `num_items_in_batch` on to the
     transformers model, whose causal-LM loss takes them. ndp looked for that loss on the wrapper and refused every
     PEFT model given labels under CP ("PeftModelForCausalLM computes its loss itself from `labels`"): LoRA had no
     CP. Against TRL's one process (cp 2) or ndp's at dp_shard 2 (dp_shard 2 x cp 2, packed): losses, evaluation
-    loss and TRL's metrics."""
+    loss and TRL's metrics. LoRA at dp_shard 2 x tp 2 (refused before) against dp_shard 2: the 14 base layers
+    and 14 adapter matrices split over the TP ranks."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
     got, want = _sft_against(tmp_path, model_dir, packing, None, dp, layer=_save_tiny(model_dir, "llama"),
-                             peft_config=_lora(use_dora=dora), learning_rate=0.1, max_grad_norm=0.0)
+                             split=split, peft_config=_lora(use_dora=dora), learning_rate=0.1, max_grad_norm=0.0)
+    assert got["tp_split"] == (28 if split == "tp_size" else 0)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["losses"][0] != got["losses"][2]  # the adapters trained
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
@@ -76,9 +79,21 @@ def test_virtual_token_methods_are_refused_under_cp_and_adapters_pass(tmp_path, 
     ndp.hf.check_model(lora, ndp.ParallelismConfig(cp_size=2))
     assert ndp.hf.models.takes_shift_labels(lora) and ndp.hf.models.peft_inner(lora) is lora.base_model.model
     assert torch.equal(lora.get_input_embeddings().weight, base.get_input_embeddings().weight)
-    # tensor parallel: PEFT's adapted layers are not the nn.Linear the plan splits; refused by name
-    with pytest.raises(ndp.hf.Unsupported, match="tensor parallel: PeftModelForCausalLM is a PEFT model"):
-        ndp.hf.check_tp_plan(lora, ndp.hf.hf_plan(lora).tp_plan)
+    # tensor parallel: a LoRA layer's plan entry goes to its base layer and to the adapter matrix split alike
+    plan = ndp.hf.hf_plan(lora).tp_plan
+    ndp.hf.check_tp_plan(lora, plan)
+    at = "base_model.model.model.layers.*."
+    assert plan[at + "self_attn.q_proj.base_layer"] == plan[at + "self_attn.q_proj.lora_B.default"] == "colwise"
+    assert plan[at + "mlp.down_proj.base_layer"] == plan[at + "mlp.down_proj.lora_A.default"] == "rowwise"
+    assert len(plan) == 14
+    # refused by name: what the split cannot keep exact
+    for config, why in ((_lora(use_dora=True), "DoRA rescales each adapted layer by the norm of its whole weight"),
+                        (_lora(lora_dropout=0.1), r"lora_dropout=0.1 draws each tensor-parallel rank's dropout"),
+                        (peft.IA3Config(task_type="CAUSAL_LM"), "its PEFT method is IA3, and ndp splits LoRA")):
+        other = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path)), config)
+        with pytest.raises(ndp.hf.Unsupported, match=f"tensor parallel: PeftModelForCausalLM is a PEFT model and "
+                                                     f"{why}"):
+            ndp.hf.check_tp_plan(other, ndp.hf.hf_plan(other).tp_plan)
 
 
 def _lora_llama():
@@ -101,9 +116,11 @@ def _batch():
     return ids, F.pad(ids[:, 1:], (0, 1), value=-100)
 
 
-def _parallelized_lora_rank(rank, world, tmp):
-    cfg = ndp.ParallelismConfig(dp_shard_size=2, cp_size=2)
+def _parallelized_lora_rank(rank, world, tmp, par):
+    cfg = ndp.ParallelismConfig(**par)
     model = ndp.hf.parallelize(_lora_llama(), cfg, cfg.build_device_mesh("cpu"))
+    # under tp 2 the 14 projections' base layers and their 14 split adapter matrices are split over "tp"
+    assert _tp_split(model) == (28 if cfg.tp_size > 1 else 0)
     ids, labels = _batch()
     b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids, labels=labels,
                            position_ids=torch.arange(ids.shape[1]).expand_as(ids))
@@ -118,10 +135,14 @@ def _parallelized_lora_rank(rank, world, tmp):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_parallelize_a_lora_model_under_fsdp2_and_cp_matches_one_process(tmp_path):
-    """ndp.hf.parallelize on a PEFT model (dp_shard 2 x cp 2): its loss from shard_batch's labels and the adapters'
-    gradients (the frozen weights get none) equal one process's on the whole batch."""
-    spawn(_parallelized_lora_rank, 4, tmp_path, str(tmp_path), timeout_s=120)
+@pytest.mark.parametrize("par", [{"dp_shard_size": 2, "cp_size": 2}, {"cp_size": 2, "tp_size": 2}],
+                         ids=["dp_shard2-cp2", "cp2-tp2"])
+def test_parallelize_a_lora_model_under_fsdp2_cp_and_tp_matches_one_process(tmp_path, par):
+    """ndp.hf.parallelize on a PEFT model (dp_shard 2 x cp 2; cp 2 x tp 2, each LoRA layer split with its base
+    layer: refused before): its loss from shard_batch's labels and the adapters' gradients (the frozen weights get
+    none; the B matrices random, so that the A matrices, kept whole beside a column split, get one) equal one
+    process's on the whole batch."""
+    spawn(_parallelized_lora_rank, 4, tmp_path, str(tmp_path), par, timeout_s=120)
     loss, grads = torch.load(tmp_path / "lora.pt")
     model = _lora_llama()
     ids, labels = _batch()

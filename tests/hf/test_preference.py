@@ -186,7 +186,7 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["dpo", "reward"])
+@pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
 def test_preference_trainers_in_bf16_under_cp_stay_near_one_process(tmp_path, kind):
     """bf16=True: FSDP2's bf16 mixed precision under CP (the gathered per-token outputs and their summed gradients in
     bf16) against TRL's one process under bf16 autocast. The two round differently (measured: at most 1.7e-3

@@ -143,13 +143,17 @@ def _lora_tp_plan(model: nn.Module, inner_plan: dict) -> dict:
     plan = {}
     for pattern, style in inner_plan.items():
         full = f"{where}.{pattern}"
-        layers = [m for _, m in match_modules(model, [full])]
-        if not layers or not all(_lora_layer(m) for m in layers) or style not in _LORA_SPLIT:
+        matched = match_modules(model, [full])
+        if not any(_lora_layer(m) for _, m in matched) or style not in _LORA_SPLIT:
             plan[full] = style
             continue
-        plan[f"{full}.base_layer"] = style
-        for adapter in getattr(layers[0], _LORA_SPLIT[style]).keys():
-            plan[f"{full}.{_LORA_SPLIT[style]}.{adapter}"] = style
+        for name, layer in matched:  # by name: PEFT may adapt some of the pattern's layers only
+            if not _lora_layer(layer):
+                plan[name] = style
+                continue
+            plan[f"{name}.base_layer"] = style
+            for adapter in getattr(layer, _LORA_SPLIT[style]).keys():
+                plan[f"{name}.{_LORA_SPLIT[style]}.{adapter}"] = style
     return plan
 
 

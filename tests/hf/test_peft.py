@@ -82,10 +82,10 @@ def test_virtual_token_methods_are_refused_under_cp_and_adapters_pass(tmp_path, 
     # tensor parallel: a LoRA layer's plan entry goes to its base layer and to the adapter matrix split alike
     plan = ndp.hf.hf_plan(lora).tp_plan
     ndp.hf.check_tp_plan(lora, plan)
-    at = "base_model.model.model.layers.*."
+    at = "base_model.model.model.layers.1."
     assert plan[at + "self_attn.q_proj.base_layer"] == plan[at + "self_attn.q_proj.lora_B.default"] == "colwise"
     assert plan[at + "mlp.down_proj.base_layer"] == plan[at + "mlp.down_proj.lora_A.default"] == "rowwise"
-    assert len(plan) == 14
+    assert len(plan) == 28  # by name: 2 layers x 7 projections x (base layer, adapter matrix)
     # refused by name: what the split cannot keep exact
     for config, why in ((_lora(use_dora=True), "DoRA rescales each adapted layer by the norm of its whole weight"),
                         (_lora(lora_dropout=0.1), r"lora_dropout=0.1 draws each tensor-parallel rank's dropout"),
@@ -96,14 +96,14 @@ def test_virtual_token_methods_are_refused_under_cp_and_adapters_pass(tmp_path, 
             ndp.hf.check_tp_plan(other, ndp.hf.hf_plan(other).tp_plan)
 
 
-def _lora_llama():
-    """A tiny Llama with LoRA on every linear layer, its B matrices random (PEFT starts them at zero, which would
-    leave the A matrices without a gradient)."""
+def _lora_llama(**lora):
+    """A tiny Llama with LoRA on every linear layer (`lora`: other LoraConfig fields), its B matrices random (PEFT
+    starts them at zero, which would leave the A matrices without a gradient)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     torch.manual_seed(1)
-    model = peft.get_peft_model(model, _lora())
+    model = peft.get_peft_model(model, _lora(**lora))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -116,11 +116,10 @@ def _batch():
     return ids, F.pad(ids[:, 1:], (0, 1), value=-100)
 
 
-def _parallelized_lora_rank(rank, world, tmp, par):
+def _parallelized_lora_rank(rank, world, tmp, par, lora, split):
     cfg = ndp.ParallelismConfig(**par)
-    model = ndp.hf.parallelize(_lora_llama(), cfg, cfg.build_device_mesh("cpu"))
-    # under tp 2 the 14 projections' base layers and their 14 split adapter matrices are split over "tp"
-    assert _tp_split(model) == (28 if cfg.tp_size > 1 else 0)
+    model = ndp.hf.parallelize(_lora_llama(**lora), cfg, cfg.build_device_mesh("cpu"))
+    assert _tp_split(model) == split  # the parameters split over "tp": base layers and adapter matrices
     ids, labels = _batch()
     b = ndp.hf.shard_batch(model, global_batch=True, input_ids=ids, labels=labels,
                            position_ids=torch.arange(ids.shape[1]).expand_as(ids))
@@ -135,21 +134,24 @@ def _parallelized_lora_rank(rank, world, tmp, par):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("par", [{"dp_shard_size": 2, "cp_size": 2}, {"cp_size": 2, "tp_size": 2}],
-                         ids=["dp_shard2-cp2", "cp2-tp2"])
-def test_parallelize_a_lora_model_under_fsdp2_cp_and_tp_matches_one_process(tmp_path, par):
+@pytest.mark.parametrize("par, lora, grads, split", [
+    ({"dp_shard_size": 2, "cp_size": 2}, {}, 28, 0), ({"cp_size": 2, "tp_size": 2}, {}, 28, 28),
+    ({"cp_size": 2, "tp_size": 2}, {"target_modules": ["q_proj", "down_proj"], "layers_to_transform": [0]}, 4, 16)],
+    ids=["dp_shard2-cp2", "cp2-tp2", "cp2-tp2-some"])
+def test_parallelize_a_lora_model_under_fsdp2_cp_and_tp_matches_one_process(tmp_path, par, lora, grads, split):
     """ndp.hf.parallelize on a PEFT model (dp_shard 2 x cp 2; cp 2 x tp 2, each LoRA layer split with its base
-    layer: refused before): its loss from shard_batch's labels and the adapters' gradients (the frozen weights get
-    none; the B matrices random, so that the A matrices, kept whole beside a column split, get one) equal one
-    process's on the whole batch."""
-    spawn(_parallelized_lora_rank, 4, tmp_path, str(tmp_path), par, timeout_s=120)
-    loss, grads = torch.load(tmp_path / "lora.pt")
-    model = _lora_llama()
+    layer: refused before; LoRA on two projections of the first layer only, the others split as plain layers):
+    its loss from shard_batch's labels and the adapters' gradients (the frozen weights get none; the B matrices
+    random, so that the A matrices, kept whole beside a column split, get one) equal one process's on the whole
+    batch."""
+    spawn(_parallelized_lora_rank, 4, tmp_path, str(tmp_path), par, lora, split, timeout_s=120)
+    loss, got = torch.load(tmp_path / "lora.pt")
+    model = _lora_llama(**lora)
     ids, labels = _batch()
     want = model(input_ids=ids, labels=labels, shift_labels=labels)
     want.loss.backward()
     assert loss == pytest.approx(want.loss.item(), rel=1e-6)
     ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert sorted(grads) == sorted(ref) and all("lora_" in n for n in ref) and len(ref) == 28
+    assert sorted(got) == sorted(ref) and all("lora_" in n for n in ref) and len(ref) == grads
     for name, g in ref.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7)

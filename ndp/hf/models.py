@@ -13,9 +13,10 @@ A head that reads chosen positions of each row rather than every token's output 
 non-pad token, question answering's span over the row, a multiple-choice token) would read them in each rank's shard
 (or, over packed documents, in the row's last document alone): refused too, unless its caller reads it on the
 gathered rows (``POOLED_ON_WHOLE``: ndp.trainer's sequence classification and question answering, :func:`row_head`;
-packed rows stay refused). Per-token heads (causal LM, token classification) and the base model are exact. So is a PEFT wrapper whose adapters change weights (LoRA, DoRA): it is
-judged by the model it wraps (:func:`peft_inner`); one that learns virtual tokens before each row (prompt, prefix,
-P-tuning) would put them at every shard's start: refused.
+packed rows stay refused). Per-token heads (causal LM, token classification) and the base model are exact. So is a
+PEFT wrapper whose adapters change weights (LoRA, DoRA): it is judged by the model it wraps (:func:`peft_inner`);
+one that learns virtual tokens before each row (prompt, prefix, P-tuning) would put them at every shard's start:
+refused.
 """
 from __future__ import annotations
 

@@ -609,8 +609,8 @@ def _read_rows(model, scores, input_ids, labels) -> dict:
 
 class Trainer(NdpPooledScoreMixin, transformers.Trainer):
     """``transformers.Trainer`` with ndp's context parallelism (see the module docstring): a sequence classifier
-    under CP on :class:`NdpPooledScoreMixin`, a classifier's loss counted as the Trainer means
-    (:func:`_count_classifier_loss`)."""
+    and question answering under CP on :class:`NdpPooledScoreMixin`, a classifier's loss counted as the Trainer
+    means (:func:`_count_classifier_loss`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -624,8 +624,9 @@ def _count_classifier_loss(trainer) -> None:
     so the loss and its gradient come out gradient_accumulation_steps x world_size times too large. A token
     classifier's loss is computed from its logits with the count instead (transformers' ``ForTokenClassification``
     given ``num_items_in_batch``: the mean over every labelled token of the step, on CP shards too), unless the user
-    set a ``compute_loss_func`` or label smoothing (which takes the count); a sequence classifier's is its call's
-    mean, which the Trainer then averages over the calls (``model_accepts_loss_kwargs = False``)."""
+    set a ``compute_loss_func`` or label smoothing (which takes the count); a sequence classifier's (and question
+    answering's, which the Trainer counts nothing for) is its call's mean, which the Trainer then averages over the
+    calls (``model_accepts_loss_kwargs = False``)."""
     model = trainer.model
     if classifies_tokens(model) and trainer.compute_loss_func is None and trainer.label_smoother is None:
         trainer._ndp_token_loss = functools.partial(_token_loss, peft_inner(model).config)

@@ -1018,6 +1018,9 @@ def test_trainer_hands_every_per_token_tensor_by_name_and_positions_per_document
             self.kwargs = kwargs
             yield
 
+        def unwrap_model(self, model, keep_torch_compile=True):
+            return model
+
     trainer = type("T", (ndp.trainer.NdpTrainerMixin,), {})()
     trainer.accelerator = Accel()
     ids = torch.arange(10, 17)[None]

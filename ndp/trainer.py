@@ -74,7 +74,7 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
-from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, pools_last_token, row_head
+from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
 from .parallel.init import clean_name
@@ -433,8 +433,9 @@ _CAUSAL_LM_NAMES = frozenset(n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values
 
 
 def _is_causal_lm(model) -> bool:
-    """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class."""
-    return any(c.__name__ in _CAUSAL_LM_NAMES for c in type(peft_inner(model)).__mro__)
+    """A class of transformers' causal-LM mapping (the Trainer's test), looked up through FSDP2's renamed class;
+    `model` unwrapped (``NdpTrainerMixin._inner``)."""
+    return any(c.__name__ in _CAUSAL_LM_NAMES for c in type(model).__mro__)
 
 
 def _fsdp2(trainer) -> bool:
@@ -523,7 +524,8 @@ class NdpPooledScoreMixin(NdpTrainerMixin):
         pc = self._cp_config()
         if pc is None:
             return
-        if pools_last_token(self.model) or (row_head(self.model) and not self._ndp_pooled_only):
+        head = row_head(self.model)
+        if head == "score" or (head and not self._ndp_pooled_only):
             self._ndp_pools, self._ndp_shards_batch = True, False
             setattr(self.model, POOLED_ON_WHOLE, True)  # the CP check's pooling-head refusal does not apply
         elif self._ndp_pooled_only:

@@ -198,10 +198,11 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
     if peft_inner(model) is not model:
         inner = peft_inner(model)
-        problem = _lora_tp_problem(model, _own_tp_plan(inner))
+        inner_plan = _own_tp_plan(inner)
+        problem = _lora_tp_problem(model, inner_plan)
         if problem:
             raise Unsupported(f"tensor parallel: {name} is a PEFT model and {problem}. {fix}")
-        return check_tp_plan(inner, _own_tp_plan(inner))  # the wrapped model's plan, its entries its own
+        return check_tp_plan(inner, inner_plan)  # the wrapped model's plan, its entries its own
     if not _own_tp_plan(model):
         raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
                           f"empty, its text decoder's too) and ndp does not guess one. {fix}")

@@ -42,7 +42,10 @@ refuses ND-parallel there).
   values, copies), gathered from the data-parallel ranks only.
 - ``prepare_data_loader``: with ``even_batches=False``, a loader whose batch counts differ between the ranks is
   refused on every rank (one all-reduce of the counts): the rank out of batches would leave the others waiting in
-  their next collective, a hang (stock Accelerate hangs there too).
+  their next collective, a hang (stock Accelerate hangs there too). A dispatching loader (``dispatch_batches``,
+  Accelerate's default for an iterable dataset: process 0 reads) deals its batches by data-parallel rank
+  (:class:`DataParallelDispatcher`; Accelerate's deals one piece per process, which gave the CP ranks of a batch
+  different rows and, with TP beside data parallelism, every data-parallel rank process 0's piece).
 - ``prepare_cp`` (added): ndp's CP on a model prepared elsewhere (TRL shards a DPO / KTO reference model with FSDP2
   itself), once.
 """
@@ -55,8 +58,10 @@ import accelerate
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin, recursively_apply
+from accelerate.utils import (OPTIMIZER_NAME, DistributedType, TorchDynamoPlugin, broadcast_object_list, concatenate,
+                              get_data_structure, initialize_tensors, recursively_apply)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -74,7 +79,7 @@ from ndp.train.checkpoint import stateful_params
 from ndp.train.config import ENV_PARALLEL
 
 __all__ = ["Accelerator", "ndp_config", "accelerate_config", "fsdp2_state_on_cpu", "shard_buffers",
-           "saved_optimizer_state", "batch_ranks"]
+           "saved_optimizer_state", "batch_ranks", "DataParallelDispatcher", "redealt_on_skip"]
 
 # accelerate launch passes its ParallelismConfig through PARALLELISM_CONFIG_* variables; ndp's own fields these
 # (ndp-train's variables of the fields Accelerate has no name for).
@@ -251,8 +256,12 @@ class Accelerator(accelerate.Accelerator):
         """Accelerate's; with ``even_batches=False``, refused on every rank where the ranks' batch counts differ: a
         rank out of batches would leave the others waiting in their next collective (FSDP2's all-gather, a CP
         exchange: a hang). Accelerate's default (even batches: the last one completed from the data's start) is left
-        alone, and so is a loader without a length."""
+        alone, and so is a loader without a length. A dispatching loader (``dispatch_batches``: Accelerate's default
+        for an iterable dataset) deals its batches by data-parallel rank (:class:`DataParallelDispatcher`)."""
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if isinstance(prepared, DataLoaderDispatcher) and getattr(self, "torch_device_mesh", None) is not None:
+            dealer = DataParallelDispatcher.of(prepared, mesh_axis(self.torch_device_mesh, "dp"))
+            self._dataloaders[self._dataloaders.index(prepared)] = prepared = dealer
         if not self.even_batches and dist.is_initialized() and dist.get_world_size() > 1:
             _refuse_uneven_batches(prepared, self.device)
         return prepared
@@ -316,6 +325,87 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("maybe_context_parallel with cp_size > 1 needs the model prepared first: "
                              "model = accelerator.prepare(model)")
         return ctxs[0]
+
+
+class DataParallelState:
+    """The process state a dispatching loader deals batches by, counted in data-parallel ranks: as many pieces as
+    data-parallel ranks, this process's its data-parallel rank's (its CP and TP ranks take the same piece); anything
+    else is the process's own state."""
+
+    def __init__(self, state, dp):
+        self.process_state, self.num_processes, self.process_index = state, dp.size(), dp.get_local_rank()
+
+    def __getattr__(self, name):
+        return getattr(self.process_state, name)
+
+
+class DataParallelDispatcher(DataLoaderDispatcher):
+    """Accelerate's dispatching loader (process 0 reads, every process gets its piece) dealing by data-parallel rank.
+    Accelerate's deals one piece per process: under CP the ranks of one batch got different rows (refused by
+    ``maybe_context_parallel``), and with TP, whose ranks it gives process 0's piece, beside data parallelism every
+    data-parallel rank trained on the same batch, silently (dp_shard 2 x tp 2 took half the data). Process 0 still
+    reads alone, one batch per data-parallel rank; batches it cannot deal (rows of different lengths) are refused on
+    every process, where Accelerate raised on process 0 and left the others waiting."""
+
+    @classmethod
+    def of(cls, loader, dp):
+        """`loader` (Accelerate's, as prepared) dealing by the data-parallel ranks of `dp`."""
+        dealer = object.__new__(cls)  # Accelerate's loaders report their base loader's class: no __class__ swap
+        dealer.__dict__.update(loader.__dict__)
+        dealer.state = DataParallelState(loader.state, dp)
+        return dealer
+
+    def _fetch_batches(self, iterator):
+        reads = self.state.process_state.process_index == 0
+        batches, batch, info = [], None, [None, self._stop_iteration, None]
+        if reads:
+            try:
+                for _ in range(1 if self.split_batches else self.state.num_processes):
+                    self._update_state_dict()
+                    batches.append(next(iterator))
+                batch, info = _dealt(batches)
+            except StopIteration:
+                info = [None, True, None]
+        info = _shared(info)
+        self._stop_iteration = info[1]
+        if self._stop_iteration and not self.split_batches and not self._drop_last:  # fewer batches than ranks left
+            batch, info = _dealt(batches) if reads and batches else (None, [None, True, None])
+            info = _shared(info)
+        if info[0] is None:
+            return None, info[:2]
+        return (batch if reads else initialize_tensors(info[0])), info[:2]
+
+    def __reduce__(self):
+        raise TypeError("ndp's dispatching data loader holds its process's place in the device mesh and is not "
+                        "pickled; prepare the loader again in the process that iterates it.")
+
+
+def redealt_on_skip(loader) -> bool:
+    """Whether Accelerate's ``skip_first_batches`` (the Trainer's mid-epoch resume) would deal `loader`'s batches
+    wrongly: it rebuilds a dispatching loader as its own, one piece per process, where `loader` deals fewer pieces
+    (each data-parallel rank's to its CP and TP ranks)."""
+    return isinstance(loader, DataParallelDispatcher) and loader.state.num_processes < dist.get_world_size()
+
+
+def _dealt(batches) -> tuple:
+    """(the batches concatenated, [its structure, no stop, None]); where they cannot be, (None, [None, no stop,
+    why])."""
+    try:
+        batch = concatenate(batches, dim=0)
+    except RuntimeError as e:
+        return None, [None, False, f"the batches process 0 read to deal to the data-parallel ranks cannot be "
+                                   f"concatenated ({e}): rows of different lengths. Pad every batch to one length (a "
+                                   f"collator's padding='max_length'), or set dispatch_batches=False (Accelerate's "
+                                   f"accelerator_config; each process then reads its own batches)."]
+    return batch, [get_data_structure(batch), False, None]
+
+
+def _shared(info) -> list:
+    """Process 0's `info`, on every process; its reason, where it has one, raised on every process."""
+    broadcast_object_list(info)
+    if info[2] is not None:
+        raise ValueError(info[2])
+    return info
 
 
 def _refuse_uneven_batches(loader, device) -> None:

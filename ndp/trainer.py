@@ -51,6 +51,9 @@ and overrides, nothing patched:
 - ``_track_num_input_tokens``: ``num_input_tokens_seen`` counts each data-parallel batch once, before sharding
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
+- ``_run_epoch``: a resume in the middle of an epoch whose loader dispatches batches by data-parallel rank under CP
+  or TP (``ndp.accelerate.DataParallelDispatcher``) is refused by name: Accelerate's skip of the trained batches
+  rebuilds the loader as its own, one piece per process;
 - ``_load_optimizer_and_scheduler`` (FSDP2, with or without CP): a resume whose optimizer held no state for some
   parameters at save (never given a gradient; every parameter under plain SGD) loads, those left stateless as in
   the uninterrupted run (Accelerate's load stops on them).
@@ -71,7 +74,8 @@ from transformers.loss.loss_utils import ForTokenClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import SCHEDULER_NAME
 
-from .accelerate import Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, saved_optimizer_state
+from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, redealt_on_skip,
+                         saved_optimizer_state)
 from .cp import sum_over_group
 from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
 from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
@@ -321,6 +325,19 @@ class NdpTrainerMixin:
             ignore_keys = getattr(getattr(self.model, "config", None), "keys_to_ignore_at_inference", ["cache"])
         items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs)
         return [(k, v) for k, v in items if k not in [*ignore_keys, "loss"]]
+
+    def _run_epoch(self, *args, **kwargs):
+        resumed = kwargs["epoch"] == kwargs["epochs_trained"] and kwargs["resume_from_checkpoint"] is not None
+        skips = resumed and kwargs["steps_trained_in_current_epoch"] > 0 and not self.args.ignore_data_skip
+        if skips and redealt_on_skip(kwargs["train_dataloader"]):
+            raise ValueError(f"resuming in the middle of an epoch ({kwargs['steps_trained_in_current_epoch']} batches "
+                             f"trained) with dispatched batches (dispatch_batches, Accelerate's default for an "
+                             f"iterable dataset) under context or tensor parallelism: Accelerate's skip of the "
+                             f"trained batches rebuilds the loader dealing one piece per process, so the ranks of a "
+                             f"data-parallel batch would get different rows. Set accelerator_config="
+                             f"{{'dispatch_batches': False}} (each process reads its data-parallel rank's batches), "
+                             f"or ignore_data_skip=True (the epoch starts over).")
+        return super()._run_epoch(*args, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Accelerate's FSDP2 optimizer load asks for every trainable parameter's state, and a parameter the

@@ -46,6 +46,7 @@ refuses ND-parallel there).
   Accelerate's default for an iterable dataset: process 0 reads) deals its batches by data-parallel rank
   (:class:`DataParallelDispatcher`; Accelerate's deals one piece per process, which gave the CP ranks of a batch
   different rows and, with TP beside data parallelism, every data-parallel rank process 0's piece).
+- ``skip_first_batches``: a loader dealing by data-parallel rank stays so (Accelerate's rebuilds it as its own).
 - ``prepare_cp`` (added): ndp's CP on a model prepared elsewhere (TRL shards a DPO / KTO reference model with FSDP2
   itself), once.
 """
@@ -265,6 +266,14 @@ class Accelerator(accelerate.Accelerator):
         if not self.even_batches and dist.is_initialized() and dist.get_world_size() > 1:
             _refuse_uneven_batches(prepared, self.device)
         return prepared
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """Accelerate's; a loader dealing by data-parallel rank (:class:`DataParallelDispatcher`) still does, where
+        Accelerate's rebuilds it as its own, one piece per process."""
+        skipped = super().skip_first_batches(dataloader, num_batches)
+        if isinstance(dataloader, DataParallelDispatcher):
+            return DataParallelDispatcher.of(skipped, mesh_axis(self.torch_device_mesh, "dp"))
+        return skipped
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
         """Accelerate's, each data-parallel batch's entries once: gathered from its CP ranks (each holds a part or a

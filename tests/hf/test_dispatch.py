@@ -90,6 +90,36 @@ def test_a_mid_epoch_resume_of_dispatched_batches_under_cp_is_refused_on_every_r
     spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
 
 
+class _Numbered(torch.utils.data.IterableDataset):
+    """Rows [i, i, i, i] for i = 0 .. 9: which batch a rank got shows in its values."""
+
+    def __iter__(self):
+        return (torch.full((4,), i) for i in range(10))
+
+
+def _dealt_rank(rank, world, tp):
+    _rank_env(rank, world)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    par = AccelerateConfig(dp_shard_size=2, **({"tp_size": 2} if tp else {"cp_size": 2}))
+    acc = ndp.accelerate.Accelerator(parallelism_config=par, fsdp_plugin=plugin)
+    loader = acc.prepare(torch.utils.data.DataLoader(_Numbered(), batch_size=1))
+    dp = rank // 2  # the mesh's data-parallel rank: ranks 0, 1 hold batch 2 s, ranks 2, 3 batch 2 s + 1
+    assert [int(b[0, 0]) for b in loader] == [2 * s + dp for s in range(5)]
+    skipped = acc.skip_first_batches(loader, 3)  # a resume after 3 steps
+    assert [int(b[0, 0]) for b in skipped] == [2 * s + dp for s in range(3, 5)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp", [False, True])
+def test_an_accelerator_deals_a_streams_batches_by_data_parallel_rank(tmp_path, tp):
+    """dp_shard 2 x cp 2 or x tp 2 on a stream (dispatched: Accelerate's default for an iterable dataset): step s
+    gives both ranks of data-parallel rank d row 2 s + d, also after ``skip_first_batches`` (a resume). Accelerate
+    gave rank r row 4 s + r under CP (3 steps), and under TP every row to every rank (10 steps: both data-parallel
+    ranks trained on each row); its skip_first_batches rebuilt ndp's loader as Accelerate's."""
+    spawn(_dealt_rank, 4, tmp_path, tp, timeout_s=60)
+
+
 def _ragged_rank(rank, world):
     _rank_env(rank, world)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",

@@ -53,6 +53,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import bench_cp  # noqa: E402  (the machine/commit facts every benchmark records)
+from _common import markdown_table  # noqa: E402
 from ndp_kernels import tuning  # noqa: E402
 
 PARTS = ("tests", "kernels", "engines", "hf", "memory", "first_call")
@@ -162,10 +163,10 @@ def kernels_section(d: str) -> list[str]:
     if not rows:
         return ["no kernel rows were written"]
     if "tflops_p50" not in rows[0]:
-        lines = ["| provider | seqlen | causal | fwd s | bwd s | max err out | max err grads | ok |", "|---" * 8 + "|"]
-        lines += [f"| {r['provider']} | {r['seqlen']} | {r['causal']} | {r['fwd_s']:.2f} | {r['bwd_s']:.2f} | "
-                  f"{r['max_err_out']:.1e} | {r['max_err_grad']:.1e} | {r['ok']} |" for r in rows]
-        return lines
+        header = ("provider", "seqlen", "causal", "fwd s", "bwd s", "max err out", "max err grads", "ok")
+        return [markdown_table(header, [(r["provider"], str(r["seqlen"]), str(r["causal"]), f"{r['fwd_s']:.2f}",
+                                         f"{r['bwd_s']:.2f}", f"{r['max_err_out']:.1e}", f"{r['max_err_grad']:.1e}",
+                                         str(r["ok"])) for r in rows])]
     lines = []
     providers = sorted({r["provider"] for r in rows})
     seqlens = sorted({r["seqlen"] for r in rows})
@@ -175,13 +176,10 @@ def kernels_section(d: str) -> list[str]:
             if not sel:
                 continue
             d_ = sel[0]["head_dim"]
+            got = {p: {r["seqlen"]: r.get("tflops_p50") for r in sel if r["provider"] == p} for p in providers}
+            table = [(p, *(f"{got[p][s]:.0f}" if got[p].get(s) else "-" for s in seqlens)) for p in providers if got[p]]
             lines += ["", f"{mode}, {'causal' if causal else 'full'}, head_dim {d_}, TFLOP/s (p50):", "",
-                      "| provider | " + " | ".join(f"S={s}" for s in seqlens) + " |", "|---" * (len(seqlens) + 1) + "|"]
-            for p in providers:
-                got = {r["seqlen"]: r.get("tflops_p50") for r in sel if r["provider"] == p}
-                if got:
-                    lines.append(f"| {p} | " + " | ".join(f"{got[s]:.0f}" if got.get(s) else "-" for s in seqlens)
-                                 + " |")
+                      markdown_table(("provider", *(f"S={s}" for s in seqlens)), table)]
     pngs = [f for f in os.listdir(d) if f.endswith(".png")]
     lines += [""] + [f"![kernels](kernels/{p})" for p in pngs]
     return lines
@@ -191,12 +189,10 @@ def engines_section(d: str) -> list[str]:
     data = _load(os.path.join(d, "bench_engines.json"))
     if not data:
         return ["no engine rows were written"]
-    lines = ["| provider | shape | ms (p50) | p20 | p80 | ratio to the first | tokens/s | host syncs / step |",
-             "|---" * 8 + "|"]
-    lines += [f"| {r['provider']} | {r['shape']} | {r['ms']:.2f} | {r['p20']:.2f} | {r['p80']:.2f} | "
-              f"{r['ratio']:.3f} | {_or_dash(r.get('tokens_per_s'), '.0f')} | {_or_dash(r.get('host_syncs'), 'd')} |"
-              for r in data["rows"]]
-    return lines
+    header = ("provider", "shape", "ms (p50)", "p20", "p80", "ratio to the first", "tokens/s", "host syncs / step")
+    return [markdown_table(header, [(r["provider"], str(r["shape"]), f"{r['ms']:.2f}", f"{r['p20']:.2f}",
+                                     f"{r['p80']:.2f}", f"{r['ratio']:.3f}", _or_dash(r.get("tokens_per_s"), ".0f"),
+                                     _or_dash(r.get("host_syncs"), "d")) for r in data["rows"]])]
 
 
 def _or_dash(x, fmt: str) -> str:
@@ -209,21 +205,20 @@ def first_call_section(d: str) -> list[str]:
             rows = [json.loads(x) for x in f if x.strip()]
     except OSError:
         return ["no first-call rows were written"]
-    lines = ["| caches | call | forward s | backward s | Triton cache files added |", "|---" * 5 + "|"]
-    lines += [f"| {r['label']} | {r['call']} | {r['fwd_s']:.3f} | {r['bwd_s']:.3f} | {r['triton_cache_files_added']} |"
-              for r in rows]
-    return lines
+    header = ("caches", "call", "forward s", "backward s", "Triton cache files added")
+    return [markdown_table(header, [(r["label"], str(r["call"]), f"{r['fwd_s']:.3f}", f"{r['bwd_s']:.3f}",
+                                     str(r["triton_cache_files_added"])) for r in rows])]
 
 
 def memory_section(d: str) -> list[str]:
     data = _load(os.path.join(d, "memory.json"))
     if not data:
         return ["no memory rows were written"]
-    lines = [f"device {data['device']}, hidden {data['hidden']}, {data['dtype']}, chunk {data['chunk_mib']} MiB:", "",
-             "| loss | seq | vocab | peak growth MiB | x one fp32 logits tensor | ms |", "|---" * 6 + "|"]
-    lines += [f"| {r['loss']} | {r['seq']} | {r['vocab']} | {r['peak_growth_bytes'] / 2 ** 20:.0f} | "
-              f"{r['x_logits']:.3f} | {r['seconds'] * 1e3:.1f} |" for r in data["rows"]]
-    return lines
+    header = ("loss", "seq", "vocab", "peak growth MiB", "x one fp32 logits tensor", "ms")
+    rows = [(r["loss"], str(r["seq"]), str(r["vocab"]), f"{r['peak_growth_bytes'] / 2 ** 20:.0f}",
+             f"{r['x_logits']:.3f}", f"{r['seconds'] * 1e3:.1f}") for r in data["rows"]]
+    return [f"device {data['device']}, hidden {data['hidden']}, {data['dtype']}, chunk {data['chunk_mib']} MiB:", "",
+            markdown_table(header, rows)]
 
 
 def tune_section(d: str) -> list[str]:
@@ -249,9 +244,9 @@ def write_report(records: list[dict], base: str, gpu: bool, device: str) -> str:
     if not gpu:
         lines += ["**Smoke mode: no CUDA device.** Every part ran on tiny CPU shapes (Triton interpreter) to check "
                   "the path; no GPU figure was measured. Run `make gpu-report` on a GPU for the figures.", ""]
-    lines += ["| part | status | seconds |", "|---|---|---|"]
-    lines += [f"| {r['part']} | {r['status']}{': ' + r['reason'] if r.get('reason') else ''} | {r['seconds']} |"
+    status = [(r["part"], r["status"] + (": " + r["reason"] if r.get("reason") else ""), str(r["seconds"]))
               for r in records]
+    lines += [markdown_table(("part", "status", "seconds"), status)]
     for r in records:
         lines += ["", f"## {r['part']}", ""]
         if r.get("command"):

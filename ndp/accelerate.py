@@ -30,10 +30,11 @@ refuses ND-parallel there).
   any training: the Trainer's ``evaluate`` or ``predict`` first), which Accelerate refuses, is prepared with a
   placeholder optimizer over its parameters (dropped after); when its optimizer comes later, with it or alone (the
   Trainer under ``torch_compile``), the model is not prepared again, only put back among the prepared ones.
-- ``maybe_context_parallel``: shards the buffers in place with ndp's layout (restored on exit unless listed in
-  ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block, passes the packed
-  document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the ranks FSDP
-  averages on, so the averaged gradients are those of the global mean loss.
+- ``maybe_context_parallel``: refuses, on every rank, buffers that differ between the CP or TP ranks of a batch (under
+  TP alone too: each rank would split another batch); under CP shards the buffers in place with ndp's layout (restored
+  on exit unless listed in ``no_restore_buffers``, as Accelerate does) and, for the model's forward inside the block,
+  passes the packed document table and ``num_items_in_batch``: the labelled tokens of the whole dp x cp batch over the
+  ranks FSDP averages on, so the averaged gradients are those of the global mean loss.
 - ``gather_for_metrics``: under CP or TP, gathered from the dp x cp ranks (a TP rank's entries are copies:
   Accelerate gathered each batch's once per TP rank), and the padded last evaluation step cut by data-parallel
   sample, every CP rank's entries of a real sample kept: a per-rank value (a 0-dim tensor: TRL's token counts and
@@ -303,15 +304,16 @@ class Accelerator(accelerate.Accelerator):
         takes them (``input_ids``, ``labels``, ``shift_labels``, ``position_ids``, ``attention_mask``, ``seq_idx``;
         ndp's Trainer passes them): the batch is then padded by name where the CP layout needs it
         (``shard_buffers``)."""
+        buffers = list(buffers or [])
+        rows = dict(zip(names, buffers)) if names is not None else {f"buffer{i}": b for i, b in enumerate(buffers)}
+        if self.parallelism_config:  # the CP and TP ranks of a batch (TP alone too: each would split another batch)
+            refuse_other_batches(rows, self.torch_device_mesh, "maybe_context_parallel",
+                                 "; prepared by the Accelerator (accelerator.prepare(loader)) a data loader does so")
         if not (self.parallelism_config and self.parallelism_config.cp_enabled):
             with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
                 yield
             return
-        buffers = list(buffers or [])
         keep = no_restore_buffers or set()
-        rows = dict(zip(names, buffers)) if names is not None else {f"buffer{i}": b for i, b in enumerate(buffers)}
-        refuse_other_batches(rows, self.torch_device_mesh, "maybe_context_parallel",
-                             "; prepared by the Accelerator (accelerator.prepare(loader)) a data loader does so")
         shards, extra = shard_buffers(buffers, buffer_seq_dims, self._cp_context_of_models(), position_ids, names)
         saved = [None if any(b is t for t in keep) else b.clone() for b in buffers]
         for b, s in zip(buffers, shards):

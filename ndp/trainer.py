@@ -26,15 +26,17 @@ and overrides, nothing patched:
   ``Trainer.predict`` under CP each rank's shard of the per-token outputs (logits, hidden states) is gathered back
   into the batch's order on every CP rank (``ndp.hf.batch.gather_tokens``) and the labels are the batch's, so the
   predictions are a run without CP's; outputs not per token are refused by name;
-- ``_prepare_context_parallel_inputs``: every per-token tensor of the batch (input_ids, labels, shift_labels made
-  before sharding, position_ids, the attention mask, made all ones for a right-padded batch whose every pad is
-  labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as token_type_ids) goes
-  to ndp's ``maybe_context_parallel`` by name, without the SDPA-only check: any length trains (rows the CP layout
-  cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed batch's document
-  table is rebuilt for the shards from its positions (made per document from the collator's table where it gave
-  none); NEFTune's noise keeps the batch's magnitude (it reads the row length from the shard). The Trainer's own
-  ``num_items_in_batch`` (counted before sharding over every data-parallel rank and micro-batch) normalises the
-  loss;
+- ``_prepare_context_parallel_inputs``: without CP, a batch that differs between the TP ranks (a sampler of one's own
+  over every rank) is refused on every rank (``ndp.hf.batch.refuse_other_batches``; under CP
+  ``maybe_context_parallel`` compares the CP and TP ranks); under CP every per-token tensor of the batch (input_ids,
+  labels, shift_labels made before sharding, position_ids, the attention mask, made all ones for a right-padded batch
+  whose every pad is labelled -100: ``ndp.hf.batch.without_padding``, and any other of input_ids' shape, such as
+  token_type_ids) goes to ndp's ``maybe_context_parallel`` by name, without the SDPA-only check: any length trains
+  (rows the CP layout cannot split are padded at the end, labels -100, as ``ndp.hf.shard_batch`` pads), and a packed
+  batch's document table is rebuilt for the shards from its positions (made per document from the collator's table
+  where it gave none); NEFTune's noise keeps the batch's magnitude (it reads the row length from the shard). The
+  Trainer's own ``num_items_in_batch`` (counted before sharding over every data-parallel rank and micro-batch)
+  normalises the loss;
 - ``compute_loss``: under CP, an MoE's load-balancing loss in the model's loss is each rank's share of its
   batch's (``ndp.hf.router.losses_summed``: the Trainer sums the ranks' losses); label smoothing
   (``label_smoothing_factor``) on a causal LM shifts its labels as the Trainer means (whose test by class name
@@ -77,7 +79,8 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, redealt_on_skip,
                          saved_optimizer_state)
 from .cp import sum_over_group
-from .hf.batch import ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, without_padding
+from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, refuse_other_batches,
+                       without_padding)
 from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
 from .parallel import mesh_axis
@@ -146,6 +149,10 @@ class NdpTrainerMixin:
     def _prepare_context_parallel_inputs(self, model, inputs):
         pc = self._cp_config()
         if pc is None:
+            if getattr(self.accelerator, "parallelism_config", None) is not None:  # TP's ranks of a batch (CP's:
+                # compared where maybe_context_parallel shards it)
+                refuse_other_batches(inputs, self.accelerator.torch_device_mesh, "ndp.trainer",
+                                     "; a sampler of one's own (_get_train_sampler) over the data-parallel ranks")
             return super()._prepare_context_parallel_inputs(model, inputs)
         if not self._ndp_shards_batch:
             return contextlib.nullcontext, inputs  # each model call shards its own (NdpSequenceLossMixin)

@@ -1,5 +1,6 @@
-"""Dispatched batches (Accelerate's ``dispatch_batches``: process 0 reads and deals; its default for an iterable
-dataset) under CP and TP: each data-parallel rank's batch, the same on its CP and TP ranks."""
+"""How batches reach the ranks under CP and TP: each data-parallel rank's batch, the same on its CP and TP ranks;
+dispatched (Accelerate's ``dispatch_batches``: process 0 reads and deals; its default for an iterable dataset) or
+read by each process (rows that differ between the TP ranks of a batch refused)."""
 import os
 
 import pytest
@@ -140,3 +141,35 @@ def test_dispatched_batches_of_different_lengths_are_refused_on_every_rank(tmp_p
     """Process 0 cannot concatenate the second pair of rows (6 and 8 tokens) to deal them: Accelerate raised there
     alone and left process 1 waiting for the batch (a hang); refused by name on both."""
     spawn(_ragged_rank, 2, tmp_path, timeout_s=60)
+
+
+class _EveryRank(_InOrder):
+    """A sampler of one's own over every rank (not the data-parallel ones): each TP rank its own rows."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.DistributedSampler(self.train_dataset, shuffle=False)
+
+
+def _every_rank_rank(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    args = _trainer_args(tmp, {"dp_shard_size": 2, "tp_size": 2}, max_steps=3)
+    trainer = _EveryRank(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_samples())
+    with pytest.raises(ValueError, match=r"ndp.trainer got other rows on the 2 ranks that each take their part of one "
+                                         r"batch \(the tp axis\).*num_replicas=2.*_get_train_sampler"):
+        trainer.train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))  # a loader of its own
+    with pytest.raises(ValueError, match=r"maybe_context_parallel got other rows .* \(the tp axis\)"):
+        with trainer.accelerator.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+            pass
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_rows_that_differ_between_the_tp_ranks_of_a_batch_are_refused_on_every_rank(tmp_path):
+    """At dp_shard 2 x tp 2 (no CP) a sampler over all 4 ranks gave each TP rank other rows, which its split layers
+    then mixed: the Trainer trained on it silently (losses 5.5612 / 5.5573 / 5.5513 against 5.5755 / 5.5489 /
+    5.5477 with the data-parallel ranks' sampler), and so did an Accelerate loop's maybe_context_parallel. Refused
+    by name on every rank before the first layer."""
+    model_dir = str(tmp_path / "model")
+    _save_tiny_llama(model_dir)
+    spawn(_every_rank_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)

@@ -149,8 +149,8 @@ class NdpTrainerMixin:
     def _prepare_context_parallel_inputs(self, model, inputs):
         pc = self._cp_config()
         if pc is None:
-            if getattr(self.accelerator, "parallelism_config", None) is not None:  # TP's ranks of a batch (CP's:
-                # compared where maybe_context_parallel shards it)
+            # the TP ranks of a batch hold the same rows (under CP, maybe_context_parallel compares them)
+            if getattr(self.accelerator, "parallelism_config", None) is not None:
                 refuse_other_batches(inputs, self.accelerator.torch_device_mesh, "ndp.trainer",
                                      "; a sampler of one's own (_get_train_sampler) over the data-parallel ranks")
             return super()._prepare_context_parallel_inputs(model, inputs)

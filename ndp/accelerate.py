@@ -354,7 +354,7 @@ class DataParallelDispatcher(DataLoaderDispatcher):
     """Accelerate's dispatching loader (process 0 reads, every process gets its piece) dealing by data-parallel rank.
     Accelerate's deals one piece per process: under CP the ranks of one batch got different rows (refused by
     ``maybe_context_parallel``), and with TP, whose ranks it gives process 0's piece, beside data parallelism every
-    data-parallel rank trained on the same batch, silently (dp_shard 2 x tp 2 took half the data). Process 0 still
+    data-parallel rank trained on the same batch, silently (dp_shard 2 x tp 2: one batch twice a step). Process 0 still
     reads alone, one batch per data-parallel rank; batches it cannot deal (rows of different lengths) are refused on
     every process, where Accelerate raised on process 0 and left the others waiting."""
 

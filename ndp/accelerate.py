@@ -261,7 +261,8 @@ class Accelerator(accelerate.Accelerator):
         alone, and so is a loader without a length. A dispatching loader (``dispatch_batches``: Accelerate's default
         for an iterable dataset) deals its batches by data-parallel rank (:class:`DataParallelDispatcher`)."""
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
-        if isinstance(prepared, DataLoaderDispatcher) and getattr(self, "torch_device_mesh", None) is not None:
+        dispatches = isinstance(prepared, DataLoaderDispatcher) and not isinstance(prepared, DataParallelDispatcher)
+        if dispatches and getattr(self, "torch_device_mesh", None) is not None:  # (a loader prepared again: as it is)
             dealer = DataParallelDispatcher.of(prepared, mesh_axis(self.torch_device_mesh, "dp"))
             self._dataloaders[self._dataloaders.index(prepared)] = prepared = dealer
         if not self.even_batches and dist.is_initialized() and dist.get_world_size() > 1:

@@ -107,6 +107,8 @@ def _dealt_rank(rank, world, tp):
     loader = acc.prepare(torch.utils.data.DataLoader(_Numbered(), batch_size=1))
     dp = rank // 2  # the mesh's data-parallel rank: ranks 0, 1 hold batch 2 s, ranks 2, 3 batch 2 s + 1
     assert [int(b[0, 0]) for b in loader] == [2 * s + dp for s in range(5)]
+    assert acc.prepare(loader) is loader  # prepared again (a Trainer's evaluation loader): left as it is
+    assert [int(b[0, 0]) for b in loader] == [2 * s + dp for s in range(5)]
     skipped = acc.skip_first_batches(loader, 3)  # a resume after 3 steps
     assert [int(b[0, 0]) for b in skipped] == [2 * s + dp for s in range(3, 5)]
 

@@ -263,7 +263,7 @@ class Accelerator(accelerate.Accelerator):
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         dispatches = isinstance(prepared, DataLoaderDispatcher) and not isinstance(prepared, DataParallelDispatcher)
         if dispatches and getattr(self, "torch_device_mesh", None) is not None:  # (a loader prepared again: as it is)
-            dealer = DataParallelDispatcher.of(prepared, mesh_axis(self.torch_device_mesh, "dp"))
+            dealer = DataParallelDispatcher.of(prepared, self.torch_device_mesh)
             self._dataloaders[self._dataloaders.index(prepared)] = prepared = dealer
         if not self.even_batches and dist.is_initialized() and dist.get_world_size() > 1:
             _refuse_uneven_batches(prepared, self.device)
@@ -274,7 +274,7 @@ class Accelerator(accelerate.Accelerator):
         Accelerate's rebuilds it as its own, one piece per process."""
         skipped = super().skip_first_batches(dataloader, num_batches)
         if isinstance(dataloader, DataParallelDispatcher):
-            return DataParallelDispatcher.of(skipped, mesh_axis(self.torch_device_mesh, "dp"))
+            return DataParallelDispatcher.of(skipped, self.torch_device_mesh)
         return skipped
 
     def gather_for_metrics(self, input_data, use_gather_object=False):
@@ -360,11 +360,11 @@ class DataParallelDispatcher(DataLoaderDispatcher):
     every process, where Accelerate raised on process 0 and left the others waiting."""
 
     @classmethod
-    def of(cls, loader, dp):
-        """`loader` (Accelerate's, as prepared) dealing by the data-parallel ranks of `dp`."""
+    def of(cls, loader, mesh):
+        """`loader` (Accelerate's, as prepared) dealing by the data-parallel ranks of `mesh`."""
         dealer = object.__new__(cls)  # Accelerate's loaders report their base loader's class: no __class__ swap
         dealer.__dict__.update(loader.__dict__)
-        dealer.state = DataParallelState(loader.state, dp)
+        dealer.state = DataParallelState(loader.state, mesh_axis(mesh, "dp"))
         return dealer
 
     def _fetch_batches(self, iterator):

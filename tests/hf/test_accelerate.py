@@ -100,6 +100,12 @@ def _save_tiny_llama(model_dir):
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
 
 
+def _fsdp2_plugin(layer="LlamaDecoderLayer"):
+    """Accelerate's FSDP2 plugin wrapping each decoder layer of class name `layer`."""
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          transformer_cls_names_to_wrap=[layer])
+
+
 def _rank_env(rank, world, **extra):
     """torchrun's variables for a rank of a tests/dist.py job (its process group exists; Accelerate reads them)."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -182,8 +188,7 @@ def _packed_through_accelerator(rank, world, cases):
             os.environ["NDP_CP_IMPL"] = "ulysses"   # as `accelerate launch` would pass ndp's field
         model = _zoo.tiny_model(model_type).train()
         layer = type(model.model.layers[0]).__name__
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=[layer])
+        plugin = _fsdp2_plugin(layer)
         acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world), fsdp_plugin=plugin)
         assert acc.ndp_config.cp_impl == impl
         model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
@@ -849,8 +854,7 @@ def _one_process_script(code, imports, tmp_path, model_dir):
 
 def _gather_rank(rank, world, par):
     _rank_env(rank, world)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin = _fsdp2_plugin()
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(**par), fsdp_plugin=plugin)
     cp_rank = acc.torch_device_mesh["cp"].get_local_rank() if "cp_size" in par else 0
     rows, parts = {1: [], 2: []}, []
@@ -879,8 +883,7 @@ def test_gather_for_metrics_takes_each_data_parallel_batch_once(tmp_path, par):
 
 def _other_buffers_rank(rank, world):
     _rank_env(rank, world)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin = _fsdp2_plugin()
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world), fsdp_plugin=plugin)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))  # a loader of its own
     for names in (None, ["input_ids"]):
@@ -893,8 +896,7 @@ def _other_buffers_rank(rank, world):
 def _uneven_batches_rank(rank, world):
     from accelerate.utils import DataLoaderConfiguration
     _rank_env(rank, world)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin = _fsdp2_plugin()
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(dp_shard_size=2, cp_size=2),
                                      fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(even_batches=False))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(5, 8)), batch_size=1)

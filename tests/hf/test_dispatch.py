@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
-from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin
+from accelerate.utils import DataLoaderConfiguration
 from transformers import AutoModelForCausalLM
 
 import ndp.accelerate
 from dist import spawn
-from test_accelerate import _InOrder, _one_process, _rank_env, _samples, _save_tiny_llama, _trainer_args
+from test_accelerate import (_InOrder, _fsdp2_plugin, _one_process, _rank_env, _samples, _save_tiny_llama,
+                             _trainer_args)
 
 
 class _Stream(torch.utils.data.IterableDataset):
@@ -100,8 +101,7 @@ class _Numbered(torch.utils.data.IterableDataset):
 
 def _dealt_rank(rank, world, tp):
     _rank_env(rank, world)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin = _fsdp2_plugin()
     par = AccelerateConfig(dp_shard_size=2, **({"tp_size": 2} if tp else {"cp_size": 2}))
     acc = ndp.accelerate.Accelerator(parallelism_config=par, fsdp_plugin=plugin)
     loader = acc.prepare(torch.utils.data.DataLoader(_Numbered(), batch_size=1))
@@ -125,8 +125,7 @@ def test_an_accelerator_deals_a_streams_batches_by_data_parallel_rank(tmp_path, 
 
 def _ragged_rank(rank, world):
     _rank_env(rank, world)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    plugin = _fsdp2_plugin()
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(dp_shard_size=2), fsdp_plugin=plugin,
                                      dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
     rows = [torch.zeros(n, dtype=torch.long) for n in (8, 8, 6, 8)]

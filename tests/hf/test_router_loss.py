@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
-from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +22,7 @@ from ndp.hf.router import balance_loss, check_router_loss, expert_counts, family
 from dist import spawn  # noqa: E402
 import _zoo  # noqa: E402
 import test_packed  # noqa: E402
-from test_accelerate import _rank_env  # noqa: E402
+from test_accelerate import _fsdp2_plugin, _rank_env  # noqa: E402
 
 COEF = _zoo.AUX_COEF
 TOL = 1e-6
@@ -98,8 +97,7 @@ def _accelerator_rank(rank, world, family):
     _rank_env(rank, world)
     aux_ref, grads = _reference(family, "odd length")
     model = aux_model(family)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__])
+    plugin = _fsdp2_plugin(type(model.model.layers[0]).__name__)
     acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world), fsdp_plugin=plugin)
     model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
     ids, labels, _, _ = _rows("odd length")

@@ -70,8 +70,9 @@ from torch.distributed.tensor import DTensor
 import ndp.hf
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 from ndp.cp.sharding import seq_multiple
-from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, gather_over, packed_cu, refuse_other_batches,
+from ndp.hf.batch import (PACKING_KEYS, REAL_TOKENS, gather_over, keeps_whole, packed_cu, refuse_other_batches,
                           shard_positions, shard_rows)
+from ndp.hf.models import Unsupported
 from ndp.parallel import (CP_ATTR, NDP_FIELDS, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp,
                           apply_tp,
                           check_mesh, is_transformers_model, match_modules)
@@ -249,6 +250,12 @@ class Accelerator(accelerate.Accelerator):
         ``ndp.hf.batch.guard_labels``, which enable_cp registered)."""
         if self._ndp_step is None:
             return None
+        if keeps_whole(model, kwargs):  # the same batch on every CP rank: each refuses here, before any layer
+            raise Unsupported(
+                f"{type(model).__name__} got a tower's input (pixel_values, ...) inside maybe_context_parallel, which "
+                f"shards the buffers before the model: the tower would meet this rank's shard of the placeholders. "
+                f"Give the batch to the model whole and let its text decoder take the shard: batch = "
+                f"ndp.hf.shard_batch(model, **batch) (outside maybe_context_parallel), or ndp.trainer's trainers.")
         extra = dict(self._ndp_step)
         if "cu_seq_lens_q" not in extra and kwargs.get("cu_seq_lens_q") is not None:
             extra.update(_dense_table(kwargs["cu_seq_lens_q"]))

@@ -79,11 +79,11 @@ from transformers.trainer import SCHEDULER_NAME
 from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_over, redealt_on_skip,
                          saved_optimizer_state)
 from .cp import sum_over_group
-from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, origin_rows, refuse_other_batches,
-                       without_padding)
+from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, keeps_whole, origin_rows,
+                       refuse_other_batches, refuse_packed_whole, whole_batch, whole_rows, without_padding)
 from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
-from .parallel import mesh_axis
+from .parallel import CP_ATTR, mesh_axis
 from .parallel.init import clean_name
 
 try:
@@ -219,6 +219,8 @@ class NdpTrainerMixin:
         # every per-token tensor (input_ids' shape: labels, position_ids, attention_mask, seq_idx, token_type_ids, ..)
         like = inputs.get("input_ids", inputs.get("labels"))
         names = [k for k, v in inputs.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == like.shape]
+        if keeps_whole(self.accelerator.unwrap_model(model), inputs):
+            return self._whole_for_cp(model, inputs, names)
         if "position_ids" not in inputs:
             inputs["position_ids"] = document_positions({k: inputs[k] for k in (*names, *PACKING_KEYS) if k in inputs})
             names.append("position_ids")
@@ -231,6 +233,25 @@ class NdpTrainerMixin:
                                        buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
                                        names=names)
         return functools.partial(_neftune_of_batch, cp_context, self, model, like.shape[1], buffers[0]), inputs
+
+    def _whole_for_cp(self, model, inputs, names):
+        """:meth:`_shard_for_cp` of a batch with images (a tower's input): it reaches the model whole, its rows
+        `names` padded to the CP layout's multiple and only the labels (and the origin) sharded, as
+        ``ndp.hf.shard_batch`` gives it; the text decoder takes the shard (``ndp.hf.multimodal``)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        rows = {k: inputs[k] for k in names}
+        refuse_other_batches({k: v for k, v in inputs.items() if torch.is_tensor(v)},
+                             self.accelerator.torch_device_mesh, "ndp.trainer",
+                             "; a sampler of one's own (_get_train_sampler) over the data-parallel ranks")
+        refuse_packed_whole(unwrapped, inputs, rows)
+        pad_id = getattr(unwrapped.config, "pad_token_id", None)
+        seq = inputs["input_ids"].shape[1]
+        rows = whole_rows(rows, getattr(unwrapped, CP_ATTR), pad_id if isinstance(pad_id, int) else 0)
+        inputs = {k: v for k, v in {**inputs, **rows}.items() if k not in PACKING_KEYS}
+        self._ndp_origin = inputs.pop(ORIGIN, None)
+        # the facts ride in the context: the Trainer's _prepare_inputs copies the tensors, dropping their attributes
+        held = functools.partial(whole_batch, rows["input_ids"])
+        return functools.partial(_neftune_of_batch, held, self, model, seq, rows["input_ids"]), inputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         pc = self._cp_config()

@@ -22,8 +22,9 @@ from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
                      decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, peft_inner,
-                     text_config)
+                     text_config, text_decoder)
 from .mixers import gather_mixers, split_mixer_heads
+from .multimodal import guard_whole_batches
 from .router import aux_loss_on, check_router_loss, guard_router_loss
 
 # Llama's split: a starting point for a plan of one's own (ndp.hf applies a model's own base_model_tp_plan only).
@@ -88,6 +89,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         tp_plan[_loss_parallel_head(model)] = "colwise"
 
     outside = outside_layers(model)
+    decoder = text_decoder(model)
 
     def enable_cp(m, ctx):
         register_attention()
@@ -100,6 +102,8 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
             elif ctx.mixers == "heads":
                 split_mixer_heads(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
+            if outside and decoder:
+                guard_whole_batches(m, decoder, ctx)
             guard_positions(m, ctx)
             guard_rope(m, ctx)
             guard_router_loss(m, ctx)

@@ -28,6 +28,7 @@ from ndp_kernels.segments import packed_rows_cu, position_restarts, read_once
 from ndp.cp.sharding import seq_multiple
 from ndp.parallel import CP_ATTR
 
+from .batch import whole_forward
 from .masks import describe, documents_of, marker, read_dense, spec_of, with_padding
 from .models import Unsupported, check_packed_model
 from .padded import padded_attention, padding_plan
@@ -335,6 +336,9 @@ def guard_positions(model, ctx) -> None:
     @torch.compiler.disable
     def enter(module, args, kwargs):
         _refuse_shard_positions(module, kwargs, ctx)
+        if whole_forward() is not None:  # a whole batch: its text decoder takes the shard (ndp.hf.multimodal)
+            held.append(_FORWARD_DOCUMENTS.set(None))
+            return
         ref = next((t for t in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]) if torch.is_tensor(t)),
                    None)
         rows = ref is not None and ref.dim() >= 2
@@ -427,15 +431,20 @@ def raise_on_cp_ranks(error: BaseException, ctx, what: str) -> None:
 
 def guard_outside_layers(model, names, ctx) -> None:
     """Under CP, the modules `names` (token mixers and attention outside the decoder layers: vision and audio
-    towers, ``ndp.hf.models.outside_layers``) are refused when they run: they would see this rank's shard or a
-    modality ndp does not shard. Text-only batches never call them. The refusal waits for this rank's next CP
+    towers, ``ndp.hf.models.outside_layers``) are refused when they run on a batch sharded before the model: they
+    would see this rank's shard. Text-only batches never call them; a batch given whole (``ndp.hf.multimodal``)
+    runs them on all of it. The refusal waits for this rank's next CP
     attention call, which raises it on every rank: raised here, it would leave the other ranks in the FSDP
     all-gather of the next decoder layer while this one joined the attention's validity exchange."""
     def refuse(module, args):
+        if whole_forward() is not None:  # the batch reached the model whole: the towers see all of it
+            return
         _PENDING.setdefault(id(ctx), Unsupported(
             f"{type(module).__name__} runs outside the decoder layers (a vision or audio tower, or a token mixer "
-            f"before them) under context parallelism (cp_size={ctx.size}): ndp shards the text sequence only. "
-            f"Train batches of that modality with cp_size=1, or text-only batches under CP."))
+            f"before them) under context parallelism (cp_size={ctx.size}) on a batch sharded before the model: the "
+            f"tower would see this rank's shard. Pass the batch through ndp.hf.shard_batch or ndp.trainer's trainers, "
+            f"which give a batch with a tower's input to the model whole (its text decoder takes the shard), or "
+            f"train batches of that modality with cp_size=1."))
 
     for name in names:
         model.get_submodule(name).register_forward_pre_hook(refuse)

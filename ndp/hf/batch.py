@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,9 +49,50 @@ LONGEST = "_ndp_longest"
 # row of that name sharded with the batch: what puts per-token outputs (the logits) back in the batch's order
 # (:func:`gather_tokens`).
 ORIGIN = "_ndp_origin"
+# A batch that reaches a multimodal model whole under CP (``ndp.hf.multimodal``): a view of its input_ids carries,
+# under this name, the :class:`Whole` facts its text decoder shards it with; the labels are the shard's already.
+WHOLE = "_ndp_whole"
+# The model attribute naming the text decoder that takes a whole batch's shard at its entry (set by
+# ``ndp.hf.multimodal.guard_whole_batches``; absent: every batch is sharded before the model).
+DECODER_SHARDS = "_ndp_decoder_shards"
+# Inside the forward of a model given a whole batch: its Whole facts (None otherwise).
+_WHOLE_FORWARD: contextvars.ContextVar = contextvars.ContextVar("ndp_whole_forward", default=None)
+# Inside whole_batch(): the Whole facts of the batch a caller hands the model in copies of its tensors.
+_WHOLE_HELD: contextvars.ContextVar = contextvars.ContextVar("ndp_whole_held", default=None)
 # Inside shard_positions(): the shard's position_ids as shard_rows made them (carrying REAL_TOKENS and LONGEST), for
 # a forward whose model gets its shard in other tensors (ndp.accelerate copies each shard into the caller's buffer).
 _SHARD_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("ndp_shard_positions", default=None)
+
+
+@dataclass
+class Whole:
+    """A whole batch's facts for its shard: this rank's REAL_TOKENS (``[batch, seq / cp_size]``), the batch's
+    LONGEST, and the padded length the text decoder's inputs must have."""
+    real_tokens: torch.Tensor
+    longest: torch.Tensor
+    seq: int
+
+
+def whole_forward():
+    """The :class:`Whole` facts of the forward running now when its batch reached the model whole, else None."""
+    return _WHOLE_FORWARD.get()
+
+
+def whole_batch(input_ids):
+    """Inside, a forward given input_ids of the length of `input_ids` (marked by :func:`whole_rows`) takes their
+    :class:`Whole` facts: for a caller that hands the model copies of the batch's tensors (the Trainer's
+    ``_prepare_inputs``, which drops tensor attributes)."""
+    return holding(_WHOLE_HELD, getattr(input_ids, WHOLE))
+
+
+def whole_of(input_ids):
+    """The :class:`Whole` facts of a forward's input_ids: their own (``WHOLE``), else those :func:`whole_batch`
+    holds for input_ids of that length; None for a batch sharded before the model."""
+    whole = getattr(input_ids, WHOLE, None)
+    held = _WHOLE_HELD.get()
+    if whole is None and held is not None and torch.is_tensor(input_ids) and input_ids.dim() == 2:
+        whole = held if input_ids.shape[1] == held.seq else None
+    return whole
 
 
 def parallel_state(model, what):
@@ -115,6 +157,8 @@ def _pad_value(name, pad_id):
         return 0
     if name == ORIGIN:
         return -1
+    if name.endswith("token_type_ids"):
+        return 0  # text (Gemma 3's token_type_ids, Qwen-VL's mm_token_type_ids)
     if name == "attention_mask":
         return 1  # pads sit after every real token: under a causal mask no real token sees them
     return pad_id
@@ -415,7 +459,10 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         tensors: ``[batch, seq]`` tensors (``input_ids``, ``labels``, ``position_ids``, ``seq_idx``,
             ``attention_mask``: right padding, every pad labelled -100, under CP; ...) and, for a
             packed batch, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/``max_length_k`` as
-            ``DataCollatorWithFlattening`` makes them.
+            ``DataCollatorWithFlattening`` makes them. Under CP, a multimodal model's batch with a tower's input
+            (``pixel_values``, ``image_grid_thw``, ...: tensors that are not ``[batch, seq]`` rows) reaches the
+            model whole: its rows are padded as above, only the labels are sharded, and the model's text decoder
+            takes this rank's shard at its entry (``ndp.hf.multimodal``; packed rows with images are refused).
     Returns:
         dict of the same names, on the device the model computes on (the mesh's: this process's current GPU; keep
         them there: the position_ids carry which tokens are pads, ``REAL_TOKENS``, which a copy drops);
@@ -439,6 +486,8 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     device = mesh_device(state.mesh)
     if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
         tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
+    if ctx.enabled and keeps_whole(model, tensors):
+        return _whole_batch(model, state, ctx, tensors, global_batch)
     rows = _rows(tensors)
     refuse_other_batches(rows, state.mesh, "shard_batch",
                          "; or pass the global batch, the same everywhere, with global_batch=True")
@@ -457,6 +506,64 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     return _mark_shifted(shard_rows(without_padding(rows), ctx, cu=cu, pad=pad,
                                     pad_id=pad_id if isinstance(pad_id, int) else 0))
+
+
+def keeps_whole(model, tensors) -> bool:
+    """Under CP, whether a batch reaches `model` whole, its text decoder taking the shard
+    (``ndp.hf.multimodal``): a model with towers given one of their inputs (a tensor that is not one of the
+    batch's ``[batch, seq]`` rows: pixel_values, image_grid_thw, ...)."""
+    if getattr(model, DECODER_SHARDS, None) is None:
+        return False
+    like = tensors.get("input_ids", tensors.get("labels"))
+    return any(torch.is_tensor(t) and t.dim() > 0 and k not in PACKING_KEYS and (like is None or t.shape != like.shape)
+               for k, t in tensors.items())
+
+
+def _whole_batch(model, state, ctx, tensors, global_batch):
+    """shard_batch of a batch that reaches `model` whole (:func:`keeps_whole`): its rows checked, right padding
+    dropped and rows padded to the layout's multiple as for a sharded batch; only the labels sharded."""
+    ids = tensors.get("input_ids")
+    rows = {k: t for k, t in tensors.items() if torch.is_tensor(t) and torch.is_tensor(ids) and t.shape == ids.shape}
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise ValueError(f"{type(model).__name__} under context parallelism takes a batch with images (or another "
+                         f"tower's input) whole, its text decoder sharding it: it needs the input_ids ([batch, seq]) "
+                         f"that place them; got {sorted(tensors)}.")
+    refuse_other_batches({k: t for k, t in tensors.items() if torch.is_tensor(t)}, state.mesh, "shard_batch")
+    _refuse_unshifted(rows)
+    refuse_packed_whole(model, tensors, rows)
+    if global_batch and state.config.dp_size > 1:
+        raise ValueError(f"shard_batch(global_batch=True) cannot split a batch with images over "
+                         f"{state.config.dp_size} data-parallel ranks (which images belong to which rows is the "
+                         f"model's). Give each data-parallel rank its own batch and global_batch=False.")
+    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    rows = whole_rows(without_padding(rows), ctx, pad_id if isinstance(pad_id, int) else 0)
+    return _mark_shifted({**tensors, **rows})
+
+
+def refuse_packed_whole(model, tensors, rows) -> None:
+    """Refuse a packed batch (a document table, positions or seq_idx restarting inside a row) that reaches `model`
+    whole: its text decoder cuts rows, not documents."""
+    if packed_cu({**rows, **{k: tensors[k] for k in PACKING_KEYS if k in tensors}}) is not None:
+        raise Unsupported(f"{type(model).__name__}: packed documents with images (or another tower's input) under "
+                          f"context parallelism: ndp cuts such a batch at the text decoder, as rows. Pad the rows "
+                          f"(labels -100 at the pads) instead of packing them, or train packed batches with cp_size=1.")
+
+
+def whole_rows(rows, ctx, pad_id=0):
+    """The ``[batch, seq]`` rows of a batch that reaches the model whole: padded at the end to the CP layout's
+    multiple (as :func:`pad_rows`), the labels (``LABEL_KEYS``, ``ORIGIN``) sharded, the others whole, the
+    input_ids a view carrying the :class:`Whole` facts (``WHOLE``)."""
+    longest = _longest(rows, None)
+    rows = pad_rows(dict(rows, **{REAL_TOKENS: _real_tokens(rows)}), seq_multiple(ctx.size, ctx.layout), pad_id)
+
+    def shard(t):
+        return ndp.cp.shard_sequence(t, dim=1, group=ctx.group, layout=ctx.layout)
+
+    out = {k: shard(t) if k in (*LABEL_KEYS, ORIGIN) else t for k, t in rows.items() if k != REAL_TOKENS}
+    ids = out["input_ids"].view_as(out["input_ids"])
+    setattr(ids, WHOLE, Whole(shard(rows[REAL_TOKENS]), longest, ids.shape[1]))
+    out["input_ids"] = ids
+    return out
 
 
 @contextlib.contextmanager
@@ -480,7 +587,11 @@ def shard_attribute(kwargs, name):
     """Attribute `name` (``REAL_TOKENS``, ``LONGEST``) of the shard a forward with `kwargs` runs on: of the
     position_ids :func:`shard_positions` holds, else of the forward's; None where ndp did not shard it."""
     held = _SHARD_POSITIONS.get()
-    return getattr(held if held is not None else kwargs.get("position_ids"), name, None)
+    value = getattr(held if held is not None else kwargs.get("position_ids"), name, None)
+    whole = whole_of(kwargs.get("input_ids")) or whole_forward()
+    if value is None and whole is not None:
+        return {REAL_TOKENS: whole.real_tokens, LONGEST: whole.longest}.get(name)
+    return value
 
 
 def _mark_shifted(batch: dict) -> dict:
@@ -592,4 +703,5 @@ def _real_tokens(rows):
 
 __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
-           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding"]
+           "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding", "WHOLE",
+           "DECODER_SHARDS", "Whole", "whole_forward", "whole_batch", "whole_of", "keeps_whole", "whole_rows", "refuse_packed_whole"]

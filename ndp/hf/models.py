@@ -87,7 +87,7 @@ def attention_modules(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if name and _calls_interface(type(m))]
 
 
-def _text_decoder(model: nn.Module) -> str:
+def text_decoder(model: nn.Module) -> str:
     """Name of the text decoder transformers' ``get_decoder()`` returns ("" for the model itself or none): a
     multimodal model's vision or audio encoder may hold more attention layers than its language model."""
     try:
@@ -102,7 +102,7 @@ def layer_stacks(model: nn.Module) -> list[str]:
     tower inside the decoder module nests deeper: phi4_multimodal's audio encoder; hrm_text has two stacks), the
     one holding the most attention modules first."""
     attn = attention_modules(model)
-    dec = _text_decoder(model)
+    dec = text_decoder(model)
     found = []
     for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) > 0 and (not dec or _inside(name, [dec])):
@@ -374,5 +374,6 @@ def check_packed_model(model: nn.Module) -> None:
 
 __all__ = ["Unsupported", "text_config", "peft_inner", "POOLED_ON_WHOLE", "pools_last_token", "pooled_last_token",
            "row_head", "classifies_tokens", "takes_shift_labels", "attention_modules", "decoder_layers",
-           "outside_layers", "cp_attention_modules", "layer_stacks", "check_cp_model", "check_packed_model",
+           "outside_layers", "cp_attention_modules", "text_decoder", "layer_stacks", "check_cp_model",
+           "check_packed_model",
            "gathered_mixers"]

@@ -125,7 +125,7 @@ def _towers_body(rank, world):
     # CP attention call instead of waiting in the ring.
     if rank == 0:
         guard_outside_layers(model, ["model.embed_tokens"], model.ndp_cp)
-    match = r"Embedding runs outside the decoder layers .* ndp shards the text sequence only"
+    match = r"Embedding runs outside the decoder layers .* on a batch sharded before the model"
     with pytest.raises(ndp.hf.Unsupported if rank == 0 else ValueError, match=match):
         model(**b)
 

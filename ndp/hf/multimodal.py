@@ -1,0 +1,143 @@
+"""A multimodal model's batch under context parallelism: whole at the model's entry, sharded at its text decoder's.
+
+A vision-language model (Qwen2-VL, LLaVA, ...) embeds its images with a tower, scatters the features into the text's
+placeholder tokens and, for multimodal RoPE, computes every token's positions from the whole row. A batch sharded
+before the model would give a rank placeholders that do not match its images, and positions of its shard alone. So
+a batch that carries a tower's input (``ndp.hf.batch.keeps_whole``) reaches the model whole on every rank of the CP
+group (``shard_batch`` shards its labels only, and marks its input_ids): each rank runs the towers on the whole
+images (cp_size times their work: the ranks hold the same images) and embeds the whole rows, and the text decoder's
+forward pre-hook cuts what it is given (the embeddings, the positions, a 2-D attention mask) into this rank's shard,
+in the CP layout, as ``shard_batch`` cuts a text batch. The decoder's output, the logits and the labels are then the
+shard's, as for text. Gradients: a rank's towers get its shard's tokens' part; FSDP's reduction over the CP ranks
+adds the parts up to the whole batch's.
+
+Refused by name, on every rank, before the decoder layers run: a decoder argument along the sequence that ndp does
+not know how to cut (Qwen3-VL's deepstack features, placed by a mask over the whole row), a dense 4-D mask, inputs
+given positionally or of another length than the batch's.
+"""
+from __future__ import annotations
+
+import torch
+
+import ndp.cp
+
+from .attention import raise_on_cp_ranks
+from .batch import _WHOLE_FORWARD, DECODER_SHARDS, LONGEST, REAL_TOKENS, whole_forward, whole_of
+from .masks import spec_of
+from .models import Unsupported
+
+# The text decoder's arguments a whole batch's shard is cut from; cache_position is dropped (each decoder builds it
+# for its shard, as for a sharded text batch).
+_CUT = ("inputs_embeds", "position_ids", "attention_mask")
+_DROPPED = ("cache_position",)
+# A [batch, seq] mask of the visual tokens -> the decoder argument holding per-visual-token features placed there,
+# in the mask's row-major order (Qwen3-VL's deepstack: one [visual tokens, hidden] tensor per layer it adds to): the
+# mask is cut as the rows, the features to the shard's visual tokens.
+_PLACED = {"visual_pos_masks": "deepstack_visual_embeds"}
+
+
+def guard_whole_batches(model, decoder: str, ctx) -> None:
+    """Under CP, `model` (with towers; `decoder`: its text decoder's name) takes batches whole where
+    ``shard_batch`` marks them so: forward hooks hold the batch's facts through the forward (``whole_forward``)
+    and a forward pre-hook on the decoder cuts its inputs into this rank's shard (module docstring)."""
+    held = []
+
+    @torch.compiler.disable
+    def enter(module, args, kwargs):
+        held.append(_WHOLE_FORWARD.set(whole_of(kwargs.get("input_ids"))))
+
+    @torch.compiler.disable
+    def leave(module, args, kwargs, output):
+        if held:
+            _WHOLE_FORWARD.reset(held.pop())
+
+    @torch.compiler.disable
+    def cut(module, args, kwargs):
+        whole = whole_forward()
+        if whole is None:
+            return None
+        try:
+            kwargs = shard_decoder_inputs(module, args, kwargs, whole, ctx)
+        except Unsupported as error:
+            raise_on_cp_ranks(error, ctx, f"ndp_{ctx.impl} attention")
+        return args, kwargs
+
+    model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    model.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    model.get_submodule(decoder).register_forward_pre_hook(cut, with_kwargs=True)
+    setattr(model, DECODER_SHARDS, decoder)
+
+
+def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:
+    """`kwargs` of the text decoder `module` with its whole inputs cut into this rank's shard: inputs_embeds and a
+    2-D attention mask along dim 1, position_ids (``[batch, seq]``, or multimodal RoPE's ``[k, batch, seq]``) along
+    their last dim (0 .. seq - 1 where none are given), carrying the shard's REAL_TOKENS and the batch's LONGEST."""
+    name = type(module).__name__
+    embeds = kwargs.get("inputs_embeds")
+    if args or not torch.is_tensor(embeds) or embeds.dim() != 3 or embeds.shape[1] != whole.seq:
+        got = tuple(embeds.shape) if torch.is_tensor(embeds) else None
+        raise Unsupported(f"{name} got a whole batch of {whole.seq} tokens under context parallelism, but not as "
+                          f"inputs_embeds [batch, {whole.seq}, hidden] by keyword (got {len(args)} positional "
+                          f"arguments, inputs_embeds {got}): ndp cannot cut it into this rank's shard. Train batches "
+                          f"with images with cp_size=1.")
+    batch, seq = embeds.shape[:2]
+    _refuse_uncut(name, kwargs, batch, seq)
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, device=embeds.device).expand(batch, seq)
+    out = {k: v for k, v in kwargs.items() if k not in _DROPPED}
+    out["inputs_embeds"] = _cut(embeds, 1, ctx)
+    out["position_ids"] = _cut(pos, pos.dim() - 1, ctx)
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2:
+        out["attention_mask"] = _cut(mask, 1, ctx)
+    for where, features in _PLACED.items():
+        if torch.is_tensor(kwargs.get(where)):
+            out[where], out[features] = _placed(name, kwargs[where], kwargs.get(features), features, ctx)
+    setattr(out["position_ids"], REAL_TOKENS, whole.real_tokens)
+    setattr(out["position_ids"], LONGEST, whole.longest)
+    return out
+
+
+def _refuse_uncut(name, kwargs, batch, seq) -> None:
+    """Refuse the decoder arguments along the sequence ndp cannot cut: tensors other than :data:`_CUT` with the
+    batch's length in a dim, and a mask that is neither 2-D nor ndp's (a dense 4-D one, over the whole batch)."""
+    mask = kwargs.get("attention_mask")
+    masks = mask.values() if isinstance(mask, dict) else [mask]
+    dense = [tuple(m.shape) for m in masks if torch.is_tensor(m) and m.dim() > 2 and spec_of(m) is None]
+    if dense:
+        raise Unsupported(f"{name} got a dense attention mask {dense[0]} over the whole batch under context "
+                          f"parallelism: ndp cannot cut it into this rank's shard. Let the model build its mask "
+                          f"(no 4-D attention_mask), or train batches with images with cp_size=1.")
+    for key, value in kwargs.items():
+        if key in (*_CUT, *_DROPPED, *_PLACED) or not torch.is_tensor(value):
+            continue
+        if seq in tuple(value.shape) and value.numel() >= batch * seq:
+            raise Unsupported(f"{name} got {key} {tuple(value.shape)} along the batch's {seq} tokens under context "
+                              f"parallelism, which ndp does not know how to cut into this rank's shard (it cuts "
+                              f"{', '.join(_CUT)}). Train batches with images with cp_size=1.")
+
+
+def _placed(name, where, features, key, ctx):
+    """(the shard's mask, its features): `where` ([batch, seq] bool) cut as the rows, and of each tensor of
+    `features` (rows in `where`'s row-major order) the rows of the shard's marked tokens, in the shard's order."""
+    count = int(where.sum())
+    tensors = list(features) if isinstance(features, (list, tuple)) else None
+    if tensors is None or any(not torch.is_tensor(f) or f.shape[0] != count for f in tensors):
+        got = [tuple(f.shape) if torch.is_tensor(f) else type(f).__name__ for f in tensors or [features]]
+        raise Unsupported(f"{name} got {key} {got} for a mask of {count} tokens under context parallelism: ndp cuts "
+                          f"a list of [{count}, ...] tensors, one row per marked token. Train batches with images "
+                          f"with cp_size=1.")
+    order = (torch.cumsum(where.reshape(-1).long(), 0) - 1).view_as(where)
+    mine = _cut(where, 1, ctx)
+    rows = _cut(order, 1, ctx)[mine]
+    return mine, [f[rows] for f in tensors]
+
+
+def _cut(t, dim, ctx):
+    # by rank, with no group: the backward gives this rank's shard's gradient alone (zeros elsewhere), which FSDP's
+    # reduction adds up over the CP ranks; a group's backward would gather the whole gradient on every rank
+    return ndp.cp.shard_sequence(t, dim=dim, layout=ctx.layout, world_size=ctx.size, rank=ctx.rank)
+
+
+__all__ = ["guard_whole_batches", "shard_decoder_inputs"]

@@ -1,0 +1,274 @@
+"""Vision-language models under CP with images (``ndp.hf.multimodal``): the batch reaches the model whole, the towers
+run on the whole images on every rank, the text decoder takes this rank's shard; the loss and every gradient (the
+vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` and through ``ndp.trainer.Trainer``.
+Before, a batch with images under CP was refused (the tower would have seen a shard): no VLM trained under CP."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+import ndp
+import ndp.accelerate
+import ndp.hf
+from dist import spawn
+from ndp.hf.batch import Whole, pad_rows
+from ndp.hf.multimodal import shard_decoder_inputs
+from test_accelerate import _InOrder, _fsdp2_plugin, _rank_env, _trainer_args
+from _zoo import _shrink
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+IMAGE, VIDEO, START, END = 100, 101, 102, 103  # token ids inside the tiny vocabulary (128)
+# Qwen-VL: each image 1 x 4 x h patches, 2 x 2 merged into h tokens; LLaVA: 28 px images of 14 px patches, 4 tokens
+GRIDS = ((1, 4, 4), (1, 4, 6))
+
+
+def tiny_vlm(family, seed=0):
+    """A float64 `family` model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) shrunk as the zoo shrinks text models."""
+    cfg = AutoConfig.for_model(family)
+    _shrink(cfg, set())
+    cfg.image_token_id = IMAGE
+    if family.startswith("qwen"):
+        cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = VIDEO, START, END
+        cfg.vision_config.out_hidden_size = 64
+        cfg.get_text_config().rope_parameters["mrope_section"] = [2, 3, 3]  # head 16: 8 rotary frequencies
+    else:
+        cfg.image_token_index, cfg.vision_config.image_size = IMAGE, 28
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
+
+
+def vlm_batch(model, seq, padded=0, seed=1):
+    """Two rows of `seq` tokens, an image in each (its placeholders after a start token), shifted labels (-100 at
+    the image's tokens and at `padded` right pads of row 1, which the attention mask marks)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, IMAGE, (2, seq), generator=g)
+    qwen = model.config.model_type.startswith("qwen")
+    tokens = [int(torch.tensor(grid).prod()) // 4 for grid in GRIDS] if qwen else [4, 4]
+    for row, n in enumerate(tokens):
+        ids[row, 4], ids[row, 5:5 + n], ids[row, 5 + n] = START, IMAGE, END
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, -padded:] = 0
+        ids[1, -padded:] = 0
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100).masked_fill(F.pad(ids[:, 1:] >= IMAGE, (0, 1)), -100)
+    labels = labels.masked_fill(F.pad(mask[:, 1:] == 0, (0, 1), value=True), -100)
+    if qwen:
+        vc = model.config.vision_config
+        grid = torch.tensor(GRIDS)
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3 * vc.temporal_patch_size * vc.patch_size ** 2,
+                             generator=g, dtype=torch.float64)
+        extra = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+    else:
+        extra = dict(pixel_values=torch.randn(2, 3, 28, 28, generator=g, dtype=torch.float64))
+    return dict(input_ids=ids, attention_mask=mask, **extra), labels
+
+
+def _reference(family, seq, padded):
+    model = tiny_vlm(family)
+    batch, labels = vlm_batch(model, seq, padded)
+    logits = model(**batch).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _shard_batch_body(rank, world, family, impl, seq, padded):
+    ref_loss, ref_grads = _reference(family, seq, padded)
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag")
+    model = ndp.hf.parallelize(tiny_vlm(family).train(), cfg, cfg.build_device_mesh("cpu"))
+    batch, labels = vlm_batch(model, seq, padded)
+    b = ndp.hf.shard_batch(model, labels=labels, **batch)
+    shard_labels = b.pop("labels")
+    assert shard_labels.shape[1] == -(-seq // (2 * world)) * 2  # this rank's shard of the padded rows
+    loss, mean = ndp.hf.loss(model(**b).logits, shard_labels, model, return_mean=True)
+    loss.backward()
+    torch.testing.assert_close(mean.double(), ref_loss, rtol=1e-6, atol=0)
+    tower = 0
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = ref_grads.get(name)
+        if want is None:
+            assert g is None or not bool(g.abs().max() > 0), name
+            continue
+        scale = float(want.abs().max())
+        if scale < 1e-12:  # zero in exact arithmetic (a key bias): rounding noise only
+            continue
+        tower += any(t in name for t in ("visual", "vision_tower", "multi_modal_projector"))
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
+    assert tower > 10  # the towers' gradients are compared too
+
+
+@pytest.mark.parametrize("family, impl, seq, padded", [
+    ("qwen2_vl", "ring", 23, 0),  # multimodal RoPE positions from the whole rows; 23 tokens padded to 24
+    ("qwen2_vl", "ring", 24, 5),  # right padding (attention mask) as a processor pads a batch
+    ("qwen3_vl", "ulysses", 24, 0),  # deepstack features added to the shard's visual tokens
+    ("llava", "ring", 21, 0),
+])
+def test_a_batch_with_images_under_cp_equals_one_process(tmp_path, family, impl, seq, padded):
+    """cp 2 through shard_batch: the loss and every gradient (the vision tower's too) equal one process's. Before:
+    refused, the tower would have seen a shard (and a shard's placeholders do not match the images)."""
+    spawn(_shard_batch_body, 2, tmp_path, family, impl, seq, padded, timeout_s=120)
+
+
+class _Images(torch.utils.data.Dataset):
+    """Rows of :func:`vlm_batch` (each with its image), as a collator's samples."""
+
+    def __init__(self, model, rows):
+        self.samples = []
+        for seed in range(rows):
+            batch, _ = vlm_batch(model, 23, seed=seed)
+            row = seed % 2
+            grid = batch["image_grid_thw"][row]
+            first = int(batch["image_grid_thw"][:row].prod(-1).sum())
+            self.samples.append(dict(input_ids=batch["input_ids"][row], labels=batch["input_ids"][row].masked_fill(
+                batch["input_ids"][row] >= IMAGE, -100), image_grid_thw=grid,
+                pixel_values=batch["pixel_values"][first:first + int(grid.prod())].float(),
+                mm_token_type_ids=batch["mm_token_type_ids"][row]))
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def collate_images(samples):
+    """Rows stacked, their images' patches concatenated (as Qwen-VL's processor gives them)."""
+    out = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "mm_token_type_ids",
+                                                              "image_grid_thw")}
+    out["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    return out
+
+
+def _save_vlm(model_dir):
+    model = tiny_vlm("qwen2_vl")
+    model.float().save_pretrained(model_dir)
+
+
+def _trainer_body(rank, world, tmp, model_dir):
+    _rank_env(rank, world)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    args = _trainer_args(tmp, {"dp_shard_size": 2, "cp_size": 2}, layer="Qwen2VLDecoderLayer",
+                         remove_unused_columns=False, per_device_eval_batch_size=1)
+    data = _Images(model, 8)
+    trainer = _InOrder(model=model, args=args, train_dataset=data, eval_dataset=data, data_collator=collate_images)
+    trainer.train()
+    ev = trainer.evaluate(eval_dataset=torch.utils.data.Subset(data, range(4)))["eval_loss"]
+    if rank == 0:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        torch.save({"losses": losses, "eval": ev}, os.path.join(tmp, "vlm.pt"))
+
+
+def _one_process_vlm(model_dir, data):
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        b = collate_images([data[2 * step], data[2 * step + 1]])
+        labels = F.pad(b.pop("labels")[:, 1:], (0, 1), value=-100)
+        loss = F.cross_entropy(model(**b).logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():  # the Trainer's evaluation loss: the mean over its steps of each step's token mean
+        steps = []
+        for step in range(2):
+            b = collate_images([data[2 * step], data[2 * step + 1]])
+            labels = F.pad(b.pop("labels")[:, 1:], (0, 1), value=-100)
+            steps.append(F.cross_entropy(model(**b).logits.flatten(0, 1), labels.flatten()).item())
+    return losses, sum(steps) / len(steps)
+
+
+@pytest.mark.timeout(600)
+def test_the_trainer_trains_a_vision_language_model_under_cp_as_one_process(tmp_path):
+    """ndp.trainer.Trainer at dp_shard 2 x cp 2 on Qwen2-VL with an image in every row (each data-parallel rank's
+    batch whole on its CP ranks, the rows padded 23 -> 24): the 3 logged losses and the evaluation loss after
+    training equal one process taking both data-parallel ranks' rows."""
+    model_dir = str(tmp_path / "model")
+    _save_vlm(model_dir)
+    spawn(_trainer_body, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    got = torch.load(tmp_path / "vlm.pt")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    losses, ev = _one_process_vlm(model_dir, _Images(model, 8))
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(losses, abs=1e-4)  # logged to 4 digits
+    assert got["eval"] == pytest.approx(ev, rel=1e-5)
+
+
+def _packed_body(rank, world):
+    cfg = ndp.ParallelismConfig(cp_size=world)
+    model = ndp.hf.parallelize(tiny_vlm("qwen2_vl").train(), cfg, cfg.build_device_mesh("cpu"))
+    batch, labels = vlm_batch(model, 24)
+    batch.pop("attention_mask")
+    position_ids = torch.cat([torch.arange(12), torch.arange(12)]).expand(2, 24)  # two documents in each row
+    with pytest.raises(ndp.hf.Unsupported, match=r"packed documents with images .* Pad the rows"):
+        ndp.hf.shard_batch(model, labels=labels, position_ids=position_ids, **batch)
+
+
+def test_packed_documents_with_images_under_cp_are_refused_on_every_rank(tmp_path):
+    """The text decoder cuts a whole batch as rows: packed documents would not be the shard's."""
+    spawn(_packed_body, 2, tmp_path, timeout_s=60)
+
+
+class _Ctx:
+    size, rank, layout, impl = 2, 0, "zigzag", "ring"
+
+
+def test_decoder_arguments_ndp_cannot_cut_are_refused_by_name():
+    """What the text decoder gets along the sequence besides the embeddings, positions, a 2-D mask and placed
+    visual features is refused, never passed on whole beside a shard: another per-token tensor, a dense mask,
+    features that do not match their mask, positional inputs."""
+    whole = Whole(torch.ones(2, 4), torch.tensor([8]), 8)
+    embeds = torch.zeros(2, 8, 16)
+    cases = [
+        ({"inputs_embeds": embeds, "per_layer_inputs": torch.zeros(2, 8, 3, 4)}, r"per_layer_inputs \(2, 8, 3, 4\)"),
+        ({"inputs_embeds": embeds, "attention_mask": torch.zeros(2, 1, 8, 8)}, r"dense attention mask \(2, 1, 8, 8\)"),
+        ({"inputs_embeds": embeds, "visual_pos_masks": torch.ones(2, 8, dtype=torch.bool),
+          "deepstack_visual_embeds": [torch.zeros(15, 16)]}, r"deepstack_visual_embeds \[\(15, 16\)\] for a mask of 16"),
+        ({"inputs_embeds": embeds[:, :6]}, r"not as inputs_embeds \[batch, 8, hidden\]"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ndp.hf.Unsupported, match=match):
+            shard_decoder_inputs(torch.nn.Identity(), (), kwargs, whole, _Ctx())
+    out = shard_decoder_inputs(torch.nn.Identity(), (), {"inputs_embeds": embeds, "cache_position": torch.arange(8),
+                                                         "visual_pos_masks": torch.arange(8).expand(2, 8) % 3 == 0,
+                                                         "deepstack_visual_embeds": [torch.arange(6.)[:, None]]},
+                               whole, _Ctx())
+    assert "cache_position" not in out and out["inputs_embeds"].shape == (2, 4, 16)
+    assert out["position_ids"].tolist() == [[0, 1, 6, 7]] * 2  # zigzag: rank 0 holds pieces 0 and 3 of 4
+    assert out["visual_pos_masks"].tolist() == [[True, False, True, False]] * 2  # positions 0 and 6 of each row
+    assert out["deepstack_visual_embeds"][0].flatten().tolist() == [0., 2., 3., 5.]  # their features, in order
+
+
+def _accelerate_body(rank, world):
+    _rank_env(rank, world)
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(cp_size=world),
+                                     fsdp_plugin=_fsdp2_plugin("Qwen2VLDecoderLayer"))
+    model = acc.prepare(tiny_vlm("qwen2_vl"))
+    batch, labels = vlm_batch(model, 24)
+    ids = batch.pop("input_ids")
+    with acc.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers={ids, labels}):
+        with pytest.raises(ndp.hf.Unsupported, match=r"inside maybe_context_parallel, which shards the buffers before "
+                                                     r"the model.*ndp.hf.shard_batch"):
+            model(input_ids=ids, shift_labels=labels, **batch)
+
+
+def test_images_inside_maybe_context_parallel_are_refused_on_every_rank(tmp_path):
+    """An Accelerate loop shards its buffers in place before the model: the placeholders of a rank's shard would
+    not match the images (a rank whose shard held none raised in transformers while the others went on into the
+    ring). Refused by name on every rank before the towers run."""
+    spawn(_accelerate_body, 2, tmp_path, timeout_s=60)
+
+
+def test_token_type_rows_are_padded_as_text():
+    """A processor's token types (Qwen-VL's mm_token_type_ids, Gemma 3's token_type_ids) pad as text (0), never as
+    the pad token's id (Qwen's 151643 would be a modality of its own)."""
+    rows = {"input_ids": torch.ones(1, 3, dtype=torch.long), "mm_token_type_ids": torch.ones(1, 3, dtype=torch.long)}
+    out = pad_rows(rows, 4, pad_id=151643)
+    assert out["input_ids"].tolist() == [[1, 1, 1, 151643]] and out["mm_token_type_ids"].tolist() == [[1, 1, 1, 0]]

@@ -93,7 +93,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
 
     def enable_cp(m, ctx):
         register_attention()
-        m.set_attn_implementation(IMPL_NAMES[ctx.impl])
+        m.set_attn_implementation(text_attention(m, IMPL_NAMES[ctx.impl]))
         guard_packed(m, ctx)
         guard_labels(m, ctx)
         if ctx.enabled:
@@ -111,6 +111,17 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
     blocks = tuple(f"{stack}.*" for stack in layer_stacks(model))  # hrm_text has two
     return ModelPlan(tp_plan=tp_plan, blocks=blocks, attention=tuple(cp_attention_modules(model)),
                      enable_cp=enable_cp, init_module=SubmodelInit(model))
+
+
+def text_attention(model: nn.Module, impl: str):
+    """What ``set_attn_implementation`` takes to run `impl` in the model and its text decoder: a multimodal model's
+    other sub-configs (vision and audio towers) keep their own implementation. ndp's CP never runs in a tower, and a
+    tower's own masks are for its implementation to apply (Pixtral's block-diagonal image mask, which ndp's
+    attention refuses: Mistral 3 with images was refused even on one process)."""
+    cfg = getattr(model, "config", None)
+    text = text_config(model)
+    keys = [k for k in getattr(cfg, "sub_configs", {}) if getattr(cfg, k, None) is text]
+    return {"": impl, keys[0]: impl} if text is not cfg and keys else impl
 
 
 def _own_tp_plan(model: nn.Module) -> dict:

@@ -1,7 +1,8 @@
 """Vision-language models under CP with images (``ndp.hf.multimodal``): the batch reaches the model whole, the towers
 run on the whole images on every rank, the text decoder takes this rank's shard; the loss and every gradient (the
-vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` and through ``ndp.trainer.Trainer``.
-Before, a batch with images under CP was refused (the tower would have seen a shard): no VLM trained under CP."""
+vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` and through ``ndp.trainer.Trainer``
+(Qwen2-VL, Qwen3-VL, LLaVA, Mistral 3, Idefics3, InternVL). Before, a batch with images under CP was refused (the
+tower would have seen a shard): no VLM trained under CP; Mistral 3 with images did not run even on one process."""
 import os
 
 import pytest
@@ -27,17 +28,31 @@ IMAGE, VIDEO, START, END = 100, 101, 102, 103  # token ids inside the tiny vocab
 GRIDS = ((1, 4, 4), (1, 4, 6))
 
 
+# family -> (its vision config's fields, the image's placeholder tokens, pixel_values' shape, other inputs)
+_IMAGES = {
+    "llava": (dict(image_size=28), 4, (2, 3, 28, 28), {}),
+    "mistral3": (dict(image_size=56), 2, (2, 3, 28, 56), dict(image_sizes=torch.tensor([[28, 56], [28, 56]]))),
+    "idefics3": (dict(image_size=64), 1, (2, 1, 3, 64, 64), {}),  # 4 patches of 32, scale factor 2
+    "internvl": (dict(image_size=[28, 28], patch_size=[14, 14]), 1, (2, 3, 28, 28), {}),
+}
+
+
 def tiny_vlm(family, seed=0):
-    """A float64 `family` model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) shrunk as the zoo shrinks text models."""
+    """A float64 `family` model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3, Idefics3, InternVL) shrunk as the
+    zoo shrinks text models."""
     cfg = AutoConfig.for_model(family)
     _shrink(cfg, set())
-    cfg.image_token_id = IMAGE
+    cfg.image_token_id, cfg.pad_token_id = IMAGE, 0
     if family.startswith("qwen"):
         cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id = VIDEO, START, END
         cfg.vision_config.out_hidden_size = 64
         cfg.get_text_config().rope_parameters["mrope_section"] = [2, 3, 3]  # head 16: 8 rotary frequencies
     else:
-        cfg.image_token_index, cfg.vision_config.image_size = IMAGE, 28
+        cfg.image_token_index = IMAGE
+        for name, value in _IMAGES[family][0].items():
+            setattr(cfg.vision_config, name, value)
+        if family == "idefics3":
+            cfg.scale_factor = 2
     torch.manual_seed(seed)
     return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
 
@@ -47,8 +62,9 @@ def vlm_batch(model, seq, padded=0, seed=1):
     the image's tokens and at `padded` right pads of row 1, which the attention mask marks)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, IMAGE, (2, seq), generator=g)
-    qwen = model.config.model_type.startswith("qwen")
-    tokens = [int(torch.tensor(grid).prod()) // 4 for grid in GRIDS] if qwen else [4, 4]
+    family = model.config.model_type
+    qwen = family.startswith("qwen")
+    tokens = [int(torch.tensor(grid).prod()) // 4 for grid in GRIDS] if qwen else [_IMAGES[family][1]] * 2
     for row, n in enumerate(tokens):
         ids[row, 4], ids[row, 5:5 + n], ids[row, 5 + n] = START, IMAGE, END
     mask = torch.ones_like(ids)
@@ -64,7 +80,8 @@ def vlm_batch(model, seq, padded=0, seed=1):
                              generator=g, dtype=torch.float64)
         extra = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
     else:
-        extra = dict(pixel_values=torch.randn(2, 3, 28, 28, generator=g, dtype=torch.float64))
+        extra = dict(pixel_values=torch.randn(_IMAGES[family][2], generator=g, dtype=torch.float64),
+                     **_IMAGES[family][3])
     return dict(input_ids=ids, attention_mask=mask, **extra), labels
 
 
@@ -98,7 +115,7 @@ def _shard_batch_body(rank, world, family, impl, seq, padded):
         scale = float(want.abs().max())
         if scale < 1e-12:  # zero in exact arithmetic (a key bias): rounding noise only
             continue
-        tower += any(t in name for t in ("visual", "vision_tower", "multi_modal_projector"))
+        tower += any(t in name for t in ("visual", "vision", "multi_modal_projector", "connector"))
         torch.testing.assert_close(g, want, rtol=0, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
     assert tower > 10  # the towers' gradients are compared too
 
@@ -108,6 +125,9 @@ def _shard_batch_body(rank, world, family, impl, seq, padded):
     ("qwen2_vl", "ring", 24, 5),  # right padding (attention mask) as a processor pads a batch
     ("qwen3_vl", "ulysses", 24, 0),  # deepstack features added to the shard's visual tokens
     ("llava", "ring", 21, 0),
+    ("mistral3", "ring", 23, 0),  # Pixtral's tower keeps its own attention (its block-diagonal image mask)
+    ("idefics3", "ulysses", 22, 0),
+    ("internvl", "ring", 21, 0),
 ])
 def test_a_batch_with_images_under_cp_equals_one_process(tmp_path, family, impl, seq, padded):
     """cp 2 through shard_batch: the loss and every gradient (the vision tower's too) equal one process's. Before:
@@ -214,6 +234,19 @@ def _packed_body(rank, world):
 def test_packed_documents_with_images_under_cp_are_refused_on_every_rank(tmp_path):
     """The text decoder cuts a whole batch as rows: packed documents would not be the shard's."""
     spawn(_packed_body, 2, tmp_path, timeout_s=60)
+
+
+def test_a_tower_keeps_its_own_attention():
+    """ndp's attention runs in the text decoder only; a tower keeps its implementation and its own masks. Before,
+    Pixtral's block-diagonal image mask reached ndp's attention, which refused it: Mistral 3 with images did not run
+    even on one process."""
+    model = tiny_vlm("mistral3")
+    batch, _ = vlm_batch(model, 23)
+    want = model(**batch).logits
+    model = ndp.hf.parallelize(model, ndp.ParallelismConfig(), None)
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    assert model.config.text_config._attn_implementation == "ndp_ring"
+    torch.testing.assert_close(model(**batch).logits, want, rtol=1e-10, atol=1e-12)
 
 
 class _Ctx:

@@ -437,7 +437,9 @@ def guard_outside_layers(model, names, ctx) -> None:
     attention call, which raises it on every rank: raised here, it would leave the other ranks in the FSDP
     all-gather of the next decoder layer while this one joined the attention's validity exchange."""
     def refuse(module, args):
-        if whole_forward() is not None:  # the batch reached the model whole: the towers see all of it
+        # the batch reached the model whole (the towers see all of it), or a tower's block recomputed in the
+        # backward (gradient checkpointing: its forward was judged when it ran)
+        if whole_forward() is not None or torch._C._current_graph_task_id() != -1:
             return
         _PENDING.setdefault(id(ctx), Unsupported(
             f"{type(module).__name__} runs outside the decoder layers (a vision or audio tower, or a token mixer "

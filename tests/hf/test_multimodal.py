@@ -10,15 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
-from transformers import AutoConfig, AutoModelForImageTextToText
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+from trl import SFTConfig
 
 import ndp
 import ndp.accelerate
 import ndp.hf
+import ndp.trainer
 from dist import spawn
 from ndp.hf.batch import Whole, pad_rows
 from ndp.hf.multimodal import shard_decoder_inputs
-from test_accelerate import _InOrder, _fsdp2_plugin, _rank_env, _trainer_args
+from test_accelerate import _InOrder, _fsdp2_plugin, _rank_env, _save_word_tokenizer, _trainer_args
 from _zoo import _shrink
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -162,6 +165,7 @@ def collate_images(samples):
     out = {k: torch.stack([s[k] for s in samples]) for k in ("input_ids", "labels", "mm_token_type_ids",
                                                               "image_grid_thw")}
     out["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
     return out
 
 
@@ -170,15 +174,28 @@ def _save_vlm(model_dir):
     model.float().save_pretrained(model_dir)
 
 
-def _trainer_body(rank, world, tmp, model_dir):
+class _InOrderSFT(ndp.trainer.SFTTrainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _trainer_body(rank, world, tmp, model_dir, sft):
     _rank_env(rank, world)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    args = _trainer_args(tmp, {"dp_shard_size": 2, "cp_size": 2}, layer="Qwen2VLDecoderLayer",
-                         remove_unused_columns=False, per_device_eval_batch_size=1)
     data = _Images(model, 8)
-    trainer = _InOrder(model=model, args=args, train_dataset=data, eval_dataset=data, data_collator=collate_images)
+    par = {"dp_shard_size": 2, "cp_size": 2}
+    if sft:  # TRL's defaults: gradient checkpointing (the towers' blocks recomputed in the backward)
+        args = _trainer_args(tmp, par, layer="Qwen2VLDecoderLayer", cls=SFTConfig, remove_unused_columns=False,
+                             dataset_kwargs={"skip_prepare_dataset": True}, bf16=False)
+        rows = Dataset.from_list([{k: v.tolist() for k, v in s.items()} for s in data.samples]).with_format("torch")
+        trainer = _InOrderSFT(model=model, args=args, train_dataset=rows, data_collator=collate_images,
+                              processing_class=AutoTokenizer.from_pretrained(model_dir))
+    else:
+        args = _trainer_args(tmp, par, layer="Qwen2VLDecoderLayer", remove_unused_columns=False,
+                             per_device_eval_batch_size=1)
+        trainer = _InOrder(model=model, args=args, train_dataset=data, data_collator=collate_images)
     trainer.train()
-    ev = trainer.evaluate(eval_dataset=torch.utils.data.Subset(data, range(4)))["eval_loss"]
+    ev = None if sft else trainer.evaluate(eval_dataset=torch.utils.data.Subset(data, range(4)))["eval_loss"]
     if rank == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         torch.save({"losses": losses, "eval": ev}, os.path.join(tmp, "vlm.pt"))
@@ -207,18 +224,23 @@ def _one_process_vlm(model_dir, data):
 
 
 @pytest.mark.timeout(600)
-def test_the_trainer_trains_a_vision_language_model_under_cp_as_one_process(tmp_path):
-    """ndp.trainer.Trainer at dp_shard 2 x cp 2 on Qwen2-VL with an image in every row (each data-parallel rank's
-    batch whole on its CP ranks, the rows padded 23 -> 24): the 3 logged losses and the evaluation loss after
-    training equal one process taking both data-parallel ranks' rows."""
+@pytest.mark.parametrize("sft", [False, True], ids=["trainer", "trl-sft"])
+def test_the_trainer_trains_a_vision_language_model_under_cp_as_one_process(tmp_path, sft):
+    """ndp.trainer.Trainer (and TRL's SFTTrainer, gradient checkpointing on) at dp_shard 2 x cp 2 on Qwen2-VL with
+    an image in every row (each data-parallel rank's batch whole on its CP ranks, the rows padded 23 -> 24): the 3
+    logged losses and the Trainer's evaluation loss after training equal one process taking both data-parallel
+    ranks' rows. With gradient checkpointing the vision blocks, recomputed in the backward, were refused as if they
+    ran on a shard."""
     model_dir = str(tmp_path / "model")
     _save_vlm(model_dir)
-    spawn(_trainer_body, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    _save_word_tokenizer(model_dir)
+    spawn(_trainer_body, 4, tmp_path, str(tmp_path), model_dir, sft, timeout_s=300)
     got = torch.load(tmp_path / "vlm.pt")
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     losses, ev = _one_process_vlm(model_dir, _Images(model, 8))
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(losses, abs=1e-4)  # logged to 4 digits
-    assert got["eval"] == pytest.approx(ev, rel=1e-5)
+    if not sft:
+        assert got["eval"] == pytest.approx(ev, rel=1e-5)
 
 
 def _packed_body(rank, world):

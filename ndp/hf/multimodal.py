@@ -110,12 +110,22 @@ def _refuse_uncut(name, kwargs, batch, seq) -> None:
                           f"parallelism: ndp cannot cut it into this rank's shard. Let the model build its mask "
                           f"(no 4-D attention_mask), or train batches with images with cp_size=1.")
     for key, value in kwargs.items():
-        if key in (*_CUT, *_DROPPED, *_PLACED) or not torch.is_tensor(value):
+        if key in (*_CUT, *_DROPPED, *_PLACED):
             continue
-        if seq in tuple(value.shape) and value.numel() >= batch * seq:
-            raise Unsupported(f"{name} got {key} {tuple(value.shape)} along the batch's {seq} tokens under context "
-                              f"parallelism, which ndp does not know how to cut into this rank's shard (it cuts "
-                              f"{', '.join(_CUT)}). Train batches with images with cp_size=1.")
+        along = [t for t in _tensors(value) if seq in tuple(t.shape) and t.numel() >= batch * seq]
+        if along:
+            raise Unsupported(f"{name} got {key} {tuple(along[0].shape)} along the batch's {seq} tokens under "
+                              f"context parallelism, which ndp does not know how to cut into this rank's shard (it "
+                              f"cuts {', '.join(_CUT)}). Train batches with images with cp_size=1.")
+
+
+def _tensors(value) -> list:
+    """The tensors in `value`, inside lists, tuples and dicts too."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
 
 
 def _placed(name, where, features, key, ctx):

@@ -283,6 +283,7 @@ def test_decoder_arguments_ndp_cannot_cut_are_refused_by_name():
     embeds = torch.zeros(2, 8, 16)
     cases = [
         ({"inputs_embeds": embeds, "per_layer_inputs": torch.zeros(2, 8, 3, 4)}, r"per_layer_inputs \(2, 8, 3, 4\)"),
+        ({"inputs_embeds": embeds, "extra": [{"rows": torch.zeros(2, 8)}]}, r"extra \(2, 8\) along the batch's 8"),
         ({"inputs_embeds": embeds, "attention_mask": torch.zeros(2, 1, 8, 8)}, r"dense attention mask \(2, 1, 8, 8\)"),
         ({"inputs_embeds": embeds, "visual_pos_masks": torch.ones(2, 8, dtype=torch.bool),
           "deepstack_visual_embeds": [torch.zeros(15, 16)]}, r"deepstack_visual_embeds \[\(15, 16\)\] for a mask of 16"),

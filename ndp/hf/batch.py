@@ -704,4 +704,5 @@ def _real_tokens(rows):
 __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packed_cu", "pad_rows", "document_table",
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
            "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding", "WHOLE",
-           "DECODER_SHARDS", "Whole", "whole_forward", "whole_batch", "whole_of", "keeps_whole", "whole_rows", "refuse_packed_whole"]
+           "DECODER_SHARDS", "Whole", "whole_forward", "whole_batch", "whole_of", "keeps_whole", "whole_rows",
+           "refuse_packed_whole"]

@@ -375,5 +375,4 @@ def check_packed_model(model: nn.Module) -> None:
 __all__ = ["Unsupported", "text_config", "peft_inner", "POOLED_ON_WHOLE", "pools_last_token", "pooled_last_token",
            "row_head", "classifies_tokens", "takes_shift_labels", "attention_modules", "decoder_layers",
            "outside_layers", "cp_attention_modules", "text_decoder", "layer_stacks", "check_cp_model",
-           "check_packed_model",
-           "gathered_mixers"]
+           "check_packed_model", "gathered_mixers"]

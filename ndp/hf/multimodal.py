@@ -6,14 +6,13 @@ before the model would give a rank placeholders that do not match its images, an
 a batch that carries a tower's input (``ndp.hf.batch.keeps_whole``) reaches the model whole on every rank of the CP
 group (``shard_batch`` shards its labels only, and marks its input_ids): each rank runs the towers on the whole
 images (cp_size times their work: the ranks hold the same images) and embeds the whole rows, and the text decoder's
-forward pre-hook cuts what it is given (the embeddings, the positions, a 2-D attention mask) into this rank's shard,
-in the CP layout, as ``shard_batch`` cuts a text batch. The decoder's output, the logits and the labels are then the
-shard's, as for text. Gradients: a rank's towers get its shard's tokens' part; FSDP's reduction over the CP ranks
-adds the parts up to the whole batch's.
+forward pre-hook cuts what it is given (the embeddings, the positions, a 2-D attention mask, Qwen3-VL's deepstack
+features at the shard's visual tokens) into this rank's shard, in the CP layout, as ``shard_batch`` cuts a text
+batch. The decoder's output, the logits and the labels are then the shard's, as for text. Gradients: a rank's towers
+get its shard's tokens' part; FSDP's reduction over the CP ranks adds the parts up to the whole batch's.
 
 Refused by name, on every rank, before the decoder layers run: a decoder argument along the sequence that ndp does
-not know how to cut (Qwen3-VL's deepstack features, placed by a mask over the whole row), a dense 4-D mask, inputs
-given positionally or of another length than the batch's.
+not know how to cut, a dense 4-D mask, inputs given positionally or of another length than the batch's.
 """
 from __future__ import annotations
 

@@ -286,7 +286,8 @@ def test_decoder_arguments_ndp_cannot_cut_are_refused_by_name():
         ({"inputs_embeds": embeds, "extra": [{"rows": torch.zeros(2, 8)}]}, r"extra \(2, 8\) along the batch's 8"),
         ({"inputs_embeds": embeds, "attention_mask": torch.zeros(2, 1, 8, 8)}, r"dense attention mask \(2, 1, 8, 8\)"),
         ({"inputs_embeds": embeds, "visual_pos_masks": torch.ones(2, 8, dtype=torch.bool),
-          "deepstack_visual_embeds": [torch.zeros(15, 16)]}, r"deepstack_visual_embeds \[\(15, 16\)\] for a mask of 16"),
+          "deepstack_visual_embeds": [torch.zeros(15, 16)]},
+         r"deepstack_visual_embeds \[\(15, 16\)\] for a mask of 16"),
         ({"inputs_embeds": embeds[:, :6]}, r"not as inputs_embeds \[batch, 8, hidden\]"),
     ]
     for kwargs, match in cases:

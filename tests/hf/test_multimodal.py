@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForImageTextToText, AutoModelForSequenceClassification,
+                          AutoTokenizer)
 from trl import SFTConfig
 
 import ndp
@@ -321,6 +322,45 @@ def test_images_inside_maybe_context_parallel_are_refused_on_every_rank(tmp_path
     not match the images (a rank whose shard held none raised in transformers while the others went on into the
     ring). Refused by name on every rank before the towers run."""
     spawn(_accelerate_body, 2, tmp_path, timeout_s=60)
+
+
+class _Scored(torch.utils.data.Dataset):
+    """Rows with an image and a class: a sequence classifier's samples."""
+
+    def __init__(self, rows):
+        g = torch.Generator().manual_seed(3)
+        self.samples = [dict(input_ids=torch.cat([torch.tensor([START]), torch.full((4,), IMAGE),
+                                                  torch.randint(3, IMAGE, (11,), generator=g)]),
+                             pixel_values=torch.randn(3, 32, 32, generator=g), labels=torch.tensor(i % 2))
+                        for i in range(rows)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+def _pooled_body(rank, world, tmp):
+    _rank_env(rank, world)
+    cfg = AutoConfig.for_model("gemma3")
+    _shrink(cfg, set())
+    cfg.image_token_id = cfg.image_token_index = IMAGE
+    cfg.mm_tokens_per_image, cfg.vision_config.image_size, cfg.num_labels = 4, 32, 2
+    model = AutoModelForSequenceClassification.from_config(cfg)
+    args = _trainer_args(tmp, {"cp_size": 2}, layer="Gemma3DecoderLayer", remove_unused_columns=False)
+    trainer = _InOrder(model=model, args=args, train_dataset=_Scored(4))
+    with pytest.raises(ndp.hf.Unsupported, match=r"_InOrder under context parallelism \(cp_size=2\) shards each "
+                                                 r"model call's rows itself, and this call has images"):
+        trainer.train()
+
+
+def test_a_trainer_that_shards_each_call_refuses_images_on_every_rank(tmp_path):
+    """The trainers that keep the batch whole and shard each model call (a sequence classifier's, DPO's, KTO's,
+    a reward model's) would shard the image placeholders too: the placeholders of a rank's shard would not match
+    the images, and a rank whose shard held them all would go on into the ring while the others raised. Refused by
+    name on every rank instead."""
+    spawn(_pooled_body, 2, tmp_path, str(tmp_path), timeout_s=120)
 
 
 def test_token_type_rows_are_padded_as_text():

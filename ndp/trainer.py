@@ -81,7 +81,7 @@ from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_ov
 from .cp import sum_over_group
 from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, keeps_whole, origin_rows,
                        refuse_other_batches, refuse_packed_whole, whole_batch, whole_rows, without_padding)
-from .hf.models import POOLED_ON_WHOLE, Unsupported, classifies_tokens, peft_inner, pooled_last_token, row_head
+from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
 from .parallel import CP_ATTR, mesh_axis
 from .parallel.init import clean_name
@@ -193,16 +193,13 @@ class NdpTrainerMixin:
         replaced by this rank's shards, the CP context entered; `calls` holds what :meth:`_gather_call` needs (the
         stack to leave, the shards' origin, the whole input_ids)."""
         like = kwargs["input_ids"]
-        if keeps_whole(self.accelerator.unwrap_model(model), kwargs):  # the same call on every CP rank
-            raise Unsupported(f"ndp.trainer: {type(self).__name__} under context parallelism (cp_size={pc.cp_size}) "
-                              f"shards each model call's rows itself, and this call has images (or another tower's "
-                              f"input), which need the batch whole at the model. Train it with cp_size=1; SFT "
-                              f"(ndp.trainer.SFTTrainer, Trainer) trains batches with images under CP.")
         batch = {k: kwargs.pop(k).clone() for k in [k for k, v in kwargs.items()
                                                      if torch.is_tensor(v) and v.shape == like.shape]}
         batch.update(rows)
         batch[ORIGIN] = origin_rows(like)
-        cp_context, batch = self._shard_for_cp(model, batch, pc)
+        # a tower's inputs (pixel_values, ...) ride along: with them the call's rows reach the model whole
+        towers = {k: v for k, v in kwargs.items() if torch.is_tensor(v)}
+        cp_context, batch = self._shard_for_cp(model, {**batch, **towers}, pc)
         stack = contextlib.ExitStack()
         calls.append((stack, self._ndp_origin, like))
         stack.enter_context(cp_context())

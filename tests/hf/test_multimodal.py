@@ -9,11 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+import numpy as np
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
+from accelerate.state import AcceleratorState
 from datasets import Dataset
-from transformers import (AutoConfig, AutoModelForImageTextToText, AutoModelForSequenceClassification,
-                          AutoTokenizer)
-from trl import SFTConfig
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, LlavaProcessor,
+                          PreTrainedTokenizerFast)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from trl import DPOConfig, DPOTrainer, SFTConfig
 
 import ndp
 import ndp.accelerate
@@ -324,43 +329,79 @@ def test_images_inside_maybe_context_parallel_are_refused_on_every_rank(tmp_path
     spawn(_accelerate_body, 2, tmp_path, timeout_s=60)
 
 
-class _Scored(torch.utils.data.Dataset):
-    """Rows with an image and a class: a sequence classifier's samples."""
-
-    def __init__(self, rows):
-        g = torch.Generator().manual_seed(3)
-        self.samples = [dict(input_ids=torch.cat([torch.tensor([START]), torch.full((4,), IMAGE),
-                                                  torch.randint(3, IMAGE, (11,), generator=g)]),
-                             pixel_values=torch.randn(3, 32, 32, generator=g), labels=torch.tensor(i % 2))
-                        for i in range(rows)]
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
+def _llava_processor():
+    """LLaVA's processor on the word tokenizer (t0 .. t127, <image> at IMAGE) and CLIP's PIL image processor at 28 px:
+    each image 4 placeholders."""
+    vocab = {f"t{i}": i for i in range(128) if i != IMAGE}
+    vocab["<image>"] = IMAGE
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1",
+                                        extra_special_tokens={"image_token": "<image>"})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
 
 
-def _pooled_body(rank, world, tmp):
+def _image_preferences(seed, rows):
+    """DPO pairs on an image each: prompt words around the image, chosen and rejected completions of uneven lengths
+    (pads in every batch)."""
+    g = np.random.RandomState(seed)
+
+    def words(lo, hi):
+        return " ".join(f"t{i}" for i in g.randint(2, IMAGE - 1, g.randint(lo, hi)))
+
+    return Dataset.from_dict({
+        "images": [[Image.fromarray((g.rand(28, 28, 3) * 255).astype("uint8"))] for _ in range(rows)],
+        "prompt": [f"{words(3, 8)} <image> {words(2, 5)}" for _ in range(rows)],
+        "chosen": [" " + words(3, 12) for _ in range(rows)], "rejected": [" " + words(3, 12) for _ in range(rows)]})
+
+
+def _dpo(cls, tmp, model_dir, par=None):
+    """cls (ndp's DPOTrainer under ParallelismConfig(**par), or TRL's on one process) on the LLaVA in model_dir: 3
+    unclipped SGD steps of one pair, then an evaluation of 3 pairs."""
+    args = _trainer_args(tmp, par, cls=DPOConfig, per_device_eval_batch_size=1, bf16=False, learning_rate=0.1,
+                         max_grad_norm=0.0, remove_unused_columns=False)
+    in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
+                                        torch.utils.data.SequentialSampler(self.train_dataset)})
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                        attn_implementation=None if par else "eager")
+    return in_order(model=model, args=args, train_dataset=_image_preferences(1, 6),
+                    eval_dataset=_image_preferences(2, 3), processing_class=_llava_processor())
+
+
+def _dpo_log(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "eval": trainer.evaluate()["eval_loss"],
+            "logps": [v for h in logs for v in (h["logps/chosen"], h["logps/rejected"])]}
+
+
+def _dpo_body(rank, world, tmp, model_dir):
     _rank_env(rank, world)
-    cfg = AutoConfig.for_model("gemma3")
-    _shrink(cfg, set())
-    cfg.image_token_id = cfg.image_token_index = IMAGE
-    cfg.mm_tokens_per_image, cfg.vision_config.image_size, cfg.num_labels = 4, 32, 2
-    model = AutoModelForSequenceClassification.from_config(cfg)
-    args = _trainer_args(tmp, {"cp_size": 2}, layer="Gemma3DecoderLayer", remove_unused_columns=False)
-    trainer = _InOrder(model=model, args=args, train_dataset=_Scored(4))
-    with pytest.raises(ndp.hf.Unsupported, match=r"_InOrder under context parallelism \(cp_size=2\) shards each "
-                                                 r"model call's rows itself, and this call has images"):
-        trainer.train()
+    trainer = _dpo(ndp.trainer.DPOTrainer, tmp, model_dir, {"cp_size": world})
+    trainer.train()
+    log = _dpo_log(trainer)
+    if rank == 0:
+        torch.save(log, os.path.join(tmp, "dpo.pt"))
 
 
-def test_a_trainer_that_shards_each_call_refuses_images_on_every_rank(tmp_path):
-    """The trainers that keep the batch whole and shard each model call (a sequence classifier's, DPO's, KTO's,
-    a reward model's) would shard the image placeholders too: the placeholders of a rank's shard would not match
-    the images, and a rank whose shard held them all would go on into the ring while the others raised. Refused by
-    name on every rank instead."""
-    spawn(_pooled_body, 2, tmp_path, str(tmp_path), timeout_s=120)
+@pytest.mark.timeout(600)
+def test_trls_dpo_on_images_under_cp_equals_trl_on_one_process(tmp_path):
+    """TRL's DPO on LLaVA with an image in every pair (TRL's vision collator, LLaVA's processor) at cp 2: each model
+    call's rows reach the model whole with its images, and the per-sequence log-probabilities are the gathered
+    logits': the losses, the evaluation loss and the chosen / rejected log-probabilities equal TRL's on one process.
+    Before, each call's placeholders were sharded with its rows."""
+    model_dir = str(tmp_path / "model")
+    tiny_vlm("llava").float().save_pretrained(model_dir)
+    spawn(_dpo_body, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    got = torch.load(tmp_path / "dpo.pt")
+    reference = _dpo(DPOTrainer, str(tmp_path / "ref"), model_dir)
+    reference.train()
+    want = _dpo_log(reference)
+    AcceleratorState._reset_state(True)
+    assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
+    assert got["logps"] == pytest.approx(want["logps"], rel=1e-5)
 
 
 def test_token_type_rows_are_padded_as_text():

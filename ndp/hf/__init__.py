@@ -102,7 +102,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
             elif ctx.mixers == "heads":
                 split_mixer_heads(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
-            if outside and decoder:
+            if decoder and (outside or text_config(m) is not m.config):  # towers (found, or a multimodal config)
                 guard_whole_batches(m, decoder, ctx)
             guard_positions(m, ctx)
             guard_rope(m, ctx)

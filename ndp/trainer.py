@@ -80,7 +80,8 @@ from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_ov
                          saved_optimizer_state)
 from .cp import sum_over_group
 from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, keeps_whole, origin_rows,
-                       refuse_other_batches, refuse_packed_whole, whole_batch, whole_rows, without_padding)
+                       pad_id_of, refuse_other_batches, refuse_packed_whole, whole_batch, whole_rows,
+                       without_padding)
 from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
 from .parallel import CP_ATTR, mesh_axis
@@ -246,9 +247,8 @@ class NdpTrainerMixin:
                              self.accelerator.torch_device_mesh, "ndp.trainer",
                              "; a sampler of one's own (_get_train_sampler) over the data-parallel ranks")
         refuse_packed_whole(unwrapped, inputs, rows)
-        pad_id = getattr(unwrapped.config, "pad_token_id", None)
         seq = inputs["input_ids"].shape[1]
-        rows = whole_rows(rows, getattr(unwrapped, CP_ATTR), pad_id if isinstance(pad_id, int) else 0)
+        rows = whole_rows(rows, getattr(unwrapped, CP_ATTR), pad_id_of(unwrapped))
         inputs = {k: v for k, v in {**inputs, **rows}.items() if k not in PACKING_KEYS}
         self._ndp_origin = inputs.pop(ORIGIN, None)
         # the facts ride in the context: the Trainer's _prepare_inputs copies the tensors, dropping their attributes

@@ -26,7 +26,7 @@ from ndp.parallel import CP_ATTR, PARALLEL_ATTR, mesh_axis, mesh_device
 from ndp_kernels.segments import cu_from_starts, packed_rows_cu, position_restarts
 
 from .masks import padding_of
-from .models import Unsupported, takes_shift_labels
+from .models import Unsupported, takes_shift_labels, text_config
 
 # Keys of a packed batch that are not [batch, seq] tensors: the document table, rebuilt for the shard.
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -503,9 +503,14 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
         if cu is not None and rows and "position_ids" not in rows:
             rows["position_ids"] = _positions_in_documents(cu, next(iter(rows.values())))
         return _mark_shifted({**tensors, **rows})
-    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    return _mark_shifted(shard_rows(without_padding(rows), ctx, cu=cu, pad=pad,
-                                    pad_id=pad_id if isinstance(pad_id, int) else 0))
+    return _mark_shifted(shard_rows(without_padding(rows), ctx, cu=cu, pad=pad, pad_id=pad_id_of(model)))
+
+
+def pad_id_of(model) -> int:
+    """The token ndp pads input_ids with: the text decoder's pad_token_id (0 without one). No real token sees a pad
+    (they come last, under a causal mask), but its id must be in the vocabulary the decoder embeds."""
+    pad_id = getattr(text_config(model), "pad_token_id", None) if hasattr(model, "config") else None
+    return pad_id if isinstance(pad_id, int) else 0
 
 
 def keeps_whole(model, tensors) -> bool:
@@ -535,8 +540,7 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
         raise ValueError(f"shard_batch(global_batch=True) cannot split a batch with images over "
                          f"{state.config.dp_size} data-parallel ranks (which images belong to which rows is the "
                          f"model's). Give each data-parallel rank its own batch and global_batch=False.")
-    pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
-    rows = whole_rows(without_padding(rows), ctx, pad_id if isinstance(pad_id, int) else 0)
+    rows = whole_rows(without_padding(rows), ctx, pad_id_of(model))
     return _mark_shifted({**tensors, **rows})
 
 
@@ -705,4 +709,4 @@ __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packe
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
            "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding", "WHOLE",
            "DECODER_SHARDS", "Whole", "whole_forward", "whole_batch", "whole_of", "keeps_whole", "whole_rows",
-           "refuse_packed_whole"]
+           "refuse_packed_whole", "pad_id_of"]

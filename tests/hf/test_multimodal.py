@@ -1,20 +1,21 @@
 """Vision-language models under CP with images (``ndp.hf.multimodal``): the batch reaches the model whole, the towers
 run on the whole images on every rank, the text decoder takes this rank's shard; the loss and every gradient (the
-vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` and through ``ndp.trainer.Trainer``
-(Qwen2-VL, Qwen3-VL, LLaVA, Mistral 3, Idefics3, InternVL). Before, a batch with images under CP was refused (the
-tower would have seen a shard): no VLM trained under CP; Mistral 3 with images did not run even on one process."""
+vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` (Qwen2-VL, Qwen3-VL, LLaVA, Mistral 3,
+Idefics3, InternVL) and through ndp's Trainer, SFTTrainer and DPOTrainer. Before, a batch with images under CP was
+refused (the tower would have seen a shard): no VLM trained under CP; Mistral 3 with images did not run even on one
+process."""
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-import numpy as np
 from accelerate.parallelism_config import ParallelismConfig as AccelerateConfig
 from accelerate.state import AcceleratorState
 from datasets import Dataset
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, LlavaProcessor,
                           PreTrainedTokenizerFast)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, LlavaProcessor,
                           PreTrainedTokenizerFast)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from trl import DPOConfig, DPOTrainer, SFTConfig
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import ndp
 import ndp.accelerate
@@ -344,65 +344,70 @@ def _llava_processor():
                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
 
 
-def _image_preferences(seed, rows):
-    """DPO pairs on an image each: prompt words around the image, chosen and rejected completions of uneven lengths
-    (pads in every batch)."""
+def _image_rows(seed, rows, kind):
+    """A dataset with an image in every row: prompt words around it and completions of uneven lengths (pads in every
+    batch): a prompt-completion dataset (SFT), or DPO's pairs (chosen, rejected)."""
     g = np.random.RandomState(seed)
 
     def words(lo, hi):
         return " ".join(f"t{i}" for i in g.randint(2, IMAGE - 1, g.randint(lo, hi)))
 
-    return Dataset.from_dict({
-        "images": [[Image.fromarray((g.rand(28, 28, 3) * 255).astype("uint8"))] for _ in range(rows)],
-        "prompt": [f"{words(3, 8)} <image> {words(2, 5)}" for _ in range(rows)],
-        "chosen": [" " + words(3, 12) for _ in range(rows)], "rejected": [" " + words(3, 12) for _ in range(rows)]})
+    data = {"images": [[Image.fromarray((g.rand(28, 28, 3) * 255).astype("uint8"))] for _ in range(rows)],
+            "prompt": [f"{words(3, 8)} <image> {words(2, 5)}" for _ in range(rows)]}
+    for name in ("chosen", "rejected") if kind == "dpo" else ("completion",):
+        data[name] = [" " + words(3, 12) for _ in range(rows)]
+    return Dataset.from_dict(data)
 
 
-def _dpo(cls, tmp, model_dir, par=None):
-    """cls (ndp's DPOTrainer under ParallelismConfig(**par), or TRL's on one process) on the LLaVA in model_dir: 3
-    unclipped SGD steps of one pair, then an evaluation of 3 pairs."""
-    args = _trainer_args(tmp, par, cls=DPOConfig, per_device_eval_batch_size=1, bf16=False, learning_rate=0.1,
-                         max_grad_norm=0.0, remove_unused_columns=False)
+def _trl(kind, ndp_trainer, tmp, model_dir, par=None):
+    """TRL's trainer of `kind` (ndp's under ParallelismConfig(**par), else TRL's on one process) on the LLaVA in
+    model_dir through TRL's vision collator and LLaVA's processor: 3 unclipped SGD steps of one row (pair), then an
+    evaluation of 3; SFT with its default gradient checkpointing."""
+    config, trainer = (DPOConfig, DPOTrainer) if kind == "dpo" else (SFTConfig, SFTTrainer)
+    cls = getattr(ndp.trainer, trainer.__name__) if ndp_trainer else trainer
+    args = _trainer_args(tmp, par, cls=config, per_device_eval_batch_size=1, bf16=False, learning_rate=0.1,
+                         max_grad_norm=0.0)
     in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
                                         torch.utils.data.SequentialSampler(self.train_dataset)})
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
                                                         attn_implementation=None if par else "eager")
-    return in_order(model=model, args=args, train_dataset=_image_preferences(1, 6),
-                    eval_dataset=_image_preferences(2, 3), processing_class=_llava_processor())
+    return in_order(model=model, args=args, train_dataset=_image_rows(1, 6, kind),
+                    eval_dataset=_image_rows(2, 3, kind), processing_class=_llava_processor())
 
 
-def _dpo_log(trainer):
+def _trl_log(trainer):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"losses": [h["loss"] for h in logs], "eval": trainer.evaluate()["eval_loss"],
-            "logps": [v for h in logs for v in (h["logps/chosen"], h["logps/rejected"])]}
+            "logps": [v for h in logs for v in (h.get("logps/chosen"), h.get("logps/rejected")) if v is not None]}
 
 
-def _dpo_body(rank, world, tmp, model_dir):
+def _trl_body(rank, world, tmp, model_dir, kind):
     _rank_env(rank, world)
-    trainer = _dpo(ndp.trainer.DPOTrainer, tmp, model_dir, {"cp_size": world})
+    trainer = _trl(kind, True, tmp, model_dir, {"cp_size": world})
     trainer.train()
-    log = _dpo_log(trainer)
+    log = _trl_log(trainer)
     if rank == 0:
-        torch.save(log, os.path.join(tmp, "dpo.pt"))
+        torch.save(log, os.path.join(tmp, "trl.pt"))
 
 
 @pytest.mark.timeout(600)
-def test_trls_dpo_on_images_under_cp_equals_trl_on_one_process(tmp_path):
-    """TRL's DPO on LLaVA with an image in every pair (TRL's vision collator, LLaVA's processor) at cp 2: each model
-    call's rows reach the model whole with its images, and the per-sequence log-probabilities are the gathered
-    logits': the losses, the evaluation loss and the chosen / rejected log-probabilities equal TRL's on one process.
-    Before, each call's placeholders were sharded with its rows."""
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_on_images_under_cp_equals_trl_on_one_process(tmp_path, kind):
+    """TRL's SFT and DPO on LLaVA with an image in every row (TRL's vision collators, LLaVA's processor) at cp 2: the
+    batch (DPO: each model call's rows) reaches the model whole with its images: the losses, the evaluation loss and
+    DPO's chosen / rejected log-probabilities equal TRL's on one process. Before, the image placeholders were
+    sharded with the rows (refused, or a crash on some ranks)."""
     model_dir = str(tmp_path / "model")
     tiny_vlm("llava").float().save_pretrained(model_dir)
-    spawn(_dpo_body, 2, tmp_path, str(tmp_path), model_dir, timeout_s=300)
-    got = torch.load(tmp_path / "dpo.pt")
-    reference = _dpo(DPOTrainer, str(tmp_path / "ref"), model_dir)
+    spawn(_trl_body, 2, tmp_path, str(tmp_path), model_dir, kind, timeout_s=300)
+    got = torch.load(tmp_path / "trl.pt")
+    reference = _trl(kind, False, str(tmp_path / "ref"), model_dir)
     reference.train()
-    want = _dpo_log(reference)
+    want = _trl_log(reference)
     AcceleratorState._reset_state(True)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
-    assert got["logps"] == pytest.approx(want["logps"], rel=1e-5)
+    assert len(got["logps"]) == (6 if kind == "dpo" else 0) and got["logps"] == pytest.approx(want["logps"], rel=1e-5)
 
 
 def test_token_type_rows_are_padded_as_text():

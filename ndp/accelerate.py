@@ -407,8 +407,17 @@ def redealt_on_skip(loader) -> bool:
 
 
 def _dealt(batches) -> tuple:
-    """(the batches concatenated, [its structure, no stop, None]); where they cannot be, (None, [None, no stop,
-    why])."""
+    """(the batches concatenated, [its structure, no stop, None]); where they cannot be, or cannot be dealt by
+    slicing their first dim, (None, [None, no stop, why])."""
+    firsts = set()
+    recursively_apply(lambda t: firsts.add(t.shape[0] if t.dim() else None), batches[0])
+    if len(firsts) > 1:  # the batch's rows and another count (a VLM's flattened image patches: Qwen-VL's pixel_values)
+        return None, [None, False, f"a batch process 0 read to deal to the data-parallel ranks holds tensors of "
+                                   f"different first dims ({sorted(firsts, key=str)}): dealing slices every tensor "
+                                   f"along its first dim, so a rank would get other rows' pieces of the ones that do "
+                                   f"not count rows (a vision-language model's flattened image patches). Set "
+                                   f"dispatch_batches=False (Accelerate's accelerator_config; each process then reads "
+                                   f"its own batches)."]
     try:
         batch = concatenate(batches, dim=0)
     except RuntimeError as e:

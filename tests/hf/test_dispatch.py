@@ -174,3 +174,28 @@ def test_rows_that_differ_between_the_tp_ranks_of_a_batch_are_refused_on_every_r
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
     spawn(_every_rank_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+
+
+def _patches(batch):
+    """A VLM processor's batch: rows stacked, each row's image patches (3 or 5 of them) flattened into one tensor."""
+    return {"input_ids": torch.stack([b[0] for b in batch]), "pixel_values": torch.cat([b[1] for b in batch])}
+
+
+def _patches_rank(rank, world):
+    _rank_env(rank, world)
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(dp_shard_size=2), fsdp_plugin=_fsdp2_plugin(),
+                                     dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    rows = [(torch.full((8,), i), torch.zeros(3 + 2 * (i % 2), 4)) for i in range(4)]
+    loader = acc.prepare(torch.utils.data.DataLoader(rows, batch_size=1, collate_fn=_patches))
+    with pytest.raises(ValueError, match=r"holds tensors of different first dims \(\[1, 3\]\).*flattened image "
+                                         r"patches.*dispatch_batches=False"):
+        next(iter(loader))
+
+
+@pytest.mark.distributed
+def test_dispatched_tensors_that_do_not_count_rows_are_refused_on_every_rank(tmp_path):
+    """Dealing slices every tensor of process 0's batch along its first dim: a vision-language batch's flattened
+    image patches (Qwen-VL's pixel_values: [patches, ...]) went to the ranks by patch count, not by row, and Qwen2-VL's
+    tower crashed on a rank ("split_with_sizes expects split_sizes to sum exactly to 1") while the others went on.
+    Refused by name on every rank."""
+    spawn(_patches_rank, 2, tmp_path, timeout_s=60)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import accelerate
 import torch
@@ -410,7 +411,10 @@ def _dealt(batches) -> tuple:
     """(the batches concatenated, [its structure, no stop, None]); where they cannot be, or cannot be dealt by
     slicing their first dim, (None, [None, no stop, why])."""
     firsts = set()
-    recursively_apply(lambda t: firsts.add(t.shape[0] if t.dim() else None), batches[0])
+    # a packed batch's document table is no row (ndp rebuilds the shards' from the positions)
+    first = batches[0]
+    dealt = {k: v for k, v in first.items() if k not in PACKING_KEYS} if isinstance(first, Mapping) else first
+    recursively_apply(lambda t: firsts.add(t.shape[0] if t.dim() else None), dealt)
     if len(firsts) > 1:  # the batch's rows and another count (a VLM's flattened image patches: Qwen-VL's pixel_values)
         return None, [None, False, f"a batch process 0 read to deal to the data-parallel ranks holds tensors of "
                                    f"different first dims ({sorted(firsts, key=str)}): dealing slices every tensor "

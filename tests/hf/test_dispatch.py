@@ -190,6 +190,10 @@ def _patches_rank(rank, world):
     with pytest.raises(ValueError, match=r"holds tensors of different first dims \(\[1, 3\]\).*flattened image "
                                          r"patches.*dispatch_batches=False"):
         next(iter(loader))
+    # a packed batch's document table is not dealt as rows (ndp rebuilds the shards' from the positions): dealt
+    packed = [{"input_ids": torch.full((8,), i), "cu_seq_lens_q": torch.tensor([0, 3, 8])} for i in range(4)]
+    loader = acc.prepare(torch.utils.data.DataLoader(packed, batch_size=1))
+    assert int(next(iter(loader))["input_ids"][0, 0]) == rank
 
 
 @pytest.mark.distributed

@@ -222,11 +222,13 @@ def test_accelerator_packed_documents_sliding_window_and_sinks_exact(tmp_path):
           timeout_s=300)
 
 
-class _InOrder(ndp.trainer.Trainer):
-    """The test's Trainer reads the data in order (the 1-process reference takes the same batches)."""
+def _in_order(cls):
+    """`cls` (a Trainer class) reading its training data in order: the 1-process reference takes the same batches."""
+    return type(f"InOrder{cls.__name__}", (cls,), {"_get_train_sampler": lambda self, *args, **kwargs:
+                                                   torch.utils.data.SequentialSampler(self.train_dataset)})
 
-    def _get_train_sampler(self, *args, **kwargs):
-        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+_InOrder = _in_order(ndp.trainer.Trainer)
 
 
 def _trainer_args(tmp, par, layer="LlamaDecoderLayer", state_dict_type=None, cls=TrainingArguments, **overrides):

@@ -28,7 +28,7 @@ import ndp.trainer
 from dist import spawn
 from ndp.hf.batch import Whole, pad_rows
 from ndp.hf.multimodal import shard_decoder_inputs
-from test_accelerate import _InOrder, _fsdp2_plugin, _rank_env, _save_word_tokenizer, _trainer_args
+from test_accelerate import _InOrder, _fsdp2_plugin, _in_order, _rank_env, _save_word_tokenizer, _trainer_args
 from _zoo import _shrink
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -181,11 +181,6 @@ def _save_vlm(model_dir):
     model.float().save_pretrained(model_dir)
 
 
-class _InOrderSFT(ndp.trainer.SFTTrainer):
-    def _get_train_sampler(self, *args, **kwargs):
-        return torch.utils.data.SequentialSampler(self.train_dataset)
-
-
 def _trainer_body(rank, world, tmp, model_dir, sft):
     _rank_env(rank, world)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
@@ -195,8 +190,9 @@ def _trainer_body(rank, world, tmp, model_dir, sft):
         args = _trainer_args(tmp, par, layer="Qwen2VLDecoderLayer", cls=SFTConfig, remove_unused_columns=False,
                              dataset_kwargs={"skip_prepare_dataset": True}, bf16=False)
         rows = Dataset.from_list([{k: v.tolist() for k, v in s.items()} for s in data.samples]).with_format("torch")
-        trainer = _InOrderSFT(model=model, args=args, train_dataset=rows, data_collator=collate_images,
-                              processing_class=AutoTokenizer.from_pretrained(model_dir))
+        trainer = _in_order(ndp.trainer.SFTTrainer)(model=model, args=args, train_dataset=rows,
+                                                    data_collator=collate_images,
+                                                    processing_class=AutoTokenizer.from_pretrained(model_dir))
     else:
         args = _trainer_args(tmp, par, layer="Qwen2VLDecoderLayer", remove_unused_columns=False,
                              per_device_eval_batch_size=1)
@@ -367,11 +363,9 @@ def _trl(kind, ndp_trainer, tmp, model_dir, par=None):
     cls = getattr(ndp.trainer, trainer.__name__) if ndp_trainer else trainer
     args = _trainer_args(tmp, par, cls=config, per_device_eval_batch_size=1, bf16=False, learning_rate=0.1,
                          max_grad_norm=0.0)
-    in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
-                                        torch.utils.data.SequentialSampler(self.train_dataset)})
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
                                                         attn_implementation=None if par else "eager")
-    return in_order(model=model, args=args, train_dataset=_image_rows(1, 6, kind),
+    return _in_order(cls)(model=model, args=args, train_dataset=_image_rows(1, 6, kind),
                     eval_dataset=_image_rows(2, 3, kind), processing_class=_llava_processor())
 
 

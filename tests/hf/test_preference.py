@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ndp.trainer
 from dist import spawn
-from test_accelerate import DECODER_LAYERS, _rank_env, _save_tiny, _save_tiny_family, _seeded_peft, _trainer_args
+from test_accelerate import (DECODER_LAYERS, _in_order, _rank_env, _save_tiny, _save_tiny_family, _seeded_peft,
+                             _trainer_args)
 
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -66,8 +67,7 @@ def _trainer(cls, tmp, model_dir, data, par=None, layer="LlamaDecoderLayer", **o
                          per_device_train_batch_size=2 if kto else 1, per_device_eval_batch_size=2 if kto else 1,
                          include_num_input_tokens_seen=True,
                          **{"bf16": False, "learning_rate": 0.1, "max_grad_norm": 0.0, **overrides})
-    in_order = type("InOrder", (cls,), {"_get_train_sampler": lambda self, *a, **k:
-                                        torch.utils.data.SequentialSampler(self.train_dataset)})
+    in_order = _in_order(cls)
     model = model_dir if reward else AutoModelForCausalLM.from_pretrained(
         model_dir, attn_implementation=None if par else "eager")
     return in_order(model=model, args=args, train_dataset=load_from_disk(os.path.join(data, "train")),

@@ -118,8 +118,7 @@ def text_attention(model: nn.Module, impl: str):
     other sub-configs (vision and audio towers) keep their own implementation. ndp's CP never runs in a tower, and a
     tower's own masks are for its implementation to apply (Pixtral's block-diagonal image mask, which ndp's
     attention refuses: Mistral 3 with images was refused even on one process)."""
-    cfg = getattr(model, "config", None)
-    text = text_config(model)
+    cfg, text = model.config, text_config(model)
     keys = [k for k in getattr(cfg, "sub_configs", {}) if getattr(cfg, k, None) is text]
     return {"": impl, keys[0]: impl} if text is not cfg and keys else impl
 

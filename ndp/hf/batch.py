@@ -592,7 +592,7 @@ def shard_attribute(kwargs, name):
     position_ids :func:`shard_positions` holds, else of the forward's; None where ndp did not shard it."""
     held = _SHARD_POSITIONS.get()
     value = getattr(held if held is not None else kwargs.get("position_ids"), name, None)
-    whole = whole_of(kwargs.get("input_ids")) or whole_forward()
+    whole = whole_of(kwargs.get("input_ids"))
     if value is None and whole is not None:
         return {REAL_TOKENS: whole.real_tokens, LONGEST: whole.longest}.get(name)
     return value

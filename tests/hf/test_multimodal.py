@@ -29,7 +29,7 @@ from dist import spawn
 from ndp.hf.batch import Whole, pad_rows
 from ndp.hf.multimodal import shard_decoder_inputs
 from test_accelerate import _InOrder, _fsdp2_plugin, _in_order, _rank_env, _save_word_tokenizer, _trainer_args
-from _zoo import _shrink
+from _zoo import _loss_and_grads, _shrink
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -98,10 +98,7 @@ def vlm_batch(model, seq, padded=0, seed=1):
 def _reference(family, seq, padded):
     model = tiny_vlm(family)
     batch, labels = vlm_batch(model, seq, padded)
-    logits = model(**batch).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return _loss_and_grads(model, F.cross_entropy(model(**batch).logits.flatten(0, 1), labels.flatten()))
 
 
 def _shard_batch_body(rank, world, family, impl, seq, padded):

@@ -314,6 +314,12 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
     `mixers` (``ParallelismConfig.cp_mixers``): "gather" accepts the token mixers :func:`gathered_mixers` runs on
     the gathered sequence, "heads" those of them ``ndp.hf.mixers`` splits by heads over `cp_size` ranks."""
     name = type(model).__name__
+    if hasattr(model, "config") and any(getattr(c, "is_encoder_decoder", False) for c in (model.config,
+                                                                                          text_config(model))):
+        raise Unsupported(
+            f"{name} is an encoder-decoder model (its decoder cross-attends to the encoder's output, and its labels "
+            f"are the decoder's own sequence): ndp's context parallelism shards one decoder-only sequence. Run it "
+            f"with cp_size=1.")
     virtual = _virtual_tokens(model)
     if virtual:
         raise Unsupported(

@@ -208,6 +208,29 @@ def test_every_head_reading_chosen_positions_is_refused_under_cp_and_packing():
     assert [cls.__name__ for cls in per_token if _pooling_head(_stand_in(cls))] == []
 
 
+def test_encoder_decoder_models_are_refused_under_cp():
+    """An encoder-decoder model (T5, BART, Florence-2, ...) under CP: its decoder cross-attends to the encoder's
+    output and its labels are the decoder's own sequence. Before, Florence-2 went through parallelize and
+    shard_batch (its text model taken for a decoder) and failed inside the attention with a KV-cache message, or not
+    at all where the lengths happened to fit; BART was sent to compute its loss from the logits."""
+    refused = []
+    for family in sorted({*modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, "florence2"}):
+        try:
+            config = AutoConfig.for_model(family)
+        except Exception:  # no default config to build (a family that needs a checkpoint's)
+            continue
+        if not any(c.is_encoder_decoder for c in (config, config.get_text_config(decoder=True))):
+            continue  # an audio LM in that mapping (Qwen2-Audio, Voxtral): a decoder-only model with a tower
+        model = nn.Module()
+        model.config = config
+        with pytest.raises(ndp.hf.Unsupported, match=r"is an encoder-decoder model .* shards one decoder-only "
+                                                     r"sequence\. Run it with cp_size=1"):
+            check_cp_model(model)
+        refused.append(family)
+    assert len(refused) > 20 and {"bart", "t5", "mbart", "florence2"} <= set(refused)
+    check_cp_model(tiny_model("bart"))  # BART's decoder alone (BartForCausalLM) is a decoder-only model
+
+
 def _heads_body(rank, world):
     import ndp
     import ndp.hf

@@ -17,7 +17,7 @@ from ndp.parallel import parallelize as _parallelize
 
 from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_positions, ndp_attention_forward,
                         register_attention)
-from .batch import guard_labels, parallel_state, shard_batch
+from .batch import DECODER_SHARDS, guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
@@ -90,19 +90,22 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
 
     outside = outside_layers(model)
     decoder = text_decoder(model)
+    towers = decoder and (outside or text_config(model) is not model.config)  # found, or a multimodal config
 
     def enable_cp(m, ctx):
         register_attention()
         m.set_attn_implementation(text_attention(m, IMPL_NAMES[ctx.impl]))
         guard_packed(m, ctx)
         guard_labels(m, ctx)
+        if towers:  # a batch with a tower's input is not rows alone (shard_batch keeps it whole)
+            setattr(m, DECODER_SHARDS, decoder)
         if ctx.enabled:
             if ctx.mixers == "gather":
                 gather_mixers(m, gathered_mixers(m) or [], ctx)
             elif ctx.mixers == "heads":
                 split_mixer_heads(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
-            if decoder and (outside or text_config(m) is not m.config):  # towers (found, or a multimodal config)
+            if towers:
                 guard_whole_batches(m, decoder, ctx)
             guard_positions(m, ctx)
             guard_rope(m, ctx)

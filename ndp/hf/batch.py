@@ -52,8 +52,9 @@ ORIGIN = "_ndp_origin"
 # A batch that reaches a multimodal model whole under CP (``ndp.hf.multimodal``): a view of its input_ids carries,
 # under this name, the :class:`Whole` facts its text decoder shards it with; the labels are the shard's already.
 WHOLE = "_ndp_whole"
-# The model attribute naming the text decoder that takes a whole batch's shard at its entry (set by
-# ``ndp.hf.multimodal.guard_whole_batches``; absent: every batch is sharded before the model).
+# The model attribute naming the text decoder of a model with towers, which under CP takes a whole batch's shard at
+# its entry (``ndp.hf.multimodal.guard_whole_batches``); set by ``ndp.hf.parallelize``. Absent: a text model, every
+# batch is rows alone, sharded before the model.
 DECODER_SHARDS = "_ndp_decoder_shards"
 # Inside the forward of a model given a whole batch: its Whole facts (None otherwise).
 _WHOLE_FORWARD: contextvars.ContextVar = contextvars.ContextVar("ndp_whole_forward", default=None)
@@ -486,7 +487,7 @@ def shard_batch(model, *, global_batch: bool = False, pad: bool = True, **tensor
     device = mesh_device(state.mesh)
     if device is not None:  # the shard made where the model computes: what it carries (REAL_TOKENS) a copy drops
         tensors = {k: t.to(device) if torch.is_tensor(t) else t for k, t in tensors.items()}
-    if ctx.enabled and keeps_whole(model, tensors):
+    if keeps_whole(model, tensors):
         return _whole_batch(model, state, ctx, tensors, global_batch)
     rows = _rows(tensors)
     refuse_other_batches(rows, state.mesh, "shard_batch",
@@ -514,9 +515,9 @@ def pad_id_of(model) -> int:
 
 
 def keeps_whole(model, tensors) -> bool:
-    """Under CP, whether a batch reaches `model` whole, its text decoder taking the shard
-    (``ndp.hf.multimodal``): a model with towers given one of their inputs (a tensor that is not one of the
-    batch's ``[batch, seq]`` rows: pixel_values, image_grid_thw, ...)."""
+    """Whether a batch carries a tower's input for `model` (a model with towers given a tensor that is not one of the
+    batch's ``[batch, seq]`` rows: pixel_values, image_grid_thw, ...); under CP such a batch reaches the model whole,
+    its text decoder taking the shard (``ndp.hf.multimodal``)."""
     if getattr(model, DECODER_SHARDS, None) is None:
         return False
     like = tensors.get("input_ids", tensors.get("labels"))
@@ -525,8 +526,8 @@ def keeps_whole(model, tensors) -> bool:
 
 
 def _whole_batch(model, state, ctx, tensors, global_batch):
-    """shard_batch of a batch that reaches `model` whole (:func:`keeps_whole`): its rows checked, right padding
-    dropped and rows padded to the layout's multiple as for a sharded batch; only the labels sharded."""
+    """shard_batch of a batch that reaches `model` whole (:func:`keeps_whole`): its rows checked; under CP right
+    padding dropped and rows padded to the layout's multiple as for a sharded batch, only the labels sharded."""
     ids = tensors.get("input_ids")
     rows = {k: t for k, t in tensors.items() if torch.is_tensor(t) and torch.is_tensor(ids) and t.shape == ids.shape}
     if not torch.is_tensor(ids) or ids.dim() != 2:
@@ -535,11 +536,13 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
                          f"that place them; got {sorted(tensors)}.")
     refuse_other_batches({k: t for k, t in tensors.items() if torch.is_tensor(t)}, state.mesh, "shard_batch")
     _refuse_unshifted(rows)
-    refuse_packed_whole(model, tensors, rows)
     if global_batch and state.config.dp_size > 1:
         raise ValueError(f"shard_batch(global_batch=True) cannot split a batch with images over "
                          f"{state.config.dp_size} data-parallel ranks (which images belong to which rows is the "
                          f"model's). Give each data-parallel rank its own batch and global_batch=False.")
+    if not ctx.enabled:
+        return _mark_shifted(dict(tensors))
+    refuse_packed_whole(model, tensors, rows)
     rows = whole_rows(without_padding(rows), ctx, pad_id_of(model))
     return _mark_shifted({**tensors, **rows})
 

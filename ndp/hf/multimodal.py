@@ -11,17 +11,23 @@ features at the shard's visual tokens) into this rank's shard, in the CP layout,
 batch. The decoder's output, the logits and the labels are then the shard's, as for text. Gradients: a rank's towers
 get its shard's tokens' part; FSDP's reduction over the CP ranks adds the parts up to the whole batch's.
 
+In training, what runs before the text decoder draws its random numbers alike on every CP rank (a seed from CP rank
+0, :class:`_SharedDraws`): a tower's dropout or drop-path draws once for the batch, as on one process; drawn apart,
+one image's tokens would carry features of different draws on different ranks. The decoder draws from each rank's
+own stream again.
+
 Refused by name, on every rank, before the decoder layers run: a decoder argument along the sequence that ndp does
 not know how to cut, a dense 4-D mask, inputs given positionally or of another length than the batch's.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import ndp.cp
 
 from .attention import raise_on_cp_ranks
-from .batch import _WHOLE_FORWARD, DECODER_SHARDS, LONGEST, REAL_TOKENS, whole_forward, whole_of
+from .batch import _WHOLE_FORWARD, LONGEST, REAL_TOKENS, whole_forward, whole_of
 from .masks import spec_of
 from .models import Unsupported
 
@@ -39,14 +45,18 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
     """Under CP, `model` (with towers; `decoder`: its text decoder's name) takes batches whole where
     ``shard_batch`` marks them so: forward hooks hold the batch's facts through the forward (``whole_forward``)
     and a forward pre-hook on the decoder cuts its inputs into this rank's shard (module docstring)."""
-    held = []
+    held, draws = [], _SharedDraws(ctx)
 
     @torch.compiler.disable
     def enter(module, args, kwargs):
-        held.append(_WHOLE_FORWARD.set(whole_of(kwargs.get("input_ids"))))
+        whole = whole_of(kwargs.get("input_ids"))
+        held.append(_WHOLE_FORWARD.set(whole))
+        if whole is not None and module.training:
+            draws.share(kwargs["input_ids"].device)
 
     @torch.compiler.disable
     def leave(module, args, kwargs, output):
+        draws.own()  # where the forward ended before its decoder ran
         if held:
             _WHOLE_FORWARD.reset(held.pop())
 
@@ -55,6 +65,7 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
         whole = whole_forward()
         if whole is None:
             return None
+        draws.own()
         try:
             kwargs = shard_decoder_inputs(module, args, kwargs, whole, ctx)
         except Unsupported as error:
@@ -64,7 +75,32 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
     model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
     model.get_submodule(decoder).register_forward_pre_hook(cut, with_kwargs=True)
-    setattr(model, DECODER_SHARDS, decoder)
+
+
+class _SharedDraws:
+    """The random streams (CPU, and the device's) of a whole batch's forward up to its text decoder: ``share`` saves
+    this rank's and seeds them alike on every rank of the CP group (a seed drawn on CP rank 0, broadcast); ``own``
+    restores this rank's (once; a no-op when not shared)."""
+
+    def __init__(self, ctx):
+        self.ctx, self.saved = ctx, None
+
+    def share(self, device) -> None:
+        seed = torch.randint(2 ** 62, (1,), dtype=torch.int64).to(device)  # CP rank 0's is the one used
+        dist.broadcast(seed, group=self.ctx.group, group_src=0)
+        generators = [torch.default_generator]
+        if device.type == "cuda":
+            generators.append(torch.cuda.default_generators[device.index if device.index is not None else
+                                                            torch.cuda.current_device()])
+        self.saved = [(g, g.get_state()) for g in generators]
+        seed = int(seed.item())
+        for g, _ in self.saved:
+            g.manual_seed(seed)
+
+    def own(self) -> None:
+        for g, state in self.saved or ():
+            g.set_state(state)
+        self.saved = None
 
 
 def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:

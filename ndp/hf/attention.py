@@ -317,7 +317,7 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs, table):
     if dropout:
         return ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
                           f"attention_dropout to 0.")
-    if ctx is not None and table is None and whole_forward() is None and not torch.compiler.is_compiling():
+    if ctx is not None and table is None and not torch.compiler.is_compiling() and whole_forward() is None:
         # compiled decoder layers skip it: guard_positions checks once per forward, before the layers; a whole
         # batch's positions are the model's own, cut by ndp (PaliGemma's count from 1)
         return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)

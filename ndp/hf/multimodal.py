@@ -11,10 +11,11 @@ features at the shard's visual tokens) into this rank's shard, in the CP layout,
 batch. The decoder's output, the logits and the labels are then the shard's, as for text. Gradients: a rank's towers
 get its shard's tokens' part; FSDP's reduction over the CP ranks adds the parts up to the whole batch's.
 
-In training, what runs before the text decoder draws its random numbers alike on every CP rank (a seed from CP rank
-0, :class:`_SharedDraws`): a tower's dropout or drop-path draws once for the batch, as on one process; drawn apart,
-one image's tokens would carry features of different draws on different ranks. The decoder draws from each rank's
-own stream again.
+In training, what runs before the text decoder draws its random numbers alike on every rank that holds the batch
+(the CP and TP ranks; a seed from the first of them, :class:`_SharedDraws`): a tower's dropout or drop-path draws
+once for the batch, as on one process; drawn apart, one image's tokens would carry features of different draws on
+different ranks (and a TP rank's decoder another input than its peers'). The decoder draws from each rank's own
+stream again.
 
 Refused by name, on every rank, before the decoder layers run: a decoder argument along the sequence that ndp does
 not know how to cut, a dense 4-D mask, inputs given positionally or of another length than the batch's.
@@ -25,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 import ndp.cp
+from ndp.parallel import mesh_axis
 
 from .attention import raise_on_cp_ranks
-from .batch import _WHOLE_FORWARD, LONGEST, REAL_TOKENS, whole_forward, whole_of
+from .batch import _WHOLE_FORWARD, LONGEST, REAL_TOKENS, parallel_state, whole_forward, whole_of
 from .masks import spec_of
 from .models import Unsupported
 
@@ -45,14 +47,14 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
     """Under CP, `model` (with towers; `decoder`: its text decoder's name) takes batches whole where
     ``shard_batch`` marks them so: forward hooks hold the batch's facts through the forward (``whole_forward``)
     and a forward pre-hook on the decoder cuts its inputs into this rank's shard (module docstring)."""
-    held, draws = [], _SharedDraws(ctx)
+    held, draws = [], _SharedDraws()
 
     @torch.compiler.disable
     def enter(module, args, kwargs):
         whole = whole_of(kwargs.get("input_ids"))
         held.append(_WHOLE_FORWARD.set(whole))
         if whole is not None and module.training:
-            draws.share(kwargs["input_ids"].device)
+            draws.share(parallel_state(module, "ndp.hf.multimodal")[0].mesh, kwargs["input_ids"].device)
 
     @torch.compiler.disable
     def leave(module, args, kwargs, output):
@@ -79,15 +81,19 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
 
 class _SharedDraws:
     """The random streams (CPU, and the device's) of a whole batch's forward up to its text decoder: ``share`` saves
-    this rank's and seeds them alike on every rank of the CP group (a seed drawn on CP rank 0, broadcast); ``own``
-    restores this rank's (once; a no-op when not shared)."""
+    this rank's and seeds them alike on every rank holding the batch (a seed drawn on each, CP rank 0's broadcast over
+    the CP group, then TP rank 0's over the TP group: rank (0, 0)'s everywhere); ``own`` restores this rank's (once;
+    a no-op when not shared)."""
 
-    def __init__(self, ctx):
-        self.ctx, self.saved = ctx, None
+    def __init__(self):
+        self.saved = None
 
-    def share(self, device) -> None:
-        seed = torch.randint(2 ** 62, (1,), dtype=torch.int64).to(device)  # CP rank 0's is the one used
-        dist.broadcast(seed, group=self.ctx.group, group_src=0)
+    def share(self, mesh, device) -> None:
+        seed = torch.randint(2 ** 62, (1,), dtype=torch.int64).to(device)
+        for axis in ("cp", "tp"):
+            group = mesh_axis(mesh, axis)
+            if group.size() > 1:
+                dist.broadcast(seed, group=group.get_group(), group_src=0)
         generators = [torch.default_generator]
         if device.type == "cuda":
             generators.append(torch.cuda.default_generators[device.index if device.index is not None else

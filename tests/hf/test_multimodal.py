@@ -279,8 +279,8 @@ def test_a_batch_with_images_passes_through_shard_batch_without_cp():
     torch.testing.assert_close(model(**got).loss.double(), want, rtol=1e-6, atol=0)  # the loss in float32
 
 
-def _draws_body(rank, world):
-    cfg = ndp.ParallelismConfig(cp_size=world)
+def _draws_body(rank, world, tp):
+    cfg = ndp.ParallelismConfig(cp_size=world // tp, tp_size=tp)
     model = ndp.hf.parallelize(tiny_vlm("internvl", hidden_dropout_prob=0.5).train(), cfg,
                                cfg.build_device_mesh("cpu"))
     batch, labels = vlm_batch(model, 21)
@@ -295,17 +295,19 @@ def _draws_body(rank, world):
     model(**b)
     everyone = [torch.empty_like(features[0]) for _ in range(world)]
     torch.distributed.all_gather(everyone, features[0])
-    assert all(torch.equal(f, everyone[0]) for f in everyone)  # the towers drew alike on every rank
+    assert all(torch.equal(f, everyone[0]) for f in everyone)  # the towers drew alike on every rank (CP and TP)
     with torch.no_grad():
         model.eval()(**ndp.hf.shard_batch(model, **batch))
     assert not torch.allclose(features[0], features[1])  # and they drew: the dropout was on
     assert torch.equal(torch.get_rng_state(), own.get_state())  # the rank's own stream again after the towers
 
 
-def test_a_towers_random_draws_are_alike_on_every_cp_rank(tmp_path):
-    """In training, a tower's dropout (or drop-path) draws once for the batch, as on one process. Before, each CP
-    rank drew its own: one image's tokens carried features of different draws on different ranks."""
-    spawn(_draws_body, 2, tmp_path, timeout_s=120)
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["cp2", "cp2-tp2"])
+def test_a_towers_random_draws_are_alike_on_every_rank_holding_the_batch(tmp_path, world, tp):
+    """In training, a tower's dropout (or drop-path) draws once for the batch, as on one process, on every CP and TP
+    rank. Before, each rank drew its own: one image's tokens carried features of different draws on different CP
+    ranks, and a TP rank's decoder got another input than its peers'."""
+    spawn(_draws_body, world, tmp_path, tp, timeout_s=180)
 
 
 def test_a_tower_keeps_its_own_attention():

@@ -291,7 +291,7 @@ def _draws_body(rank, world, tp):
     b.pop("labels")
     own = torch.Generator()
     own.set_state(torch.get_rng_state())
-    torch.randint(2 ** 62, (1,), generator=own)  # the seed every rank draws (CP rank 0's is used)
+    torch.randint(2 ** 62, (1,), generator=own)  # the seed every rank draws (the first rank's is used)
     model(**b)
     everyone = [torch.empty_like(features[0]) for _ in range(world)]
     torch.distributed.all_gather(everyone, features[0])

@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model,
@@ -171,7 +172,35 @@ def _lora_tp_plan(model: nn.Module, inner_plan: dict) -> dict:
             plan[f"{name}.base_layer"] = style
             for adapter in getattr(layer, _LORA_SPLIT[style]).keys():
                 plan[f"{name}.{_LORA_SPLIT[style]}.{adapter}"] = style
+                if style == "rowwise" and getattr(layer.lora_dropout[adapter], "p", 0.0):
+                    plan[f"{name}.lora_dropout.{adapter}"] = ColumnDropout(layer.base_layer.in_features)
     return plan
+
+
+class ColumnDropout(ParallelStyle):
+    """A LoRA adapter's dropout before a row-split ``lora_A``, whose input is this TP rank's columns of the layer's
+    input: it draws the whole input's mask, as one process's dropout does (the TP ranks draw alike,
+    ``ndp.parallel.draws``), and keeps this rank's columns. Drawn on the columns alone, each rank's part would get
+    the same mask, and the random streams would run apart from one process's."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.__class__ = _ColumnDropout  # in place: PEFT's layer keeps calling the same module
+        module.width, module.tp = self.width, device_mesh
+        return module
+
+
+class _ColumnDropout(nn.Dropout):
+    def forward(self, x):
+        if not self.training or not self.p:
+            return x
+        part = -(-self.width // self.tp.size())  # DTensor's Shard: torch.chunk's parts
+        start = self.tp.get_local_rank() * part
+        noise = F.dropout(x.new_ones(*x.shape[:-1], self.width), self.p)
+        return x * noise[..., start:start + x.shape[-1]].contiguous()  # a copy: the whole mask is not kept
 
 
 def _lora_layer(module: nn.Module) -> bool:
@@ -182,17 +211,14 @@ def _lora_layer(module: nn.Module) -> bool:
 
 def _lora_tp_problem(model: nn.Module, inner_plan: dict) -> str | None:
     """Why ndp cannot split a PEFT wrapper's adapted layers by `inner_plan` (the wrapped model's plan) exactly, else
-    None: a PEFT method other than LoRA, DoRA (its magnitude renormalizes the whole weight), dropout on the adapters'
-    input (drawn apart on each tensor-parallel rank), a planned layer of another kind."""
+    None: a PEFT method other than LoRA, DoRA (its magnitude renormalizes the whole weight), a planned layer of
+    another kind."""
     config = getattr(model, "active_peft_config", None)
     method = str(getattr(getattr(config, "peft_type", None), "value", config))
     if method != "LORA":
         return f"its PEFT method is {method}, and ndp splits LoRA adapters only"
     if getattr(config, "use_dora", False):
         return "DoRA rescales each adapted layer by the norm of its whole weight, which the split leaves on no rank"
-    if getattr(config, "lora_dropout", 0.0):
-        return (f"lora_dropout={config.lora_dropout} draws each tensor-parallel rank's dropout apart, and the adapters "
-                f"kept whole on every rank would drift apart (set lora_dropout=0.0)")
     inner = peft_inner(model)
     odd = [n for pattern in inner_plan for n, m in match_modules(inner, [pattern])
            if any(k.startswith("lora_") for k in dict(m.named_children())) and not _lora_layer(m)]
@@ -208,8 +234,8 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
     projections, local parameters) is named; so are parameters the plan leaves whole inside a module whose
     projections it splits by columns (each rank would compute them on its share only: Apertus' xIELU activation, a
     per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity (statistics over the split width).
-    A PEFT wrapper: LoRA only, without DoRA or dropout (:func:`_lora_tp_problem`), the wrapped model checked with
-    its own plan."""
+    A PEFT wrapper: LoRA only, without DoRA (:func:`_lora_tp_problem`), the wrapped model checked with its own
+    plan."""
     name = type(model).__name__
     fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
@@ -473,4 +499,4 @@ __all__ = ["shard_batch", "loss", "lm_loss", "scale_loss_sum", "head_loss", "can
            "register_attention", "ndp_attention_forward", "hf_plan", "parallelize", "check_model", "check_tp_plan",
            "IMPL_NAMES",
            "DEFAULT_TP_PLAN", "Unsupported", "attention_modules", "decoder_layers", "layer_stacks", "check_cp_model",
-           "check_packed_model", "text_config"]
+           "check_packed_model", "text_config", "ColumnDropout"]

@@ -12,10 +12,10 @@ batch. The decoder's output, the logits and the labels are then the shard's, as 
 get its shard's tokens' part; FSDP's reduction over the CP ranks adds the parts up to the whole batch's.
 
 In training, what runs before the text decoder draws its random numbers alike on every rank that holds the batch
-(the CP and TP ranks; a seed from the first of them, :class:`_SharedDraws`): a tower's dropout or drop-path draws
-once for the batch, as on one process; drawn apart, one image's tokens would carry features of different draws on
-different ranks (and a TP rank's decoder another input than its peers'). The decoder draws from each rank's own
-stream again.
+(the CP and TP ranks; streams seeded by the first of them, a span of ``ndp.parallel.draws``): a tower's dropout or
+drop-path draws once for the batch, as on one process; drawn apart, one image's tokens would carry features of
+different draws on different ranks (and a TP rank's decoder another input than its peers'). The decoder draws from
+the streams of the forward around the towers again (this rank's own; TP rank 0's under tensor parallel).
 
 Refused by name, on every rank, before the decoder layers run: a decoder argument along the sequence that ndp does
 not know how to cut, a dense 4-D mask, inputs given positionally or of another length than the batch's.
@@ -23,10 +23,9 @@ not know how to cut, a dense 4-D mask, inputs given positionally or of another l
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import ndp.cp
-from ndp.parallel import mesh_axis
+from ndp.parallel import draws_of, mesh_axis
 
 from .attention import raise_on_cp_ranks
 from .batch import _WHOLE_FORWARD, LONGEST, REAL_TOKENS, parallel_state, whole_forward, whole_of
@@ -47,18 +46,25 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
     """Under CP, `model` (with towers; `decoder`: its text decoder's name) takes batches whole where
     ``shard_batch`` marks them so: forward hooks hold the batch's facts through the forward (``whole_forward``)
     and a forward pre-hook on the decoder cuts its inputs into this rank's shard (module docstring)."""
-    held, draws = [], _SharedDraws()
+    held, draws, depths = [], draws_of(model), []
 
     @torch.compiler.disable
     def enter(module, args, kwargs):
         whole = whole_of(kwargs.get("input_ids"))
         held.append(_WHOLE_FORWARD.set(whole))
         if whole is not None and module.training:
-            draws.share(parallel_state(module, "ndp.hf.multimodal")[0].mesh, kwargs["input_ids"].device)
+            mesh = parallel_state(module, "ndp.hf.multimodal")[0].mesh
+            groups = [mesh_axis(mesh, axis) for axis in ("cp", "tp")]
+            depths.append(draws.share_seed([g.get_group() for g in groups if g.size() > 1],
+                                           kwargs["input_ids"].device))
+
+    def own():
+        if depths:  # the towers' span ends: the decoder draws from the streams of the forward around them
+            draws.unwind(depths.pop())
 
     @torch.compiler.disable
     def leave(module, args, kwargs, output):
-        draws.own()  # where the forward ended before its decoder ran
+        own()  # where the forward ended before its decoder ran
         if held:
             _WHOLE_FORWARD.reset(held.pop())
 
@@ -67,46 +73,17 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
         whole = whole_forward()
         if whole is None:
             return None
-        draws.own()
+        own()
         try:
             kwargs = shard_decoder_inputs(module, args, kwargs, whole, ctx)
         except Unsupported as error:
             raise_on_cp_ranks(error, ctx, f"ndp_{ctx.impl} attention")
         return args, kwargs
 
-    model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    # after the forward's own span of tensor-parallel draws (ndp.parallel.draws): the towers' nests inside it
+    model.register_forward_pre_hook(enter, with_kwargs=True)
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
     model.get_submodule(decoder).register_forward_pre_hook(cut, with_kwargs=True)
-
-
-class _SharedDraws:
-    """The random streams (CPU, and the device's) of a whole batch's forward up to its text decoder: ``share`` saves
-    this rank's and seeds them alike on every rank holding the batch (a seed drawn on each, CP rank 0's broadcast over
-    the CP group, then TP rank 0's over the TP group: rank (0, 0)'s everywhere); ``own`` restores this rank's (once;
-    a no-op when not shared)."""
-
-    def __init__(self):
-        self.saved = None
-
-    def share(self, mesh, device) -> None:
-        seed = torch.randint(2 ** 62, (1,), dtype=torch.int64).to(device)
-        for axis in ("cp", "tp"):
-            group = mesh_axis(mesh, axis)
-            if group.size() > 1:
-                dist.broadcast(seed, group=group.get_group(), group_src=0)
-        generators = [torch.default_generator]
-        if device.type == "cuda":
-            generators.append(torch.cuda.default_generators[device.index if device.index is not None else
-                                                            torch.cuda.current_device()])
-        self.saved = [(g, g.get_state()) for g in generators]
-        seed = int(seed.item())
-        for g, _ in self.saved:
-            g.manual_seed(seed)
-
-    def own(self) -> None:
-        for g, state in self.saved or ():
-            g.set_state(state)
-        self.saved = None
 
 
 def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:

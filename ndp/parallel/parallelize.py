@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                SequenceParallel, parallelize_module)
 
 from .config import ParallelismConfig, as_config
+from .draws import share_tp_draws
 from .init import is_meta, materialize, param_bytes, reset_parameters
 from .mesh import CPContext, adopt_mesh, check_mesh, cp_context, mesh_axis, mesh_device
 
@@ -130,7 +131,8 @@ def default_plan(model: nn.Module) -> ModelPlan:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str | ParallelStyle]) -> nn.Module:
-    """Tensor parallel: shard the matched modules' weights over ``tp_mesh`` (torch ``parallelize_module``).
+    """Tensor parallel: shard the matched modules' weights over ``tp_mesh`` (torch ``parallelize_module``); in
+    training the model's forward draws its random numbers alike on every TP rank (``ndp.parallel.draws``).
 
     Args:
         model: any module; tp_mesh: 1-D mesh (``mesh["tp"]``); tp_plan: fqn pattern -> style.
@@ -151,6 +153,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str | 
                              f"{type(model).__name__}")
         plan[pattern] = _tp_style(style) if isinstance(style, str) else style
     parallelize_module(model, tp_mesh, plan)
+    share_tp_draws(model, tp_mesh)  # the TP ranks' copies of the whole activations draw alike
     return model
 
 

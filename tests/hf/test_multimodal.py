@@ -281,8 +281,8 @@ def test_a_batch_with_images_passes_through_shard_batch_without_cp():
 
 def _draws_body(rank, world, tp):
     cfg = ndp.ParallelismConfig(cp_size=world // tp, tp_size=tp)
-    model = ndp.hf.parallelize(tiny_vlm("internvl", hidden_dropout_prob=0.5).train(), cfg,
-                               cfg.build_device_mesh("cpu"))
+    mesh = cfg.build_device_mesh("cpu")
+    model = ndp.hf.parallelize(tiny_vlm("internvl", hidden_dropout_prob=0.5).train(), cfg, mesh)
     batch, labels = vlm_batch(model, 21)
     torch.manual_seed(100 + rank)  # each rank its own stream, as a loop may seed them
     features = []
@@ -291,7 +291,10 @@ def _draws_body(rank, world, tp):
     b.pop("labels")
     own = torch.Generator()
     own.set_state(torch.get_rng_state())
-    torch.randint(2 ** 62, (1,), generator=own)  # the seed every rank draws (the first rank's is used)
+    if tp == 1 or torch.distributed.get_process_group_ranks(mesh["tp"].get_group())[0] == rank:
+        # the towers' seed each rank draws (the first rank's is used); under TP from TP rank 0's streams, which
+        # the forward runs on: the other TP ranks' come back untouched (ndp.parallel.draws)
+        torch.randint(2 ** 62, (1,), generator=own)
     model(**b)
     everyone = [torch.empty_like(features[0]) for _ in range(world)]
     torch.distributed.all_gather(everyone, features[0])

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import ndp
@@ -88,7 +89,6 @@ def test_virtual_token_methods_are_refused_under_cp_and_adapters_pass(tmp_path, 
     assert len(plan) == 28  # by name: 2 layers x 7 projections x (base layer, adapter matrix)
     # refused by name: what the split cannot keep exact
     for config, why in ((_lora(use_dora=True), "DoRA rescales each adapted layer by the norm of its whole weight"),
-                        (_lora(lora_dropout=0.1), r"lora_dropout=0.1 draws each tensor-parallel rank's dropout"),
                         (peft.IA3Config(task_type="CAUSAL_LM"), "its PEFT method is IA3, and ndp splits LoRA")):
         other = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path)), config)
         with pytest.raises(ndp.hf.Unsupported, match=f"tensor parallel: PeftModelForCausalLM is a PEFT model and "
@@ -153,5 +153,42 @@ def test_parallelize_a_lora_model_under_fsdp2_cp_and_tp_matches_one_process(tmp_
     assert loss == pytest.approx(want.loss.item(), rel=1e-6)
     ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert sorted(got) == sorted(ref) and all("lora_" in n for n in ref) and len(ref) == grads
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7)
+
+
+def _lora_dropout_rank(rank, world, tmp):
+    cfg = ndp.ParallelismConfig(tp_size=world)
+    model = ndp.hf.parallelize(_lora_llama(lora_dropout=0.5), cfg, cfg.build_device_mesh("cpu"))
+    ids, labels = _batch()
+    torch.manual_seed(100 + rank)  # each rank its own stream: the TP ranks draw TP rank 0's
+    out = model(input_ids=ids, labels=labels, shift_labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+             for n, p in model.named_parameters() if p.grad is not None}
+    if rank == 0:
+        torch.save((out.loss.item(), grads), os.path.join(tmp, "lora.pt"))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_lora_dropout_under_tp_draws_as_one_process(tmp_path):
+    """lora_dropout > 0 at tp 2 (refused before: each TP rank drew its own masks, and the adapters kept whole drifted
+    apart), the ranks seeded each their own: the loss and the 28 adapter gradients equal one process's seeded like TP
+    rank 0. A row-split layer's A matrix takes this rank's columns of the layer's input: its dropout draws the whole
+    input's mask and keeps the rank's columns (``ndp.hf.ColumnDropout``), as one process draws."""
+    spawn(_lora_dropout_rank, 2, tmp_path, str(tmp_path), timeout_s=120)
+    loss, got = torch.load(tmp_path / "lora.pt")
+    model = _lora_llama(lora_dropout=0.5)
+    ids, labels = _batch()
+    torch.manual_seed(100)
+    want = model(input_ids=ids, labels=labels, shift_labels=labels)
+    want.loss.backward()
+    assert loss == pytest.approx(want.loss.item(), rel=1e-6)
+    with torch.no_grad():
+        model.eval()
+        assert model(input_ids=ids, labels=labels, shift_labels=labels).loss.item() != pytest.approx(loss, rel=1e-5)
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(ref) and len(ref) == 28
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7)

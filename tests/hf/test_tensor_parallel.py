@@ -58,6 +58,54 @@ def test_tensor_parallel_with_the_models_own_plan_matches_one_process(tmp_path, 
     spawn(_tp_body, 2 * layout.get("dp_shard_size", 1), tmp_path, layout, timeout_s=120)
 
 
+# Dropout on the activations every TP rank holds whole: the embeddings', the residual stream's, a row-split layer's
+# summed output's.
+DROPOUT = {"gpt_neox": dict(hidden_dropout=0.5), "phi3": dict(resid_pdrop=0.5, embd_pdrop=0.5),
+           "starcoder2": dict(residual_dropout=0.5, embedding_dropout=0.5)}
+
+
+def _dropout_body(rank, world, layout):
+    cfg = ndp.ParallelismConfig(**layout)
+    mesh = cfg.build_device_mesh("cpu")
+    tp_group = torch.distributed.get_process_group_ranks(mesh["tp"].get_group())
+    # every data-parallel replica's TP rank 0 (the same batch on each: FSDP averages their gradients)
+    leaders = [None] * world
+    torch.distributed.all_gather_object(leaders, tp_group[0])
+    leaders = sorted(set(leaders))
+    for family, fields in DROPOUT.items():
+        batch = _batch(tiny_model(family).config.vocab_size)
+        refs = []
+        for leader in leaders:  # one process seeded as that replica's TP rank 0 is
+            ref = tiny_model(family, **fields).train()
+            torch.manual_seed(100 + leader)
+            refs.append(_loss_and_grads(ref, batch))
+            if leader == rank:
+                after = torch.get_rng_state()
+        model = ndp.hf.parallelize(tiny_model(family, **fields).train(), cfg, mesh)
+        torch.manual_seed(100 + rank)  # each rank its own stream, as Accelerate's set_seed(device_specific=True)
+        own = torch.get_rng_state()
+        got, grads = _loss_and_grads(model, batch)
+        # TP rank 0 draws on as one process; the others' streams are their own again
+        assert torch.equal(torch.get_rng_state(), after if rank == tp_group[0] else own)
+        want = refs[leaders.index(tp_group[0])][0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=lambda m: f"{family} loss: {m}")
+        assert not torch.allclose(refs[0][0], _loss_and_grads(tiny_model(family).eval(), batch)[0])  # it drew
+        for n, g in refs[0][1].items():
+            if g is not None:
+                g = sum(r[1][n] for r in refs) / len(refs)
+                err = float((grads[n] - g).abs().max() / g.abs().max())
+                assert err <= 1e-6, f"{family} {n}: gradient differs from one process's by {err:.1e}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(dp_shard_size=2, tp_size=2)], ids=["tp2", "fsdp2_tp2"])
+def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, layout):
+    """Dropout on the whole activations in training, each rank seeded its own: the TP ranks draw one mask, TP rank
+    0's, and the loss and every gradient equal one process's seeded like it. Before, each TP rank drew its own masks:
+    its copy of the forward was another, the whole parameters' gradients differed between the ranks."""
+    spawn(_dropout_body, 2 * layout.get("dp_shard_size", 1), tmp_path, layout, timeout_s=180)
+
+
 @pytest.mark.parametrize("family, fields, match", [
     ("qwen3_moe", {}, r"Qwen3MoeForCausalLM's plan \(base_model_tp_plan\) splits .*experts.* as 'moe_tp_experts'.*"
                       r"styles ndp does not implement.*Train Qwen3MoeForCausalLM with tp_size=1"),

@@ -21,9 +21,9 @@ from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_po
 from .batch import DECODER_SHARDS, guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
-from .models import (Unsupported, attention_modules, check_cp_model, check_packed_model, cp_attention_modules,
-                     decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers, peft_inner,
-                     text_config, text_decoder)
+from .models import (Unsupported, attention_modules, check_cp_model, check_layerdrop, check_packed_model,
+                     cp_attention_modules, decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers,
+                     peft_inner, text_config, text_decoder)
 from .mixers import gather_mixers, split_mixer_heads
 from .multimodal import guard_whole_batches
 from .router import aux_loss_on, check_router_loss, guard_router_loss
@@ -51,9 +51,11 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
     Raises:
         ValueError: the heads cannot be split by tp / the Ulysses degree.
         Unsupported: a module whose own parameters mix dtypes, under FSDP2 (``check_one_dtype_per_module``);
+            LayerDrop across ranks that reduce gradients together (``ndp.hf.models.check_layerdrop``);
             (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
             load-balancing loss, turned on, that ndp cannot compute over the CP shards (``ndp.hf.router``).
     """
+    check_layerdrop(model, config.fsdp_size)
     if config.fsdp_size > 1:
         try:
             check_one_dtype_per_module(model)

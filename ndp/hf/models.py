@@ -348,6 +348,24 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
         _check_head_splits(model, cp_size)
 
 
+def check_layerdrop(model: nn.Module, fsdp_size: int) -> None:
+    """Raise :class:`Unsupported` for LayerDrop (a module's ``layerdrop`` > 0: OPT, XGLM, BioGPT, the BART family's
+    and Whisper's decoders) across ranks that reduce gradients together (``fsdp_size`` > 1: FSDP, HSDP, CP). In
+    training it skips each decoder layer on a draw of each rank's own random stream; ranks that drew apart would run
+    different layers, their per-layer collectives (FSDP's all-gathers and reductions, CP's attention exchanges)
+    paired with another layer's on the other ranks. Under tensor parallel alone the ranks draw alike
+    (``ndp.parallel.draws``)."""
+    drops = {n: m.layerdrop for n, m in model.named_modules() if isinstance(getattr(m, "layerdrop", None), float)
+             and m.layerdrop > 0}
+    if drops and fsdp_size > 1:
+        where, p = next(iter(drops.items()))
+        raise Unsupported(
+            f"{type(model).__name__}: {where or 'the model'} skips each decoder layer with probability {p} "
+            f"(LayerDrop) on a draw of each rank's own random stream: the {fsdp_size} ranks that reduce gradients "
+            f"together (data parallel, context parallel) would run different layers, their per-layer collectives out "
+            f"of step. Set the config's layerdrop (decoder_layerdrop) to 0.0, or train on one data-parallel rank.")
+
+
 def _check_head_splits(model: nn.Module, cp_size: int) -> None:
     for name in (split_target(model, n) for n in gathered_mixers(model) or []):
         module = model.get_submodule(name)

@@ -231,6 +231,22 @@ def test_encoder_decoder_models_are_refused_under_cp():
     check_cp_model(tiny_model("bart"))  # BART's decoder alone (BartForCausalLM) is a decoder-only model
 
 
+def test_layerdrop_is_refused_across_ranks_that_reduce_together():
+    """LayerDrop skips each decoder layer on a draw of each rank's own stream: under CP or FSDP, ranks that drew apart
+    ran different layers, their per-layer collectives paired with another layer's (ring attention or FSDP's
+    all-gather of layer 2 on one rank with layer 3's on another). Refused by name before any work, for the causal LMs
+    that have it; tensor parallel alone draws alike (ndp.parallel.draws), one rank is its own business."""
+    for family in ("opt", "xglm", "biogpt", "bart", "mbart", "marian", "pegasus", "plbart", "trocr", "whisper"):
+        model = tiny_model(family, layerdrop=0.5, decoder_layerdrop=0.5)
+        for par in ({"cp_size": 2}, {"dp_shard_size": 2}, {"dp_replicate_size": 2}):
+            with pytest.raises(ndp.hf.Unsupported, match=r"skips each decoder layer with probability 0.5 \(LayerDrop\)"
+                                                         r".* Set the config's layerdrop \(decoder_layerdrop\) to 0.0"):
+                ndp.hf.check_model(model, ndp.ParallelismConfig(**par))
+        ndp.hf.check_model(model, ndp.ParallelismConfig(tp_size=2))
+        ndp.hf.check_model(model, ndp.ParallelismConfig())
+        ndp.hf.check_model(tiny_model(family), ndp.ParallelismConfig(dp_shard_size=2))  # layerdrop 0
+
+
 def _heads_body(rank, world):
     import ndp
     import ndp.hf

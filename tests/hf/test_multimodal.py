@@ -313,6 +313,41 @@ def test_a_towers_random_draws_are_alike_on_every_rank_holding_the_batch(tmp_pat
     spawn(_draws_body, world, tmp_path, tp, timeout_s=180)
 
 
+def _projected(model, batch):
+    """The projector's output of one forward of `model` on `batch`."""
+    features = []
+    hook = model.model.multi_modal_projector.register_forward_hook(lambda m, args, out: features.append(out.detach()))
+    model(**batch)
+    hook.remove()
+    return features[0]
+
+
+def _tp_draws_body(rank, world, tmp):
+    cfg = ndp.ParallelismConfig(tp_size=world)
+    model = ndp.hf.parallelize(tiny_vlm("internvl", hidden_dropout_prob=0.5).train(), cfg,
+                               cfg.build_device_mesh("cpu"))
+    batch, labels = vlm_batch(model, 21)
+    torch.manual_seed(100 + rank)
+    own = torch.get_rng_state()
+    got = _projected(model, ndp.hf.shard_batch(model, **batch))
+    mine = torch.get_rng_state()
+    ref = tiny_vlm("internvl", hidden_dropout_prob=0.5).train()
+    torch.manual_seed(100)  # TP rank 0's seed
+    want = _projected(ref, batch)
+    after = torch.get_rng_state()
+    assert torch.equal(got, want)  # the tower's masks of one process seeded like TP rank 0, on every TP rank
+    assert not torch.equal(want, _projected(ref.eval(), batch))  # and it drew
+    # after the forward TP rank 0's stream is where one process's is; the other rank's is its own
+    assert torch.equal(mine, after if rank == 0 else own)
+
+
+def test_under_tp_alone_a_towers_draws_are_one_process_seeded_like_tp_rank_0(tmp_path):
+    """tp 2 without CP (the batch whole on each rank), each rank seeded its own: the tower's dropout draws TP rank 0's
+    masks on both ranks (ndp.parallel.draws). Before, each TP rank's tower drew its own, and the text decoders' copies
+    took different inputs."""
+    spawn(_tp_draws_body, 2, tmp_path, str(tmp_path), timeout_s=180)
+
+
 def test_a_tower_keeps_its_own_attention():
     """ndp's attention runs in the text decoder only; a tower keeps its implementation and its own masks. Before,
     Pixtral's block-diagonal image mask reached ndp's attention, which refused it: Mistral 3 with images did not run

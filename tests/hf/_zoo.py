@@ -294,11 +294,15 @@ def single(model_type):
     return classify(run)
 
 
-def reference(model_type):
-    """1 process on the whole batch: (mean loss, {name: grad}) with eager attention."""
-    model = tiny_model(model_type).train()
+def reference(model_type, seed=None, **fields):
+    """1 process on the whole batch: (mean loss, {name: grad}) with eager attention; `fields` set on the config, the
+    forward's random streams seeded with `seed` (where not None)."""
+    model = tiny_model(model_type, **fields).train()
     ids, labels, pos = batch()
-    logits = model(**_reference_inputs(model, ids, pos)).logits
+    inputs = _reference_inputs(model, ids, pos)  # (it runs the model: in training, it draws)
+    if seed is not None:
+        torch.manual_seed(seed)
+    logits = model(**inputs).logits
     return _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                                     labels.reshape(-1)))
 
@@ -538,17 +542,32 @@ def _against(model, logits, labels, ref_loss, ref_grads, aux=None):
     return rel
 
 
+# Dropout fields the tp run leaves at 0: the attention's (ndp's attention refuses it), a classifier's (unused), LayerDrop
+# (refused across data-parallel ranks).
+_KEPT_OFF = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "classifier_dropout", "layerdrop")
+
+
+def dropout_fields(model_type) -> dict:
+    """Every other dropout (and router jitter) field of the family's config and text config, at 0.3."""
+    cfg = tiny_config(model_type)
+    return {k: 0.3 for c in (cfg, cfg.get_text_config()) for k, v in c.to_dict().items()
+            if isinstance(v, float) and ("drop" in k or "jitter" in k) and not any(o in k for o in _KEPT_OFF)}
+
+
 def tp(model_type, world):
-    """tp ``world`` with the model's own plan: parallelize + ndp.hf.loss on the whole batch vs :func:`reference`
-    (refused plans are refused before the reference runs)."""
+    """tp ``world`` with the model's own plan, in training with the family's dropout on (:func:`dropout_fields`) and
+    each rank seeded its own: parallelize + ndp.hf.loss on the whole batch vs :func:`reference` seeded like TP rank 0
+    (the TP ranks draw its masks, ``ndp.parallel.draws``; refused plans are refused before the reference runs)."""
     import ndp
     import ndp.hf
 
     def run():
+        fields = dropout_fields(model_type)
         cfg = ndp.ParallelismConfig(tp_size=world)
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
-        ref_loss, ref_grads = reference(model_type)
+        model = ndp.hf.parallelize(tiny_model(model_type, **fields).train(), cfg, mesh(cfg))
+        ref_loss, ref_grads = reference(model_type, seed=100, **fields)
         ids, labels, pos = batch()
+        torch.manual_seed(100 + torch.distributed.get_rank())
         return _against(model, _forward(model, ids, pos), labels, ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))

@@ -50,6 +50,8 @@ refuses ND-parallel there).
 - ``skip_first_batches``: a loader dealing by data-parallel rank stays so (Accelerate's rebuilds it as its own).
 - ``prepare_cp`` (added): ndp's CP on a model prepared elsewhere (TRL shards a DPO / KTO reference model with FSDP2
   itself), once.
+- ``prepare_tp`` (added): ndp's TP on such a model, before it is sharded (ndp.trainer gives TRL's reference model it
+  before TRL's FSDP2: split as the policy is, not whole on every TP rank).
 """
 from __future__ import annotations
 
@@ -218,6 +220,15 @@ class Accelerator(accelerate.Accelerator):
             # first: the document table it adds is what ndp.hf's position check reads
             model.register_forward_pre_hook(self._ndp_forward_kwargs, with_kwargs=True, prepend=True)
         return args
+
+    def prepare_tp(self, model):
+        """ndp's TP on a transformers model prepared outside the Accelerator, before anything shards it (TRL's DPO /
+        KTO reference model, which TRL shards with FSDP2 itself): a model split already (DTensor parameters), or any
+        model without tp_size > 1, is returned as it is."""
+        if (self.parallelism_config and self.parallelism_config.tp_enabled
+                and not any(isinstance(p, DTensor) for p in model.parameters())):
+            self._prepare_tp(model)
+        return model
 
     def prepare_cp(self, model):
         """ndp's CP on a transformers model prepared outside the Accelerator (TRL shards a DPO reference model with

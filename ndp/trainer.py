@@ -66,6 +66,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -798,7 +799,8 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
 
     def __init__(self, *args, **kwargs):
         _need_trl(type(self).__name__)
-        super().__init__(*args, **kwargs)
+        with _reference_split_first(type(self)):
+            super().__init__(*args, **kwargs)
         if isinstance(self.accelerator, Accelerator):
             self._tp_size = 1  # TRL divides its gathered token count by tp_size: ndp's gather counts no TP copy
 
@@ -865,6 +867,35 @@ class RewardTrainer(NdpPooledScoreMixin, NdpSequenceLossMixin, trl.RewardTrainer
     """``trl.RewardTrainer`` with ndp's context parallelism (:class:`NdpPooledScoreMixin`)."""
 
     _ndp_pooled_only = True
+
+
+@contextlib.contextmanager
+def _replaced(modules, name: str, make):
+    """While inside: the function `name` of each of `modules` (a library's own, which its code calls by name)
+    replaced by ``make(original)``."""
+    originals = [getattr(m, name) for m in modules]
+    for m, original in zip(modules, originals):
+        setattr(m, name, make(original))
+    try:
+        yield
+    finally:
+        for m, original in zip(modules, originals):
+            setattr(m, name, original)
+
+
+def _reference_split_first(cls):
+    """While TRL's trainer `cls` is built: the reference model it shards with FSDP2 itself (``prepare_fsdp``, called
+    by name in its trainer's module) is split by ndp's TP first (``Accelerator.prepare_tp``), as the policy is; left
+    whole, every TP rank held and ran the whole reference model."""
+    modules = [sys.modules[m] for m in {c.__module__ for c in cls.__mro__ if c.__module__.startswith("trl.")}]
+
+    def split_first(original):
+        def prepare(model, accelerator):
+            return original(accelerator.prepare_tp(model) if isinstance(accelerator, Accelerator) else model,
+                            accelerator)
+        return prepare
+
+    return _replaced([m for m in modules if callable(getattr(m, "prepare_fsdp", None))], "prepare_fsdp", split_first)
 
 
 def _unfused(cp_size, what) -> ValueError:

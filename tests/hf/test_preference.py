@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ndp.trainer
 from dist import spawn
 from test_accelerate import (DECODER_LAYERS, _in_order, _rank_env, _save_tiny, _save_tiny_family, _seeded_peft,
-                             _trainer_args)
+                             _tp_split, _trainer_args)
 
 # TRL's DPO and KTO metrics a run logs, training and evaluation.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -94,8 +94,11 @@ def _rank(rank, world, tmp, model_dir, kind, par, layer, overrides, env):
                        **overrides)
     trainer.train()
     ev = trainer.evaluate()["eval_loss"]
+    log = _log(trainer, ev)
+    ref = getattr(trainer, "ref_model", None)  # TRL's reference model, where it keeps one
+    log["split"] = [_tp_split(m) for m in (trainer.model, ref) if m is not None]
     if rank == 0:
-        torch.save(_log(trainer, ev), os.path.join(tmp, "log.pt"))
+        torch.save(log, os.path.join(tmp, "log.pt"))
 
 
 def _against(tmp_path, family, kind, par, env=None, **overrides):
@@ -128,7 +131,7 @@ def _against(tmp_path, family, kind, par, env=None, **overrides):
 def _decided(run, want):
     """`run`'s logged metrics, less each reward accuracy whose chosen and rejected rewards `want` logged tied
     (|margin| < 1e-6: the first step, the policy still the reference): at a tie the float rounding of the two
-    log-probability sums decides it (under TP the policy's split sums round unlike the reference's whole ones)."""
+    log-probability sums decides it."""
     def tie(m, k):
         return k.endswith("rewards/accuracies") and abs(m.get(k.replace("accuracies", "margins"), 1.0)) < 1e-6
 
@@ -182,6 +185,9 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
     assert _decided(got, want) == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in _decided(want, want)]
     assert got["seen"] == want["seen"] > 0  # the Trainer's num_input_tokens_seen: each batch once
+    # under TP the policy and TRL's reference model (DPO's) split alike: the 7 projections of each of the 2 layers
+    split = 14 if par.get("tp_size", 1) > 1 else 0
+    assert set(got["split"]) == {split} and (not split or len(got["split"]) == (1 if kind == "reward" else 2))
 
 
 @pytest.mark.distributed

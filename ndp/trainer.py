@@ -54,8 +54,9 @@ and overrides, nothing patched:
   (the Trainer counts after the step, when the batch's tensors hold this rank's shard, and gathers every rank's
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
 - ``_run_epoch``: a resume in the middle of an epoch whose loader dispatches batches by data-parallel rank under CP
-  or TP (``ndp.accelerate.DataParallelDispatcher``) is refused by name: Accelerate's skip of the trained batches
-  rebuilds the loader as its own, one piece per process;
+  or TP (``ndp.accelerate.DataParallelDispatcher``) skips the trained batches with the Accelerator's
+  ``skip_first_batches``, which keeps the dealing (Accelerate's, which transformers calls, rebuilds the loader as its
+  own, one piece per process);
 - ``_load_optimizer_and_scheduler`` (FSDP2, with or without CP): a resume whose optimizer held no state for some
   parameters at save (never given a gradient; every parameter under plain SGD) loads, those left stateless as in
   the uninterrupted run (Accelerate's load stops on them).
@@ -361,13 +362,12 @@ class NdpTrainerMixin:
         resumed = kwargs["epoch"] == kwargs["epochs_trained"] and kwargs["resume_from_checkpoint"] is not None
         skips = resumed and kwargs["steps_trained_in_current_epoch"] > 0 and not self.args.ignore_data_skip
         if skips and redealt_on_skip(kwargs["train_dataloader"]):
-            raise ValueError(f"resuming in the middle of an epoch ({kwargs['steps_trained_in_current_epoch']} batches "
-                             f"trained) with dispatched batches (dispatch_batches, Accelerate's default for an "
-                             f"iterable dataset) under context or tensor parallelism: Accelerate's skip of the "
-                             f"trained batches rebuilds the loader dealing one piece per process, so the ranks of a "
-                             f"data-parallel batch would get different rows. Set accelerator_config="
-                             f"{{'dispatch_batches': False}} (each process reads its data-parallel rank's batches), "
-                             f"or ignore_data_skip=True (the epoch starts over).")
+            # transformers calls Accelerate's skip_first_batches, which rebuilds the loader dealing one piece per
+            # process (the ranks of a data-parallel batch would get different rows); the Accelerator's deals on by
+            # data-parallel rank
+            with _replaced([sys.modules[transformers.Trainer.__module__]], "skip_first_batches",
+                           lambda original: self.accelerator.skip_first_batches):
+                return super()._run_epoch(*args, **kwargs)
         return super()._run_epoch(*args, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

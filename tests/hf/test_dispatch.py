@@ -68,28 +68,33 @@ def test_trainer_deals_dispatched_batches_by_data_parallel_rank(tmp_path, par, s
     assert got["eval"] == pytest.approx(want, rel=1e-5)
 
 
-def _resume_rank(rank, world, tmp, model_dir):
+def _resume_rank(rank, world, tmp, model_dir, par):
     _rank_env(rank, world)
-    par = {"dp_shard_size": 2, "cp_size": 2}
-    for steps, resume in ((2, None), (3, True)):  # saved after 2 of the stream's 5 steps, then resumed there
-        args = _trainer_args(tmp, par, max_steps=steps, save_strategy="steps", save_steps=2)
+    losses = {}
+    # 3 of the stream's 5 steps without a stop; then saved after 2 and resumed there (in the middle of the epoch)
+    for run, steps, resume in (("whole", 3, None), ("stopped", 2, None), ("stopped", 3, True)):
+        args = _trainer_args(os.path.join(tmp, run), par, max_steps=steps, save_strategy="steps", save_steps=2)
         trainer = _InOrder(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=_Stream())
-        if resume is None:
-            trainer.train()
-            continue
-        with pytest.raises(ValueError, match=r"resuming in the middle of an epoch \(2 batches trained\) with "
-                                             r"dispatched batches .*'dispatch_batches': False.* ignore_data_skip=True"):
-            trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume)
+        losses[run] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if rank == 0:
+        torch.save(losses, os.path.join(tmp, "resume.pt"))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_mid_epoch_resume_of_dispatched_batches_under_cp_is_refused_on_every_rank(tmp_path):
-    """Accelerate's skip of the trained batches (the Trainer's resume in the middle of an epoch) rebuilds a
-    dispatching loader as its own, which deals one piece per process: refused by name before the first step."""
+@pytest.mark.parametrize("par", [{"dp_shard_size": 2, "cp_size": 2}, {"dp_shard_size": 2, "tp_size": 2}],
+                         ids=["cp2", "tp2"])
+def test_a_mid_epoch_resume_of_dispatched_batches_under_cp_or_tp_trains_as_without_a_stop(tmp_path, par):
+    """The Trainer's resume in the middle of an epoch skips the trained batches with Accelerate's skip_first_batches,
+    which rebuilt a dispatching loader as Accelerate's, dealing one piece per process (refused by name before: the
+    ranks of a data-parallel batch would get different rows). The Accelerator's skip keeps dealing by data-parallel
+    rank: the resumed run's third loss is the third loss of the run without a stop."""
     model_dir = str(tmp_path / "model")
     _save_tiny_llama(model_dir)
-    spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, timeout_s=300)
+    spawn(_resume_rank, 4, tmp_path, str(tmp_path), model_dir, par, timeout_s=300)
+    losses = torch.load(tmp_path / "resume.pt")
+    assert len(losses["whole"]) == 3 and losses["stopped"] == pytest.approx(losses["whole"], rel=1e-6)
 
 
 class _Numbered(torch.utils.data.IterableDataset):

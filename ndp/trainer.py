@@ -4,7 +4,8 @@
 parallelism, for SDPA attention only. :class:`Trainer` runs ndp's instead, for every attention ndp serves (sliding
 windows, sinks, GQA, packed documents): use it in place of ``transformers.Trainer``, nothing else changes. It
 subclasses ``transformers.Trainer`` (through :class:`NdpTrainerMixin`, which other Trainer subclasses can take)
-and overrides, nothing patched:
+and overrides, patching nothing for good (two library functions that the libraries call by name are replaced
+while one call of ndp's runs, then put back: :func:`_replaced`):
 
 - ``_build_accelerator_args`` / ``create_accelerator_and_postprocess``: with a ``parallelism_config``, the Trainer's
   Accelerator becomes ``ndp.accelerate.Accelerator`` built from the same arguments (on CPU, FSDP2 over gloo; with
@@ -55,8 +56,8 @@ and overrides, nothing patched:
   count: each CP shard, ndp's pads included, or a padded batch's pads, its mask made all ones);
 - ``_run_epoch``: a resume in the middle of an epoch whose loader dispatches batches by data-parallel rank under CP
   or TP (``ndp.accelerate.DataParallelDispatcher``) skips the trained batches with the Accelerator's
-  ``skip_first_batches``, which keeps the dealing (Accelerate's, which transformers calls, rebuilds the loader as its
-  own, one piece per process);
+  ``skip_first_batches``, which keeps the dealing (Accelerate's, which transformers calls by name, rebuilds the
+  loader as its own, one piece per process: replaced in ``transformers.trainer`` for the resumed epoch);
 - ``_load_optimizer_and_scheduler`` (FSDP2, with or without CP): a resume whose optimizer held no state for some
   parameters at save (never given a gradient; every parameter under plain SGD) loads, those left stateless as in
   the uninterrupted run (Accelerate's load stops on them).
@@ -789,10 +790,12 @@ class NdpSequenceLossMixin(NdpTrainerMixin):
     batch (``gather_tokens``; differentiable: a shard's gradient is every CP rank's gradient of its tokens, summed,
     so FSDP's average over the dp x cp ranks is the gradient of the data-parallel batches' mean loss). An MoE's
     load-balancing loss (each rank's share x cp_size) becomes its batch's on every rank (``ndp.cp.sum_over_group``).
-    A reference model TRL shards with FSDP2 itself gets ndp's CP on its first call. The Accelerator's
-    ``gather_for_metrics`` takes each data-parallel batch's values once (``whole_batch_metrics``), and TRL's token
-    count is not divided by tp_size (ndp's gather counts no TP copy). Refused under CP, by name: a model call
-    without the fused LM head (the logits TRL recomputes for ``compute_metrics`` and ``predict``, deprecated by TRL).
+    A reference model TRL shards with FSDP2 itself is split by ndp's TP first (``prepare_fsdp`` replaced in TRL's
+    trainer module while the trainer is built: :func:`_reference_split_first`) and gets ndp's CP on its first call.
+    The Accelerator's ``gather_for_metrics`` takes each data-parallel batch's values once (``whole_batch_metrics``),
+    and TRL's token count is not divided by tp_size (ndp's gather counts no TP copy). Refused under CP, by name: a
+    model call without the fused LM head (the logits TRL recomputes for ``compute_metrics`` and ``predict``,
+    deprecated by TRL).
     """
 
     _ndp_shards_batch = False

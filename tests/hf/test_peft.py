@@ -26,19 +26,24 @@ def _lora(**kw):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("packing, dp, dora, split", [(False, 1, False, "cp_size"), (True, 2, False, "cp_size"),
-                                                       (False, 1, True, "cp_size"), (False, 2, False, "tp_size")])
-def test_sft_trainer_with_adapters_under_cp_trains_and_evaluates_as_without(tmp_path, packing, dp, dora, split):
+@pytest.mark.parametrize("packing, dp, dora, split, dropout", [
+    (False, 1, False, "cp_size", 0.0), (True, 2, False, "cp_size", 0.0), (False, 1, True, "cp_size", 0.0),
+    (False, 2, False, "tp_size", 0.0), (False, 2, False, "tp_size", 0.3)])
+def test_sft_trainer_with_adapters_under_cp_trains_and_evaluates_as_without(tmp_path, packing, dp, dora, split,
+                                                                            dropout):
     """The PEFT wrapper computes no loss itself: it hands `shift_labels` and `num_items_in_batch` on to the
     transformers model, whose causal-LM loss takes them. ndp looked for that loss on the wrapper and refused every
     PEFT model given labels under CP ("PeftModelForCausalLM computes its loss itself from `labels`"): LoRA had no
     CP. Against TRL's one process (cp 2) or ndp's at dp_shard 2 (dp_shard 2 x cp 2, packed): losses, evaluation
     loss and TRL's metrics. LoRA at dp_shard 2 x tp 2 (refused before) against dp_shard 2: the 14 base layers
-    and 14 adapter matrices split over the TP ranks."""
+    and 14 adapter matrices split over the TP ranks; with lora_dropout (refused under TP before), the TP ranks draw
+    as the data-parallel rank alone does (the Trainer seeds every rank alike), the row-split layers' masks drawn at
+    the whole width."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
     got, want = _sft_against(tmp_path, model_dir, packing, None, dp, layer=_save_tiny(model_dir, "llama"),
-                             split=split, peft_config=_lora(use_dora=dora), learning_rate=0.1, max_grad_norm=0.0)
+                             split=split, peft_config=_lora(use_dora=dora, lora_dropout=dropout), learning_rate=0.1,
+                             max_grad_norm=0.0)
     assert got["tp_split"] == (28 if split == "tp_size" else 0)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["losses"][0] != got["losses"][2]  # the adapters trained

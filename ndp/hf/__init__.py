@@ -55,8 +55,8 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
             (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
             load-balancing loss, turned on, that ndp cannot compute over the CP shards (``ndp.hf.router``).
     """
-    check_layerdrop(model, config.fsdp_size)
     if config.fsdp_size > 1:
+        check_layerdrop(model, config.fsdp_size)
         try:
             check_one_dtype_per_module(model)
         except ValueError as e:  # a model ndp cannot shard as built (Mamba's A_log kept in fp32): named as such

@@ -350,14 +350,14 @@ def check_cp_model(model: nn.Module, mixers: str = "refuse", cp_size: int = 2) -
 
 def check_layerdrop(model: nn.Module, fsdp_size: int) -> None:
     """Raise :class:`Unsupported` for LayerDrop (a module's ``layerdrop`` > 0: OPT, XGLM, BioGPT, the BART family's
-    and Whisper's decoders) across ranks that reduce gradients together (``fsdp_size`` > 1: FSDP, HSDP, CP). In
+    and Whisper's decoders) across the `fsdp_size` > 1 ranks that reduce gradients together (FSDP, HSDP, CP). In
     training it skips each decoder layer on a draw of each rank's own random stream; ranks that drew apart would run
     different layers, their per-layer collectives (FSDP's all-gathers and reductions, CP's attention exchanges)
     paired with another layer's on the other ranks. Under tensor parallel alone the ranks draw alike
     (``ndp.parallel.draws``)."""
     drops = {n: m.layerdrop for n, m in model.named_modules() if isinstance(getattr(m, "layerdrop", None), float)
              and m.layerdrop > 0}
-    if drops and fsdp_size > 1:
+    if drops:
         where, p = next(iter(drops.items()))
         raise Unsupported(
             f"{type(model).__name__}: {where or 'the model'} skips each decoder layer with probability {p} "

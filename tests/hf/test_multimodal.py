@@ -285,8 +285,6 @@ def _draws_body(rank, world, tp):
     model = ndp.hf.parallelize(tiny_vlm("internvl", hidden_dropout_prob=0.5).train(), cfg, mesh)
     batch, labels = vlm_batch(model, 21)
     torch.manual_seed(100 + rank)  # each rank its own stream, as a loop may seed them
-    features = []
-    model.model.multi_modal_projector.register_forward_hook(lambda module, args, out: features.append(out.detach()))
     b = ndp.hf.shard_batch(model, labels=labels, **batch)
     b.pop("labels")
     own = torch.Generator()
@@ -295,14 +293,14 @@ def _draws_body(rank, world, tp):
         # the towers' seed each rank draws (the first rank's is used); under TP from TP rank 0's streams, which
         # the forward runs on: the other TP ranks' come back untouched (ndp.parallel.draws)
         torch.randint(2 ** 62, (1,), generator=own)
-    model(**b)
-    everyone = [torch.empty_like(features[0]) for _ in range(world)]
-    torch.distributed.all_gather(everyone, features[0])
+    got = _projected(model, b)
+    mine = torch.get_rng_state()
+    everyone = [torch.empty_like(got) for _ in range(world)]
+    torch.distributed.all_gather(everyone, got)
     assert all(torch.equal(f, everyone[0]) for f in everyone)  # the towers drew alike on every rank (CP and TP)
     with torch.no_grad():
-        model.eval()(**ndp.hf.shard_batch(model, **batch))
-    assert not torch.allclose(features[0], features[1])  # and they drew: the dropout was on
-    assert torch.equal(torch.get_rng_state(), own.get_state())  # the rank's own stream again after the towers
+        assert not torch.allclose(got, _projected(model.eval(), ndp.hf.shard_batch(model, **batch)))  # they drew
+    assert torch.equal(mine, own.get_state())  # the rank's own stream again after the towers
 
 
 @pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["cp2", "cp2-tp2"])

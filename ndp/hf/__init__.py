@@ -2,6 +2,8 @@
 decoder-only causal LMs (Llama, Qwen2, Mistral and models laid out like them)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -10,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import (TP_STYLES, ModelPlan, ParallelismConfig, ac_mode, as_config, is_transformers_model,
-                          match_modules)
+from ndp.parallel import (TP_STYLES, ExpertsParallel, ModelPlan, ParallelismConfig, ac_mode, as_config, expert_count,
+                          is_transformers_model, match_modules)
 from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
@@ -49,7 +51,7 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
     """Raise before any collective when ndp cannot parallelize the model as ``config`` asks.
 
     Raises:
-        ValueError: the heads cannot be split by tp / the Ulysses degree.
+        ValueError: the heads cannot be split by tp / the Ulysses degree, nor stacked experts by tp.
         Unsupported: a module whose own parameters mix dtypes, under FSDP2 (``check_one_dtype_per_module``);
             LayerDrop across ranks that reduce gradients together (``ndp.hf.models.check_layerdrop``);
             (cp_size > 1) a layer CP cannot split exactly (``ndp.hf.models.check_cp_model``), or a
@@ -67,6 +69,10 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
             check_router_loss(model)
     for heads, kv in head_counts(text_config(model)):
         config.check_heads(heads, kv)
+    if config.tp_size > 1:
+        for pattern, style in _own_tp_plan(model).items():
+            for _, module in match_modules(model, [pattern]) if isinstance(style, ExpertsParallel) else ():
+                style.check(module, config.tp_size)
 
 
 def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
@@ -137,13 +143,49 @@ def _own_tp_plan(model: nn.Module) -> dict:
         return _lora_tp_plan(model, _own_tp_plan(peft_inner(model)))
     plan = getattr(model.config, "base_model_tp_plan", None)
     if plan:
-        return {_base_prefix(model) + k: v for k, v in plan.items()}
+        return _experts_plan(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()}))
     text = text_config(model)
     plan = getattr(text, "base_model_tp_plan", None)
     if not plan:
         return {}
     where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
-    return {f"{where}.{k}": v for k, v in plan.items()} if where else {}
+    return _experts_plan(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()})) if where else {}
+
+
+def _built(model: nn.Module, plan: dict) -> dict:
+    """`plan`'s entries that name a module or a parameter of `model`: an entry for a layer this config does not build
+    is dropped (the dense MLP of a model whose every layer holds experts, ``q_proj`` where ``q_lora_rank`` builds
+    ``q_a_proj`` and ``q_b_proj``)."""
+    def names_any(pattern):
+        owner, _, attr = pattern.rpartition(".")
+        return match_modules(model, [pattern]) or any(attr in dict(m.named_parameters(recurse=False))
+                                                      for _, m in match_modules(model, [owner]))
+    return {k: v for k, v in plan.items() if names_any(k)}
+
+
+def _experts_plan(model: nn.Module, plan: dict) -> dict:
+    """`plan` with each ``moe_tp_experts`` entry (a module of stacked experts, its parameters' entries beside it)
+    that :class:`ndp.parallel.ExpertsParallel` can split made that style, the parameters' entries dropped: the TP
+    ranks split the experts instead of each expert's width (the same memory and all-reduce, a layout checkpoints
+    save). Others are left as they are, for :func:`check_tp_plan` to refuse by name."""
+    out = dict(plan)
+    for pattern, style in plan.items():
+        matched = [m for _, m in match_modules(model, [pattern])] if style == "moe_tp_experts" else []
+        if not matched or not all(expert_count(m) and _skips_other_experts(m) for m in matched):
+            continue
+        out[pattern] = ExpertsParallel()
+        for name, _ in matched[0].named_parameters():
+            out.pop(f"{pattern}.{name}", None)
+    return out
+
+
+def _skips_other_experts(experts: nn.Module) -> bool:
+    """Whether the experts' forward skips the index ``num_experts`` (an expert another rank holds): transformers'
+    batched and grouped kernels do; its loop does where the family's own loop does (Nemotron-H's indexes it)."""
+    if getattr(getattr(experts, "config", None), "_experts_implementation", "eager") != "eager":
+        return True
+    forward = type(experts).forward
+    return "== self.num_experts" in inspect.getsource(getattr(forward, "__wrapped__", forward))
 
 
 # The tensor-parallel styles a LoRA layer is split by: its base layer's, and the one adapter matrix whose split
@@ -232,12 +274,13 @@ def _lora_tp_problem(model: nn.Module, inner_plan: dict) -> str | None:
 def check_tp_plan(model: nn.Module, tp_plan) -> None:
     """Raise :class:`Unsupported` unless ndp can apply `tp_plan` (``hf_plan(model).tp_plan``), the model's own
     tensor-parallel plan, exactly: a model without a plan is not guessed one (a layer laid out like Llama's may hold
-    per-head norms a split applies to another rank's heads); a style ndp does not implement (experts, packed or MLA
-    projections, local parameters) is named; so are parameters the plan leaves whole inside a module whose
-    projections it splits by columns (each rank would compute them on its share only: Apertus' xIELU activation, a
-    per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity (statistics over the split width).
-    A PEFT wrapper: LoRA only, without DoRA (:func:`_lora_tp_problem`), the wrapped model checked with its own
-    plan."""
+    per-head norms a split applies to another rank's heads); experts ndp cannot split by experts
+    (:func:`_experts_plan`: not stacked, or a loop that runs every index), a style ndp does not implement (MLA
+    projections, local parameters) and a parameter the plan splits by itself are named; so are parameters the plan
+    leaves whole inside a module whose projections it splits by columns (each rank would compute them on its share
+    only: Apertus' xIELU activation, a per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity
+    (statistics over the split width). A PEFT wrapper: LoRA only, without DoRA (:func:`_lora_tp_problem`), the
+    wrapped model checked with its own plan."""
     name = type(model).__name__
     fix = (f"Train {name} with tp_size=1 (shard it with dp_shard, split the sequence with cp), or pass a plan of your "
            f"own: ndp.hf.parallelize(..., plan=ndp.parallel.ModelPlan(tp_plan=...)).")
@@ -249,13 +292,28 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
             raise Unsupported(f"tensor parallel: {name} is a PEFT model and {problem}. {fix}")
         return check_tp_plan(inner, inner_plan)  # the wrapped model's plan, its entries its own
     if not _own_tp_plan(model):
-        raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan (its config's base_model_tp_plan is "
-                          f"empty, its text decoder's too) and ndp does not guess one. {fix}")
+        raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan that names its modules (its "
+                          f"config's base_model_tp_plan and its text decoder's are empty, or name none of the "
+                          f"modules this model holds) and ndp does not guess one. {fix}")
+    experts = [k for k, v in tp_plan.items() if v == "moe_tp_experts"]  # left by _experts_plan
+    if experts:
+        raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits the experts "
+                          f"{', '.join(experts)} ('moe_tp_experts'), which ndp splits by experts where the module "
+                          f"stacks them (num_experts the first dim of each of its parameters) and its forward skips "
+                          f"the experts other ranks hold (transformers' expert-parallel kernels: "
+                          f"experts_implementation 'batched_mm' or 'grouped_mm', or a loop that skips them); "
+                          f"{', '.join(type(m).__name__ for _, m in match_modules(model, experts[:1]))} does not. "
+                          f"{fix}")
     unknown = {k: v for k, v in tp_plan.items() if isinstance(v, str) and v not in TP_STYLES}
     if unknown:
         raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits "
                           f"{', '.join(f'{k} as {v!r}' for k, v in unknown.items())}, styles ndp does not implement "
-                          f"(it implements {', '.join(sorted(TP_STYLES))}). {fix}")
+                          f"(it implements {', '.join(sorted(TP_STYLES))}, and stacked experts). {fix}")
+    bare = [k for k, v in tp_plan.items() if isinstance(v, str) and not match_modules(model, [k])]
+    if bare:
+        raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits the parameters "
+                          f"{', '.join(bare[:4])} by themselves, outside a module ndp splits whole (ndp splits "
+                          f"stacked experts' parameters with their module's 'moe_tp_experts' entry only). {fix}")
     loose = _whole_in_split_modules(model, tp_plan)
     if loose:
         raise Unsupported(f"tensor parallel: {name}'s plan splits the outputs of projections by columns over the "

@@ -282,11 +282,17 @@ def _expert_params(block: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in block.named_parameters() if p.requires_grad and "expert" in n.lower()]
 
 
+def zero_tie(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A zero that depends on each of `tensors` (a DTensor's local shard): added to an output, each gets a gradient,
+    a zero tensor of its shape where nothing else used it, and the collectives behind it in the backward run
+    whatever the data. Sums of empty slices: no work, and no NaN from an inf element."""
+    return sum((t.to_local() if isinstance(t, DTensor) else t).reshape(-1)[:0].sum() for t in tensors)
+
+
 def _tie_hook(module, args, kwargs):
     if not torch.is_grad_enabled():
         return None
-    # 0 * one element of each expert parameter: its gradient is a zero tensor of the parameter's shape.
-    tie = sum((p.to_local() if isinstance(p, DTensor) else p).reshape(-1)[0] for p in _expert_params(module)) * 0
+    tie = zero_tie(_expert_params(module))
     if args and torch.is_tensor(args[0]) and args[0].is_floating_point():
         return (args[0] + tie.to(args[0].dtype),) + tuple(args[1:]), kwargs
     hidden = kwargs.get("hidden_states")

@@ -12,6 +12,13 @@ from _zoo import tiny_model
 from dist import spawn
 
 FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3")
+# Mixture-of-experts families, their stacked experts split over the TP ranks by ndp.parallel.ExpertsParallel (the
+# plan's "moe_tp_experts"), the load-balancing loss on, run by transformers' batched-matmul experts kernel (its
+# grouped one takes no float64 on CPU) and by the family's loop: Qwen3-MoE (its first layer a dense MLP: the plan's
+# dense entries name layer 0's modules only), Aria (transposed weights), Nemotron-H (one projection, batched only).
+MOE = {"qwen3_moe": dict(mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
+       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5)}
+MOE_KERNELS = {"nemotron_h": ("batched_mm",)}
 
 
 def _batch(vocab, seq=24):
@@ -30,14 +37,22 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
+def _model(family, experts="eager", **fields):
+    model = tiny_model(family, **fields)
+    model.config._experts_implementation = experts  # read by the experts' forward at every call
+    return model
+
+
 def _tp_body(rank, world, layout):
     cfg = ndp.ParallelismConfig(**layout)
     mesh = cfg.build_device_mesh("cpu")
-    for family in FAMILIES:
-        ref = tiny_model(family)
+    cases = [(f, {}) for f in FAMILIES] + [(f, dict(MOE.get(f, {}), experts=k)) for f in [*MOE, *MOE_KERNELS]
+                                           for k in MOE_KERNELS.get(f, ("batched_mm", "eager"))]
+    for family, fields in cases:
+        ref = _model(family, **fields)
         batch = _batch(ref.config.vocab_size)
         want, want_grads = _loss_and_grads(ref, batch)
-        model = ndp.hf.parallelize(tiny_model(family), cfg, mesh)
+        model = ndp.hf.parallelize(_model(family, **fields), cfg, mesh)
         got, grads = _loss_and_grads(model, batch)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=lambda m: f"{family} loss: {m}")
         assert set(grads) == set(want_grads)
@@ -107,8 +122,16 @@ def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, l
 
 
 @pytest.mark.parametrize("family, fields, match", [
-    ("qwen3_moe", {}, r"Qwen3MoeForCausalLM's plan \(base_model_tp_plan\) splits .*experts.* as 'moe_tp_experts'.*"
-                      r"styles ndp does not implement.*Train Qwen3MoeForCausalLM with tp_size=1"),
+    ("deepseek_v2", {}, r"DeepseekV2ForCausalLM's plan \(base_model_tp_plan\) splits .*kv_a_proj_with_mqa as "
+                        r"'mla_kv_a_proj'.*styles ndp does not implement.*Train DeepseekV2ForCausalLM with tp_size=1"),
+    # Nemotron-H's own experts loop indexes the experts other ranks hold (its batched kernels skip them)
+    ("nemotron_h", {}, r"splits the experts model.layers.\*.mixer.experts \('moe_tp_experts'\), which ndp splits "
+                       r"by experts where .* NemotronHExperts does not"),
+    # the experts' parameters named without their module's entry
+    ("qwen3_moe", dict(base_model_tp_plan={"layers.*.mlp.experts.down_proj": "rowwise"}),
+     r"splits the parameters model.layers.\*.mlp.experts.down_proj by themselves"),
+    # a plan naming none of the model's modules (Llama 4's, under a base model prefix the model does not hold)
+    ("llama4_text", {}, r"Llama4ForCausalLM has no tensor-parallel plan that names its modules"),
     # No plan; laid out like Llama, its per-head q/k LayerNorms would be applied to another rank's heads.
     ("stablelm", dict(qk_layernorm=True), r"StableLmForCausalLM has no tensor-parallel plan .* does not guess one"),
     # xIELU's two scalars act on the split MLP width: measured 120% off in the gradient without the refusal.
@@ -121,6 +144,15 @@ def test_a_plan_ndp_cannot_apply_is_refused_before_any_work(family, fields, matc
     model = tiny_model(family) if not fields else _with(family, **fields)
     with pytest.raises(ndp.hf.Unsupported, match=match):
         ndp.hf.parallelize(model, ndp.ParallelismConfig(tp_size=2), None)
+
+
+@pytest.mark.parametrize("family, field", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts")])
+def test_experts_that_tp_cannot_split_evenly_are_refused_by_name(family, field):
+    model = tiny_model(family, **{field: 5})
+    with pytest.raises(ValueError, match=r"splits the experts of \w+Experts over the ranks: num_experts=5 must be a "
+                                         r"multiple of tp_size=2"):
+        ndp.hf.parallelize(model, ndp.ParallelismConfig(tp_size=2), None)
+    ndp.hf.check_model(tiny_model(family, **{field: 6}), ndp.ParallelismConfig(tp_size=2))
 
 
 def _with(family, **fields):
@@ -138,3 +170,89 @@ def test_a_multimodal_wrapper_splits_its_text_decoder_by_the_decoders_plan():
     plan = ndp.hf.hf_plan(model).tp_plan
     assert plan["model.language_model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
     assert not any("vision" in k for k in plan)
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _step(model, batch):
+    """One SGD step, weight decay on (it steps a parameter with a gradient, zero or not, and skips one without):
+    the whole gradients and the whole parameters after it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    model(**batch).loss.backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    return grads, {n: _full(p).detach() for n, p in model.named_parameters()}
+
+
+def _idle_experts_body(rank, world, layout):
+    cfg = ndp.ParallelismConfig(**layout)
+    mesh = cfg.build_device_mesh("cpu")
+    models = []
+    for _ in range(2):
+        models.append(tiny_model("afmoe").train())
+        for n, p in models[-1].named_parameters():
+            if n.endswith("expert_bias"):  # every token picks experts 0 and 1 (top 2 of 4): TP rank 0's
+                p.data.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    batch = _batch(models[0].config.vocab_size)
+    want_grads, want = _step(models[0], batch)
+    model = ndp.hf.parallelize(models[1], cfg, mesh)
+    grads, got = _step(model, batch)
+    assert set(grads) == set(want_grads)
+    for n, p in model.named_parameters():
+        if ".experts." in n:  # a gradient on every rank (zeros on TP rank 1's idle experts), as one process's
+            assert bool((p.grad.to_local() == 0).all()) == (mesh["tp"].get_local_rank() == 1), n
+        if n in grads:  # afmoe routes in float32 inside the float64 model: float32's rounding, as the zoo's
+            err = float((grads[n] - want_grads[n]).abs().max() / want_grads[n].abs().max().clamp(min=1e-30))
+            assert err <= 1e-4, f"{n}: gradient {err:.1e} off one process's"
+        # the step's decay alone moves each parameter by 1e-2 of itself: a parameter stepped apart is far off
+        err = float((got[n] - want[n]).abs().max() / want[n].abs().max())
+        assert err <= 1e-6, f"{n}: after one SGD step {err:.1e} off one process's"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [dict(tp_size=2), dict(dp_shard_size=2, tp_size=2)], ids=["tp2", "fsdp2_tp2"])
+def test_a_rank_whose_experts_get_no_token_trains_as_one_process(tmp_path, layout):
+    """The router sends every token to TP rank 0's experts. Rank 1's experts still get their (zero) gradient, as one
+    process's do, and join every sum: before, their gradients were None on that rank alone (the evaluation of the
+    gradients hung in a collective rank 0 alone entered; FSDP2 and the optimizer would have treated them apart)."""
+    spawn(_idle_experts_body, 2 * layout.get("dp_shard_size", 1), tmp_path, layout, timeout_s=120)
+
+
+def _moe_checkpoint_body(rank, world, path):
+    from transformers import AutoModelForCausalLM
+    from _zoo import tiny_config
+    from ndp.train.checkpoint import load_checkpoint, save_checkpoint
+
+    def build(cfg):
+        model = ndp.hf.parallelize(tiny_model("qwen3_moe"), cfg, cfg.build_device_mesh("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    model, opt, sched = build(ndp.ParallelismConfig(tp_size=2))
+    batch = _batch(model.config.vocab_size)
+    model(**batch).loss.backward()
+    opt.step()
+    saved = save_checkpoint(path, 1, model, opt, sched)
+    other, other_opt, other_sched = build(ndp.ParallelismConfig(dp_shard_size=2))
+    load_checkpoint(saved, other, other_opt, other_sched)
+    loaded = dict(other.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(_full(p), _full(loaded[n])), n
+        assert torch.equal(_full(opt.state[p]["exp_avg"]), _full(other_opt.state[loaded[n]]["exp_avg"])), n
+    # a meta model split by experts gets the shards of the seeded initialisation
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float64)
+    cfg = ndp.ParallelismConfig(tp_size=2)
+    meta = ndp.hf.parallelize(meta, cfg, cfg.build_device_mesh("cpu"), init_seed=3)
+    whole = dict(ndp.hf.init_weights(tiny_model("qwen3_moe"), seed=3).named_parameters())
+    for n, p in meta.named_parameters():
+        assert torch.equal(_full(p), whole[n]), n
+
+
+@pytest.mark.distributed
+def test_experts_split_by_tp_checkpoint_in_whole_shapes_and_resume_on_another_layout(tmp_path):
+    """The experts' parameters are DTensors of their whole shapes split along the experts, a layout distributed
+    checkpoints save (splitting each expert's width packs gate and up: two pieces per rank, which they cannot)."""
+    spawn(_moe_checkpoint_body, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=120)

@@ -1,0 +1,147 @@
+"""Tensor parallel for mixture-of-experts layers whose experts are stacked weights (one parameter per projection,
+its first dim the experts: transformers' ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``).
+
+The TP ranks split the experts: each holds ``E / tp`` whole experts (every parameter split along its first dim) and
+runs them on the tokens the router sent them, among the whole tokens every TP rank holds; a token's output, the sum
+of its experts' weighted outputs, is the sum over the ranks of the parts their experts gave. The router stays whole
+on every rank (its inputs are the whole activations), so every rank routes each token alike. This is the memory and
+the one all-reduce of the output that splitting every expert's hidden width costs (transformers' "moe_tp_experts"
+plan), without that split's packed layout (gate and up stacked along one dim, each rank taking a share of each: no
+single contiguous chunk per rank, which distributed checkpoints cannot save). The parameters keep their whole
+shapes and names (DTensors), so checkpoints load on any layout.
+
+The experts' forward (transformers' loop, batched or grouped matmuls) runs on this rank's experts as plain tensors,
+through transformers' expert-parallel contract: ``num_experts`` is the local count, and an expert held by another
+rank is the index ``num_experts``, its routing weight zero, which the kernels skip. In the backward the hidden
+states' and routing weights' gradients, each rank's experts' part, are summed over the TP ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ndp.cp.stats import all_reduce_sum
+
+from .parallelize import zero_tie
+
+ROUTING = ("hidden_states", "top_k_index", "top_k_weights")  # the experts' forward arguments, in order
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """The number of experts `module` stacks when it follows transformers' expert-parallel contract (its
+    ``num_experts`` the first dim of every parameter it holds itself, its kernels told by ``_is_expert_parallel``
+    to skip the index ``num_experts``), else None."""
+    params = list(module.parameters(recurse=False))
+    count = getattr(module, "num_experts", None)
+    if not params or not isinstance(count, int) or not hasattr(module, "_is_expert_parallel"):
+        return None
+    if len(params) != len(list(module.parameters())) or any(p.dim() < 2 or p.shape[0] != count for p in params):
+        return None
+    return count
+
+
+class ExpertsParallel(ParallelStyle):
+    """Split a module of stacked experts (:func:`expert_count`) over the TP ranks by experts: each rank holds
+    its ``num_experts / tp`` of every parameter's first dim, runs those experts on the tokens routed to them, and the
+    ranks' outputs are summed. Its forward takes ``hidden_states [tokens, H]``, ``top_k_index`` and
+    ``top_k_weights [tokens, k]`` and returns the tokens' outputs."""
+
+    def check(self, module: nn.Module, tp_size: int) -> None:
+        """Raise ValueError unless `module` is a module of stacked experts that `tp_size` ranks split evenly."""
+        count = expert_count(module)
+        if count is None:
+            raise ValueError(f"ExpertsParallel splits a module of stacked experts (num_experts the first dim of "
+                             f"each of its parameters, transformers' expert-parallel kernels); "
+                             f"{type(module).__name__} is not one")
+        if count % tp_size:
+            raise ValueError(f"tensor parallel splits the experts of {type(module).__name__} over the ranks: "
+                             f"num_experts={count} must be a multiple of tp_size={tp_size}. Use a tp_size that "
+                             f"divides the number of experts.")
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.check(module, device_mesh.size())
+        count = expert_count(module)
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
+                                                         requires_grad=param.requires_grad))
+        first = device_mesh.get_local_rank() * (count // device_mesh.size())
+        module.forward = _local_forward(module, module.forward, first, device_mesh.get_group())
+        return module
+
+
+def _local_forward(module: nn.Module, forward, first: int, group):
+    """`forward` run on this rank's experts (the first one `first`), the tokens' outputs summed over `group`."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        given = dict(zip(ROUTING, args), **kwargs)
+        if set(given) != set(ROUTING):
+            raise TypeError(f"ExpertsParallel runs {type(module).__name__}'s forward with {', '.join(ROUTING)}; got "
+                            f"{', '.join(given)}")
+        hidden, weights = given["hidden_states"], given["top_k_weights"]
+        if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad):
+            hidden, weights = _SumGradients.apply(hidden, weights, group)
+        with _local_experts(module) as params:
+            count = module.num_experts
+            local = given["top_k_index"] - first
+            mine = (local >= 0) & (local < count)
+            out = forward(hidden, torch.where(mine, local, count), torch.where(mine, weights, weights.new_zeros(())))
+            # Tied to the inputs and the parameters whatever the routing: on a rank whose experts got no token the
+            # backward still runs the sums every rank joins, and the parameters get their zero gradient (one
+            # process's for those experts), so the optimizer steps them as one process's.
+            out = out + zero_tie((hidden, weights, *params))
+        return _SumOutput.apply(out, group)
+
+    return run
+
+
+@contextlib.contextmanager
+def _local_experts(module: nn.Module):
+    """The module as transformers' expert-parallel kernels read it for the forward: its parameters this rank's
+    shards as plain tensors (``to_local`` is differentiable: the gradients reach the DTensors; read when the
+    forward runs, after FSDP2 has put its gathered parameters in place), ``num_experts`` their count; yields
+    those tensors."""
+    held = dict(module._parameters)
+    saved = module.num_experts, module._is_expert_parallel
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
+    module._parameters.update(local)
+    module.num_experts, module._is_expert_parallel = next(iter(local.values())).shape[0], True
+    try:
+        yield list(local.values())
+    finally:
+        module._parameters.update(held)
+        module.num_experts, module._is_expert_parallel = saved
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward of the hidden states and the routing weights; the backward sums each one's gradient (each
+    rank's experts' part) over the ranks. One node for both: its sums run in one order on every rank, whatever
+    order the rank's experts' backward finishes them in."""
+
+    @staticmethod
+    def forward(ctx, hidden, weights, group):
+        ctx.group = group
+        return hidden.view_as(hidden), weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx, grad_hidden, grad_weights):
+        sums = [all_reduce_sum(g.clone(memory_format=torch.contiguous_format), ctx.group) if need else None
+                for g, need in zip((grad_hidden, grad_weights), ctx.needs_input_grad)]
+        return *sums, None
+
+
+class _SumOutput(torch.autograd.Function):
+    """The sum of the ranks' partial outputs; the backward hands the (whole, alike) gradient to each part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_sum(x.clone(memory_format=torch.contiguous_format), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

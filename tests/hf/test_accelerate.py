@@ -804,15 +804,18 @@ def _save_tiny_family(model_dir, family):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("packing, dp", [(False, 1), (True, 1), (False, 2)])
-def test_sft_trainer_moe_load_balancing_loss_under_cp_matches_one_process(tmp_path, packing, dp):
+@pytest.mark.parametrize("packing, dp, split", [(False, 1, "cp_size"), (True, 1, "cp_size"), (False, 2, "cp_size"),
+                                               (False, 2, "tp_size")])
+def test_sft_trainer_moe_load_balancing_loss_under_cp_matches_one_process(tmp_path, packing, dp, split):
     """TRL adds an MoE's load-balancing loss (its aux_loss) by default; under CP each rank's is its share of the
     batch's, scaled for FSDP's averaging (ndp.hf.router): losses, eval loss and metrics are one process's (at
     dp_shard 2 x cp 2, dp_shard 2's), on rows with pads (ndp's and the collator's: left out of the loss's token
-    means) and packed documents. Before, each rank computed it over its shard (refused)."""
+    means) and packed documents. Before, each rank computed it over its shard (refused). At dp_shard 2 x tp 2 (as
+    dp_shard 2) the experts are split over the TP ranks (ndp.parallel.ExpertsParallel; refused before)."""
     pytest.importorskip("trl")
     model_dir = str(tmp_path / "model")
-    got, want = _sft_against(tmp_path, model_dir, packing, None, dp, layer=_save_tiny(model_dir, "olmoe"))
+    got, want = _sft_against(tmp_path, model_dir, packing, None, dp, layer=_save_tiny(model_dir, "olmoe"),
+                             split=split)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-6)
     assert got["metrics"] == [pytest.approx(m, rel=1e-6) for m in want["metrics"]]

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import (TP_STYLES, ExpertsParallel, ModelPlan, ParallelismConfig, ac_mode, as_config, expert_count,
-                          is_transformers_model, match_modules)
+from ndp.parallel import (TP_STYLES, ExpertsParallel, ModelPlan, ParallelismConfig, SharedKeyParallel, ac_mode,
+                          as_config, expert_count, is_transformers_model, match_modules)
 from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
@@ -143,13 +143,13 @@ def _own_tp_plan(model: nn.Module) -> dict:
         return _lora_tp_plan(model, _own_tp_plan(peft_inner(model)))
     plan = getattr(model.config, "base_model_tp_plan", None)
     if plan:
-        return _experts_plan(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()}))
+        return _styles(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()}))
     text = text_config(model)
     plan = getattr(text, "base_model_tp_plan", None)
     if not plan:
         return {}
     where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
-    return _experts_plan(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()})) if where else {}
+    return _styles(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()})) if where else {}
 
 
 def _built(model: nn.Module, plan: dict) -> dict:
@@ -161,6 +161,16 @@ def _built(model: nn.Module, plan: dict) -> dict:
         return match_modules(model, [pattern]) or any(attr in dict(m.named_parameters(recurse=False))
                                                       for _, m in match_modules(model, [owner]))
     return {k: v for k, v in plan.items() if names_any(k)}
+
+
+def _styles(model: nn.Module, plan: dict) -> dict:
+    """`plan` with the entries of transformers' styles that ndp implements beyond torch's made ndp's styles: stacked
+    experts (:func:`_experts_plan`) and MLA's shared rotary key ("mla_kv_a_proj": ``SharedKeyParallel`` of the
+    config's ``qk_rope_head_dim``)."""
+    plan = _experts_plan(model, plan)
+    rope_dim = getattr(text_config(model), "qk_rope_head_dim", None)
+    return {k: SharedKeyParallel(rope_dim) if v == "mla_kv_a_proj" and isinstance(rope_dim, int) else v
+            for k, v in plan.items()}
 
 
 def _experts_plan(model: nn.Module, plan: dict) -> dict:
@@ -325,17 +335,27 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
                           f"by statistics over the whole MLP width, which tensor parallel splits. {fix}")
 
 
+# Multi-head latent attention's compressions: the query's down-projection and norm and the keys' and values' norm
+# compute on the whole activations, before the column-split up-projections (q_b_proj, kv_b_proj) whose styles sum
+# their inputs' gradients: whole on every rank by the plan, exact.
+_MLA_WHOLE = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+
+
 def _whole_in_split_modules(model: nn.Module, tp_plan) -> list[str]:
     """Parameters that no plan entry covers inside a module one of whose children the plan splits by columns
-    ("colwise": outputs left split for a rowwise layer); not the root's (a vocabulary-split LM head feeds the loss)."""
+    ("colwise": outputs left split for a rowwise layer); not the root's (a vocabulary-split LM head feeds the loss),
+    nor an MLA attention's compressions (:data:`_MLA_WHOLE`, beside its ``SharedKeyParallel``)."""
     covered = [n for n, _ in match_modules(model, tp_plan)]
     split = {n.rpartition(".")[0] for n, _ in match_modules(model, [k for k, v in tp_plan.items() if v == "colwise"])}
+    mla = {n.rpartition(".")[0] for n, _ in match_modules(model, [k for k, v in tp_plan.items()
+                                                                  if isinstance(v, SharedKeyParallel)])}
     split.discard("")
     loose = []
     for parent in sorted(split):
         for pname, _ in model.get_submodule(parent).named_parameters():
             full = f"{parent}.{pname}"
-            if not any(full.startswith(c + ".") for c in covered):
+            if not any(full.startswith(c + ".") for c in covered) and not (parent in mla and
+                                                                          pname.split(".")[0] in _MLA_WHOLE):
                 loose.append(full)
     return loose
 

@@ -15,9 +15,10 @@ FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3")
 # Mixture-of-experts families, their stacked experts split over the TP ranks by ndp.parallel.ExpertsParallel (the
 # plan's "moe_tp_experts"), the load-balancing loss on, run by transformers' batched-matmul experts kernel (its
 # grouped one takes no float64 on CPU) and by the family's loop: Qwen3-MoE (its first layer a dense MLP: the plan's
-# dense entries name layer 0's modules only), Aria (transposed weights), Nemotron-H (one projection, batched only).
+# dense entries name layer 0's modules only), Aria (transposed weights), Nemotron-H (one projection, batched only),
+# DeepSeek-V2 (its multi-head latent attention too: the shared rotary key's gradient summed, SharedKeyParallel).
 MOE = {"qwen3_moe": dict(mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
-       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5)}
+       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}}
 MOE_KERNELS = {"nemotron_h": ("batched_mm",)}
 
 
@@ -122,8 +123,8 @@ def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, l
 
 
 @pytest.mark.parametrize("family, fields, match", [
-    ("deepseek_v2", {}, r"DeepseekV2ForCausalLM's plan \(base_model_tp_plan\) splits .*kv_a_proj_with_mqa as "
-                        r"'mla_kv_a_proj'.*styles ndp does not implement.*Train DeepseekV2ForCausalLM with tp_size=1"),
+    ("granite_swa", {}, r"GraniteSWAForCausalLM's plan \(base_model_tp_plan\) splits .*self_attn as 'local_params'"
+                        r".*styles ndp does not implement.*Train GraniteSWAForCausalLM with tp_size=1"),
     # Nemotron-H's own experts loop indexes the experts other ranks hold (its batched kernels skip them)
     ("nemotron_h", {}, r"splits the experts model.layers.\*.mixer.experts \('moe_tp_experts'\), which ndp splits "
                        r"by experts where .* NemotronHExperts does not"),

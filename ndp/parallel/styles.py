@@ -1,14 +1,15 @@
-"""Tensor parallel for mixture-of-experts layers whose experts are stacked weights (one parameter per projection,
-its first dim the experts: transformers' ``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``).
+"""Tensor-parallel styles beyond torch's, for layers transformers' plans split: a mixture of experts' stacked
+experts (:class:`ExpertsParallel`) and multi-head latent attention's shared rotary key (:class:`SharedKeyParallel`).
 
-The TP ranks split the experts: each holds ``E / tp`` whole experts (every parameter split along its first dim) and
-runs them on the tokens the router sent them, among the whole tokens every TP rank holds; a token's output, the sum
-of its experts' weighted outputs, is the sum over the ranks of the parts their experts gave. The router stays whole
-on every rank (its inputs are the whole activations), so every rank routes each token alike. This is the memory and
-the one all-reduce of the output that splitting every expert's hidden width costs (transformers' "moe_tp_experts"
-plan), without that split's packed layout (gate and up stacked along one dim, each rank taking a share of each: no
-single contiguous chunk per rank, which distributed checkpoints cannot save). The parameters keep their whole
-shapes and names (DTensors), so checkpoints load on any layout.
+**Stacked experts** (one parameter per projection, its first dim the experts: transformers' ``gate_up_proj``
+``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``). The TP ranks split the experts: each holds ``E / tp`` whole experts
+(every parameter split along its first dim) and runs them on the tokens the router sent them, among the whole tokens
+every TP rank holds; a token's output, the sum of its experts' weighted outputs, is the sum over the ranks of the
+parts their experts gave. The router stays whole on every rank (its inputs are the whole activations), so every rank
+routes each token alike. This is the memory and the one all-reduce of the output that splitting every expert's
+hidden width costs (transformers' "moe_tp_experts" plan), without that split's packed layout (gate and up stacked
+along one dim, each rank taking a share of each: no single contiguous chunk per rank, which distributed checkpoints
+cannot save). The parameters keep their whole shapes and names (DTensors), so checkpoints load on any layout.
 
 The experts' forward (transformers' loop, batched or grouped matmuls) runs on this rank's experts as plain tensors,
 through transformers' expert-parallel contract: ``num_experts`` is the local count, and an expert held by another
@@ -83,9 +84,7 @@ def _local_forward(module: nn.Module, forward, first: int, group):
         if set(given) != set(ROUTING):
             raise TypeError(f"ExpertsParallel runs {type(module).__name__}'s forward with {', '.join(ROUTING)}; got "
                             f"{', '.join(given)}")
-        hidden, weights = given["hidden_states"], given["top_k_weights"]
-        if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad):
-            hidden, weights = _SumGradients.apply(hidden, weights, group)
+        hidden, weights = grad_summed(group, given["hidden_states"], given["top_k_weights"])
         with _local_experts(module) as params:
             count = module.num_experts
             local = given["top_k_index"] - first
@@ -119,20 +118,26 @@ def _local_experts(module: nn.Module):
 
 
 class _SumGradients(torch.autograd.Function):
-    """Identity forward of the hidden states and the routing weights; the backward sums each one's gradient (each
-    rank's experts' part) over the ranks. One node for both: its sums run in one order on every rank, whatever
-    order the rank's experts' backward finishes them in."""
+    """Identity forward of `tensors`; the backward sums each one's gradient (each rank's part) over the ranks. One
+    node for all of them: its sums run in one order on every rank, whatever order the rank's backward finishes
+    their gradients in."""
 
     @staticmethod
-    def forward(ctx, hidden, weights, group):
+    def forward(ctx, group, *tensors):
         ctx.group = group
-        return hidden.view_as(hidden), weights.view_as(weights)
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad_hidden, grad_weights):
-        sums = [all_reduce_sum(g.clone(memory_format=torch.contiguous_format), ctx.group) if need else None
-                for g, need in zip((grad_hidden, grad_weights), ctx.needs_input_grad)]
-        return *sums, None
+    def backward(ctx, *grads):
+        return None, *(all_reduce_sum(g.clone(memory_format=torch.contiguous_format), ctx.group) if need else None
+                       for g, need in zip(grads, ctx.needs_input_grad[1:]))
+
+
+def grad_summed(group, *tensors) -> tuple[torch.Tensor, ...]:
+    """`tensors` as they are, their gradients summed over `group` in the backward (one node: see above)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _SumGradients.apply(group, *tensors)
+    return tensors
 
 
 class _SumOutput(torch.autograd.Function):
@@ -145,3 +150,30 @@ class _SumOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class SharedKeyParallel(ParallelStyle):
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2's, MiniCPM3's), kept whole on every TP rank:
+    its output is the compressed keys and values (to a column-split ``kv_b_proj``, whose own style sums their
+    gradient) and, in its last ``rope_dim`` columns, one rotary key that every head shares, read by this rank's heads
+    only. That key's gradient, each rank's heads' part, is summed over the TP ranks in the backward.
+
+    Args:
+        rope_dim: the shared key's width (the config's ``qk_rope_head_dim``).
+    """
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_hook(functools.partial(_shared_key, self.rope_dim, device_mesh.get_group()))
+        return module
+
+    def __repr__(self) -> str:
+        return f"SharedKeyParallel(rope_dim={self.rope_dim})"
+
+
+def _shared_key(rope_dim: int, group, module, args, out):
+    latent, key = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat([latent, *grad_summed(group, key)], dim=-1)

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import (TP_STYLES, ExpertsParallel, ModelPlan, ParallelismConfig, SharedKeyParallel, ac_mode,
-                          as_config, expert_count, is_transformers_model, match_modules)
+from ndp.parallel import (TP_STYLES, ExpertsParallel, LocalParams, ModelPlan, ParallelismConfig, SharedKeyParallel,
+                          ac_mode, as_config, expert_count, is_transformers_model, match_modules)
 from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
@@ -165,9 +165,9 @@ def _built(model: nn.Module, plan: dict) -> dict:
 
 def _styles(model: nn.Module, plan: dict) -> dict:
     """`plan` with the entries of transformers' styles that ndp implements beyond torch's made ndp's styles: stacked
-    experts (:func:`_experts_plan`) and MLA's shared rotary key ("mla_kv_a_proj": ``SharedKeyParallel`` of the
-    config's ``qk_rope_head_dim``)."""
-    plan = _experts_plan(model, plan)
+    experts (:func:`_experts_plan`), parameters used per head (:func:`_local_params_plan`) and MLA's shared rotary
+    key ("mla_kv_a_proj": ``SharedKeyParallel`` of the config's ``qk_rope_head_dim``)."""
+    plan = _local_params_plan(model, _experts_plan(model, plan))
     rope_dim = getattr(text_config(model), "qk_rope_head_dim", None)
     return {k: SharedKeyParallel(rope_dim) if v == "mla_kv_a_proj" and isinstance(rope_dim, int) else v
             for k, v in plan.items()}
@@ -186,6 +186,23 @@ def _experts_plan(model: nn.Module, plan: dict) -> dict:
         out[pattern] = ExpertsParallel()
         for name, _ in matched[0].named_parameters():
             out.pop(f"{pattern}.{name}", None)
+    return out
+
+
+def _local_params_plan(model: nn.Module, plan: dict) -> dict:
+    """`plan` with each ``local_params`` entry (a module that uses parameters of its own per head beside its split
+    projections: attention sinks) and its parameters' entries ("colwise": split along the output dim) folded into
+    one :class:`ndp.parallel.LocalParams`; others left for :func:`check_tp_plan` to refuse by name."""
+    out = dict(plan)
+    for pattern, style in plan.items():
+        matched = [m for _, m in match_modules(model, [pattern])] if style == "local_params" else []
+        params = {n: p for m in matched for n, p in m.named_parameters(recurse=False)}  # some layers hold none
+        named = {n: plan[f"{pattern}.{n}"] for n in params if f"{pattern}.{n}" in plan}
+        if not named or any(s != "colwise" for s in named.values()):
+            continue
+        out[pattern] = LocalParams({n: max(params[n].ndim - 2, 0) for n in named})
+        for n in named:
+            del out[f"{pattern}.{n}"]
     return out
 
 

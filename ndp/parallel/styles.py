@@ -100,21 +100,30 @@ def _local_forward(module: nn.Module, forward, first: int, group):
 
 
 @contextlib.contextmanager
-def _local_experts(module: nn.Module):
-    """The module as transformers' expert-parallel kernels read it for the forward: its parameters this rank's
-    shards as plain tensors (``to_local`` is differentiable: the gradients reach the DTensors; read when the
-    forward runs, after FSDP2 has put its gathered parameters in place), ``num_experts`` their count; yields
-    those tensors."""
+def _local_parameters(module: nn.Module):
+    """The module's own parameters as this rank's shards, plain tensors, for a forward (``to_local`` is
+    differentiable: the gradients reach the DTensors; read when the forward runs, after FSDP2 has put its gathered
+    parameters in place); yields those tensors."""
     held = dict(module._parameters)
-    saved = module.num_experts, module._is_expert_parallel
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     module._parameters.update(local)
-    module.num_experts, module._is_expert_parallel = next(iter(local.values())).shape[0], True
     try:
         yield list(local.values())
     finally:
         module._parameters.update(held)
-        module.num_experts, module._is_expert_parallel = saved
+
+
+@contextlib.contextmanager
+def _local_experts(module: nn.Module):
+    """The module as transformers' expert-parallel kernels read it for the forward: its parameters this rank's
+    shards (:func:`_local_parameters`), ``num_experts`` their count; yields those tensors."""
+    saved = module.num_experts, module._is_expert_parallel
+    with _local_parameters(module) as params:
+        module.num_experts, module._is_expert_parallel = params[0].shape[0], True
+        try:
+            yield params
+        finally:
+            module.num_experts, module._is_expert_parallel = saved
 
 
 class _SumGradients(torch.autograd.Function):
@@ -177,3 +186,38 @@ class SharedKeyParallel(ParallelStyle):
 def _shared_key(rope_dim: int, group, module, args, out):
     latent, key = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
     return torch.cat([latent, *grad_summed(group, key)], dim=-1)
+
+
+class LocalParams(ParallelStyle):
+    """A module that uses some of its own parameters per head beside its split projections (attention sinks, a
+    per-head gate bias): each such parameter split along a dim over the TP ranks (``torch.chunk``'s parts, as the
+    heads are), and the module's forward run on this rank's parts as plain tensors. Its children keep their own
+    styles. A part only this rank's heads read needs no sum: its gradient is the rank's own.
+
+    Args:
+        splits: parameter name -> the dim it is split along.
+    """
+
+    def __init__(self, splits: dict[str, int]):
+        super().__init__()
+        self.splits = dict(splits)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, dim in self.splits.items():
+            param = module._parameters.get(name)
+            if param is None:  # a layer without it (Mimo-V2-Flash's full-attention layers hold no sinks)
+                continue
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(dim)]),
+                                                         requires_grad=param.requires_grad))
+        forward = module.forward
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            with _local_parameters(module):
+                return forward(*args, **kwargs)
+
+        module.forward = run
+        return module
+
+    def __repr__(self) -> str:
+        return f"LocalParams({self.splits})"

@@ -1,7 +1,8 @@
 """Tensor parallel of transformers models with their own plans (``config.base_model_tp_plan``), float64, against one
 process: per-head q/k norms (Qwen3, Gemma 3: "replicated_with_grad_allreduce"), gathered projections (OLMo 2, Phi-3:
-"colwise_gather_output" / "rowwise_split_input"), alone and under FSDP2; a plan ndp cannot apply is refused by name
-before any work."""
+"colwise_gather_output" / "rowwise_split_input"), attention sinks ("local_params": Granite SWA), mixtures of experts
+and multi-head latent attention (below), alone and under FSDP2; a plan ndp cannot apply is refused by name before
+any work."""
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -11,14 +12,15 @@ import ndp.hf
 from _zoo import tiny_model
 from dist import spawn
 
-FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3")
+FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3", "granite_swa")
 # Mixture-of-experts families, their stacked experts split over the TP ranks by ndp.parallel.ExpertsParallel (the
 # plan's "moe_tp_experts"), the load-balancing loss on, run by transformers' batched-matmul experts kernel (its
 # grouped one takes no float64 on CPU) and by the family's loop: Qwen3-MoE (its first layer a dense MLP: the plan's
 # dense entries name layer 0's modules only), Aria (transposed weights), Nemotron-H (one projection, batched only),
-# DeepSeek-V2 (its multi-head latent attention too: the shared rotary key's gradient summed, SharedKeyParallel).
+# DeepSeek-V2 (its multi-head latent attention too: the shared rotary key's gradient summed, SharedKeyParallel),
+# MiMo-V2-Flash (attention sinks split by heads in its sliding-window layers, none in the others: LocalParams).
 MOE = {"qwen3_moe": dict(mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
-       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}}
+       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}, "mimo_v2_flash": {}}
 MOE_KERNELS = {"nemotron_h": ("batched_mm",)}
 
 
@@ -123,8 +125,8 @@ def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, l
 
 
 @pytest.mark.parametrize("family, fields, match", [
-    ("granite_swa", {}, r"GraniteSWAForCausalLM's plan \(base_model_tp_plan\) splits .*self_attn as 'local_params'"
-                        r".*styles ndp does not implement.*Train GraniteSWAForCausalLM with tp_size=1"),
+    ("inkling2_text", {}, r"Inkling2ForCausalLM's plan \(base_model_tp_plan\) splits model.embed_tokens as "
+                          r"'replicate'.*styles ndp does not implement.*Train Inkling2ForCausalLM with tp_size=1"),
     # Nemotron-H's own experts loop indexes the experts other ranks hold (its batched kernels skip them)
     ("nemotron_h", {}, r"splits the experts model.layers.\*.mixer.experts \('moe_tp_experts'\), which ndp splits "
                        r"by experts where .* NemotronHExperts does not"),

@@ -138,6 +138,14 @@ def _decided(run, want):
     return [{k: v for k, v in m.items() if not tie(w, k)} for m, w in zip(run["metrics"], want["metrics"])]
 
 
+def _approx_metrics(want):
+    """`want`'s decided metrics (:func:`_decided`) as approx values: 1e-5. KTO's KL estimate, a difference of float32
+    log-probability sums (~150 in size) whose rounding differs by CPU, to 1e-4 (an AMD EPYC host without AVX-512:
+    0.804239 against 0.804215 at dp_shard 2 x cp 2)."""
+    return [{k: pytest.approx(v, rel=1e-5, abs=1e-4 if k.endswith("kl") else 1e-5) for k, v in m.items()}
+            for m in _decided(want, want)]
+
+
 CP2 = {"cp_size": 2}
 
 
@@ -183,7 +191,7 @@ def test_preference_trainers_under_cp_train_and_evaluate_as_without(tmp_path, fa
     got, want = _against(tmp_path, family, kind, par, **overrides)
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
-    assert _decided(got, want) == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in _decided(want, want)]
+    assert _decided(got, want) == _approx_metrics(want)
     assert got["seen"] == want["seen"] > 0  # the Trainer's num_input_tokens_seen: each batch once
     # under TP the policy and TRL's reference model (DPO's) split alike: the 7 projections of each of the 2 layers
     split = 14 if par.get("tp_size", 1) > 1 else 0
@@ -212,7 +220,7 @@ def test_dpo_on_a_hybrid_under_cp_with_its_mixers_split_by_heads(tmp_path):
     got, want = _against(tmp_path, "qwen3_next", "dpo", CP2, env={"NDP_CP_MIXERS": "heads"})
     assert len(got["losses"]) == 3 and got["losses"] == pytest.approx(want["losses"], rel=1e-5)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5, abs=1e-5)
-    assert _decided(got, want) == [pytest.approx(m, rel=1e-5, abs=1e-5) for m in _decided(want, want)]
+    assert _decided(got, want) == _approx_metrics(want)
 
 
 def _gather_grad_rank(rank, world):

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.distributed
 # Per-step losses: the bound. Reductions run in a different order across ranks (fp32 rounding
 # ~1e-7 relative), far inside it.
 LOSS_RTOL = 1e-5
+# Qwen3-Next's gated delta rule runs chunked float32 recurrences whose rounding differs by CPU: on an AMD EPYC host
+# without AVX-512, 2 of 512 elements of in_proj_ba were 1.4e-4 off after 4 AdamW steps (1 / sqrt(v) scales a
+# near-zero gradient's rounding up to the step size, 3e-3); the losses and grad norms still agree to LOSS_RTOL.
+WEIGHTS_ATOL = {"hybrid_cp2_gather": 1e-3, "hybrid_cp2_heads": 1e-3}
 
 
 def _cp_impl_available(name):
@@ -76,6 +80,7 @@ def test_loss_parity(name, results, references):
     # Final weights: 4 AdamW steps divide by sqrt(v), which amplifies the ~1e-7 gradient rounding of a
     # different reduction order; the fp32 gradient tolerance is the right class for that.
     atol, rtol = tol(torch.float32 if dtype == "fp32" else torch.bfloat16, "grad")
+    atol = WEIGHTS_ATOL.get(name, atol)
     assert set(got["state"]) == set(ref.state_dict)
     for k, w in ref.state_dict.items():
         torch.testing.assert_close(got["state"][k], w, atol=atol, rtol=rtol, msg=lambda m: f"{name} {k}: {m}")

@@ -212,7 +212,10 @@ def _skips_other_experts(experts: nn.Module) -> bool:
     if getattr(getattr(experts, "config", None), "_experts_implementation", "eager") != "eager":
         return True
     forward = type(experts).forward
-    return "== self.num_experts" in inspect.getsource(getattr(forward, "__wrapped__", forward))
+    try:
+        return "== self.num_experts" in inspect.getsource(getattr(forward, "__wrapped__", forward))
+    except (OSError, TypeError):  # no source to read: not known to skip them
+        return False
 
 
 # The tensor-parallel styles a LoRA layer is split by: its base layer's, and the one adapter matrix whose split

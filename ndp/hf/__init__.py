@@ -165,45 +165,44 @@ def _built(model: nn.Module, plan: dict) -> dict:
 
 def _styles(model: nn.Module, plan: dict) -> dict:
     """`plan` with the entries of transformers' styles that ndp implements beyond torch's made ndp's styles: stacked
-    experts (:func:`_experts_plan`), parameters used per head (:func:`_local_params_plan`) and MLA's shared rotary
+    experts (:func:`_experts_fold`), parameters used per head (:func:`_local_params_fold`) and MLA's shared rotary
     key ("mla_kv_a_proj": ``SharedKeyParallel`` of the config's ``qk_rope_head_dim``)."""
-    plan = _local_params_plan(model, _experts_plan(model, plan))
+    plan = _folded(model, _folded(model, plan, "moe_tp_experts", _experts_fold), "local_params", _local_params_fold)
     rope_dim = getattr(text_config(model), "qk_rope_head_dim", None)
     return {k: SharedKeyParallel(rope_dim) if v == "mla_kv_a_proj" and isinstance(rope_dim, int) else v
             for k, v in plan.items()}
 
 
-def _experts_plan(model: nn.Module, plan: dict) -> dict:
-    """`plan` with each ``moe_tp_experts`` entry (a module of stacked experts, its parameters' entries beside it)
-    that :class:`ndp.parallel.ExpertsParallel` can split made that style, the parameters' entries dropped: the TP
-    ranks split the experts instead of each expert's width (the same memory and all-reduce, a layout checkpoints
-    save). Others are left as they are, for :func:`check_tp_plan` to refuse by name."""
+def _folded(model: nn.Module, plan: dict, name: str, fold) -> dict:
+    """`plan` with each entry of transformers' style `name` made the style ``fold(modules, params, entries)``
+    returns for it (the modules it names, their own parameters, the plan's entries naming those), those entries
+    dropped; an entry `fold` returns None for is left as it is, for :func:`check_tp_plan` to refuse by name."""
     out = dict(plan)
     for pattern, style in plan.items():
-        matched = [m for _, m in match_modules(model, [pattern])] if style == "moe_tp_experts" else []
-        if not matched or not all(expert_count(m) and _skips_other_experts(m) for m in matched):
-            continue
-        out[pattern] = ExpertsParallel()
-        for name, _ in matched[0].named_parameters():
-            out.pop(f"{pattern}.{name}", None)
+        modules = [m for _, m in match_modules(model, [pattern])] if style == name else []
+        params = {n: p for m in modules for n, p in m.named_parameters(recurse=False)}  # some layers hold none
+        entries = {n: plan[f"{pattern}.{n}"] for n in params if f"{pattern}.{n}" in plan}
+        made = fold(modules, params, entries) if modules else None
+        if made is not None:
+            out[pattern] = made
+            for n in entries:
+                del out[f"{pattern}.{n}"]
     return out
 
 
-def _local_params_plan(model: nn.Module, plan: dict) -> dict:
-    """`plan` with each ``local_params`` entry (a module that uses parameters of its own per head beside its split
-    projections: attention sinks) and its parameters' entries ("colwise": split along the output dim) folded into
-    one :class:`ndp.parallel.LocalParams`; others left for :func:`check_tp_plan` to refuse by name."""
-    out = dict(plan)
-    for pattern, style in plan.items():
-        matched = [m for _, m in match_modules(model, [pattern])] if style == "local_params" else []
-        params = {n: p for m in matched for n, p in m.named_parameters(recurse=False)}  # some layers hold none
-        named = {n: plan[f"{pattern}.{n}"] for n in params if f"{pattern}.{n}" in plan}
-        if not named or any(s != "colwise" for s in named.values()):
-            continue
-        out[pattern] = LocalParams({n: max(params[n].ndim - 2, 0) for n in named})
-        for n in named:
-            del out[f"{pattern}.{n}"]
-    return out
+def _experts_fold(modules, params, entries):
+    """A ``moe_tp_experts`` module of stacked experts, its parameters' entries beside it: split by
+    :class:`ndp.parallel.ExpertsParallel` where it can, the TP ranks splitting the experts instead of each expert's
+    width (the same memory and all-reduce, a layout checkpoints save)."""
+    return ExpertsParallel() if all(expert_count(m) and _skips_other_experts(m) for m in modules) else None
+
+
+def _local_params_fold(modules, params, entries):
+    """A ``local_params`` module (it uses parameters of its own per head beside its split projections: attention
+    sinks), its parameters' entries "colwise" (split along the output dim): one :class:`ndp.parallel.LocalParams`."""
+    if not entries or any(s != "colwise" for s in entries.values()):
+        return None
+    return LocalParams({n: max(params[n].ndim - 2, 0) for n in entries})
 
 
 def _skips_other_experts(experts: nn.Module) -> bool:
@@ -305,7 +304,7 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
     """Raise :class:`Unsupported` unless ndp can apply `tp_plan` (``hf_plan(model).tp_plan``), the model's own
     tensor-parallel plan, exactly: a model without a plan is not guessed one (a layer laid out like Llama's may hold
     per-head norms a split applies to another rank's heads); experts ndp cannot split by experts
-    (:func:`_experts_plan`: not stacked, or a loop that runs every index), a style ndp does not implement (MLA
+    (:func:`_experts_fold`: not stacked, or a loop that runs every index), a style ndp does not implement (MLA
     projections, local parameters) and a parameter the plan splits by itself are named; so are parameters the plan
     leaves whole inside a module whose projections it splits by columns (each rank would compute them on its share
     only: Apertus' xIELU activation, a per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity
@@ -325,7 +324,7 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
         raise Unsupported(f"tensor parallel: {name} has no tensor-parallel plan that names its modules (its "
                           f"config's base_model_tp_plan and its text decoder's are empty, or name none of the "
                           f"modules this model holds) and ndp does not guess one. {fix}")
-    experts = [k for k, v in tp_plan.items() if v == "moe_tp_experts"]  # left by _experts_plan
+    experts = [k for k, v in tp_plan.items() if v == "moe_tp_experts"]  # left by _experts_fold
     if experts:
         raise Unsupported(f"tensor parallel: {name}'s plan (base_model_tp_plan) splits the experts "
                           f"{', '.join(experts)} ('moe_tp_experts'), which ndp splits by experts where the module "

@@ -52,8 +52,9 @@ class ExpertsParallel(ParallelStyle):
     ranks' outputs are summed. Its forward takes ``hidden_states [tokens, H]``, ``top_k_index`` and
     ``top_k_weights [tokens, k]`` and returns the tokens' outputs."""
 
-    def check(self, module: nn.Module, tp_size: int) -> None:
-        """Raise ValueError unless `module` is a module of stacked experts that `tp_size` ranks split evenly."""
+    def check(self, module: nn.Module, tp_size: int) -> int:
+        """`module`'s number of experts; raise ValueError unless it is a module of stacked experts that `tp_size`
+        ranks split evenly."""
         count = expert_count(module)
         if count is None:
             raise ValueError(f"ExpertsParallel splits a module of stacked experts (num_experts the first dim of "
@@ -63,10 +64,10 @@ class ExpertsParallel(ParallelStyle):
             raise ValueError(f"tensor parallel splits the experts of {type(module).__name__} over the ranks: "
                              f"num_experts={count} must be a multiple of tp_size={tp_size}. Use a tp_size that "
                              f"divides the number of experts.")
+        return count
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        self.check(module, device_mesh.size())
-        count = expert_count(module)
+        count = self.check(module, device_mesh.size())
         for name, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
                                                          requires_grad=param.requires_grad))

@@ -18,7 +18,9 @@ refuses ND-parallel there).
   loaded sharded (DTensor parameters) and skips any other with a warning, tp_size dropped: every TP rank computed
   the whole model. A transformers model with plain parameters gets ndp's TP (its own plan, checked by
   ``ndp.hf.check_tp_plan``: refused by name where ndp cannot split it exactly), its optimizers moved onto the split
-  parameters.
+  parameters. A model transformers loaded sharded is refused by name: ndp neither checks transformers' split nor
+  shares its dropout draws over the TP ranks, and Accelerate 1.15's TP preparation of it fails on transformers 5.24
+  (``ReplicateParallel``, which it imports, is gone).
 - ``_prepare_cp`` (called by ``prepare`` for cp_size > 1, after TP and before FSDP2): ndp's CP on each model
   (``ndp.hf.check_model``, attention switched to ``ndp_<cp_impl>``, the CP contexts), instead of torch's
   ``context_parallel`` hooks.
@@ -79,6 +81,7 @@ from ndp.hf.models import Unsupported
 from ndp.parallel import (CP_ATTR, NDP_FIELDS, PARALLEL_ATTR, Parallelized, ParallelismConfig, adopt_mesh, apply_cp,
                           apply_tp,
                           check_mesh, is_transformers_model, match_modules)
+from ndp.parallel.draws import DRAWS_ATTR
 from ndp.parallel.mesh import mesh_axis
 from ndp.parallel.parallelize import tie_experts
 from ndp.train.checkpoint import stateful_params
@@ -183,10 +186,17 @@ class Accelerator(accelerate.Accelerator):
         """Accelerate's TP takes a model transformers loaded sharded over the TP ranks (DTensor parameters) and skips
         any other with a warning: tp_size dropped, each TP rank computing the whole model. Such a model gets ndp's
         TP instead (the model's own plan, checked as ``ndp.hf.parallelize`` checks it), the optimizers' references
-        moved onto the split parameters; a model loaded sharded goes to Accelerate's."""
+        moved onto the split parameters; a model split by ndp's TP already passes; one loaded sharded is refused."""
         models = [a for a in args if isinstance(a, torch.nn.Module)]
-        if any(isinstance(p, DTensor) for m in models for p in m.parameters()):
-            return super()._prepare_tp(*args)
+        split = [m for m in models if any(isinstance(p, DTensor) for p in m.parameters())]
+        if any(not hasattr(m, DRAWS_ATTR) for m in split):
+            raise ValueError(f"ndp.accelerate: tp_size={self.parallelism_config.tp_size} and a model transformers "
+                             f"loaded split already (from_pretrained(..., tp_plan=..., device_mesh=...)): ndp splits "
+                             f"the model itself, with its own plan checked exact and dropout drawn alike on the TP "
+                             f"ranks. Load it whole, without tp_plan / device_mesh / distributed_config: "
+                             f"AutoModelForCausalLM.from_pretrained(path).")
+        if split:
+            return args  # split by ndp's TP already (Accelerator.prepare_tp)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         for model in models:
             if not is_transformers_model(model):

@@ -927,6 +927,30 @@ def test_maybe_context_parallel_refuses_another_batch_on_each_cp_rank(tmp_path):
     spawn(_other_buffers_rank, 2, tmp_path, timeout_s=60)
 
 
+def _loaded_split_rank(rank, world, model_dir):
+    _rank_env(rank, world)
+    acc = ndp.accelerate.Accelerator(parallelism_config=AccelerateConfig(dp_shard_size=2, tp_size=2),
+                                     fsdp_plugin=_fsdp2_plugin())
+    split = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", device_mesh=acc.torch_device_mesh["tp"])
+    assert any(isinstance(p, DTensor) for p in split.parameters())
+    with pytest.raises(ValueError, match=r"tp_size=2 and a model transformers loaded split already .*Load it whole, "
+                                         r"without tp_plan / device_mesh"):
+        acc.prepare(split, torch.optim.SGD(split.parameters(), lr=0.1))
+    whole = AutoModelForCausalLM.from_pretrained(model_dir)
+    model, _ = acc.prepare(whole, torch.optim.SGD(whole.parameters(), lr=0.1))
+    assert acc.prepare_tp(model) is model  # split by ndp already: passed through
+
+
+@pytest.mark.distributed
+def test_a_model_transformers_loaded_split_is_refused_by_name_on_every_rank(tmp_path):
+    """Accelerate's ND-parallel recipe loads the model split by transformers' TP (from_pretrained with tp_plan and
+    device_mesh): Accelerate 1.15's preparation of it failed on transformers 5.24 with an ImportError, and ndp neither
+    checks that split nor shares its dropout draws. Refused by name at prepare, on all 4 ranks (dp_shard 2 x tp 2);
+    loaded whole, ndp splits it."""
+    _save_tiny_llama(str(tmp_path / "model"))
+    spawn(_loaded_split_rank, 4, tmp_path, str(tmp_path / "model"), timeout_s=120)
+
+
 def test_packed_rows_are_recognised_only_by_unambiguous_positions():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2]])

@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
-from ndp.parallel import (TP_STYLES, ExpertsParallel, LocalParams, ModelPlan, ParallelismConfig, SharedKeyParallel,
-                          ac_mode, as_config, expert_count, is_transformers_model, match_modules)
+from ndp.parallel import (TP_STYLES, ExpertsParallel, LocalParams, ModelPlan, ParallelismConfig, RowwiseOwnOutput,
+                          SharedKeyParallel, ac_mode, as_config, expert_count, is_transformers_model, match_modules)
 from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
@@ -43,8 +43,14 @@ DEFAULT_TP_PLAN = {
 
 
 def _base_prefix(model: nn.Module) -> str:
+    """Where `model`'s base model sits: under its ``base_model_prefix``, or else under the child that is a
+    transformers model of the same config (Llama 4's causal LM holds it as ``model``, its prefix
+    ``language_model``)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    return f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    if prefix and hasattr(model, prefix):
+        return f"{prefix}."
+    inner = next((n for n, m in model.named_children() if is_transformers_model(m) and m.config is model.config), "")
+    return f"{inner}." if inner else ""
 
 
 def check_model(model: nn.Module, config: ParallelismConfig) -> None:
@@ -169,8 +175,8 @@ def _styles(model: nn.Module, plan: dict) -> dict:
     key ("mla_kv_a_proj": ``SharedKeyParallel`` of the config's ``qk_rope_head_dim``)."""
     plan = _folded(model, _folded(model, plan, "moe_tp_experts", _experts_fold), "local_params", _local_params_fold)
     rope_dim = getattr(text_config(model), "qk_rope_head_dim", None)
-    return {k: SharedKeyParallel(rope_dim) if v == "mla_kv_a_proj" and isinstance(rope_dim, int) else v
-            for k, v in plan.items()}
+    return {k: SharedKeyParallel(rope_dim) if v == "mla_kv_a_proj" and isinstance(rope_dim, int)
+            else RowwiseOwnOutput() if v == "rowwise" and k.endswith(_ADDED_INTO) else v for k, v in plan.items()}
 
 
 def _folded(model: nn.Module, plan: dict, name: str, fold) -> dict:
@@ -190,10 +196,20 @@ def _folded(model: nn.Module, plan: dict, name: str, fold) -> dict:
     return out
 
 
+# Row-split layers whose output the family adds into in place (autograd forbids it on the view torch's
+# RowwiseParallel hands over): Llama 4's MoE adds its experts' rows into its shared expert's output.
+_ADDED_INTO = ("feed_forward.shared_expert.down_proj",)
+# Experts whose forward takes every expert's rows at once, grouped by expert, [E * tokens, H] (ExpertsParallel's
+# blocked contract): Llama 4's.
+_BLOCKED_EXPERTS = ("Llama4TextExperts",)
+
+
 def _experts_fold(modules, params, entries):
     """A ``moe_tp_experts`` module of stacked experts, its parameters' entries beside it: split by
     :class:`ndp.parallel.ExpertsParallel` where it can, the TP ranks splitting the experts instead of each expert's
     width (the same memory and all-reduce, a layout checkpoints save)."""
+    if all(type(m).__name__ in _BLOCKED_EXPERTS and expert_count(m, blocked=True) for m in modules):
+        return ExpertsParallel(blocked=True)
     return ExpertsParallel() if all(expert_count(m) and _skips_other_experts(m) for m in modules) else None
 
 

@@ -15,6 +15,12 @@ The experts' forward (transformers' loop, batched or grouped matmuls) runs on th
 through transformers' expert-parallel contract: ``num_experts`` is the local count, and an expert held by another
 rank is the index ``num_experts``, its routing weight zero, which the kernels skip. In the backward the hidden
 states' and routing weights' gradients, each rank's experts' part, are summed over the TP ranks.
+
+**Blocked experts** (``ExpertsParallel(blocked=True)``; Llama 4's): the forward takes every expert's rows at once,
+``[E * tokens, H]`` grouped by expert (the router's weights applied before), and returns them in that order. Each rank
+runs its experts on their block of rows; the blocks are gathered over the TP ranks in expert order (the backward
+hands each rank its block's part of the whole, alike gradient), and the input's gradient, each rank's blocks' part,
+is summed over the TP ranks.
 """
 from __future__ import annotations
 
@@ -22,24 +28,26 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from ndp.cp.stats import all_reduce_sum
+from ndp.cp.stats import all_gather_flat, all_reduce_sum
 
 from .parallelize import zero_tie
 
 ROUTING = ("hidden_states", "top_k_index", "top_k_weights")  # the experts' forward arguments, in order
 
 
-def expert_count(module: nn.Module) -> int | None:
+def expert_count(module: nn.Module, blocked: bool = False) -> int | None:
     """The number of experts `module` stacks when it follows transformers' expert-parallel contract (its
     ``num_experts`` the first dim of every parameter it holds itself, its kernels told by ``_is_expert_parallel``
-    to skip the index ``num_experts``), else None."""
+    to skip the index ``num_experts``; `blocked`: the blocked experts' contract, module docstring, which needs no
+    such switch), else None."""
     params = list(module.parameters(recurse=False))
     count = getattr(module, "num_experts", None)
-    if not params or not isinstance(count, int) or not hasattr(module, "_is_expert_parallel"):
+    if not params or not isinstance(count, int) or not (blocked or hasattr(module, "_is_expert_parallel")):
         return None
     if len(params) != len(list(module.parameters())) or any(p.dim() < 2 or p.shape[0] != count for p in params):
         return None
@@ -50,12 +58,21 @@ class ExpertsParallel(ParallelStyle):
     """Split a module of stacked experts (:func:`expert_count`) over the TP ranks by experts: each rank holds
     its ``num_experts / tp`` of every parameter's first dim, runs those experts on the tokens routed to them, and the
     ranks' outputs are summed. Its forward takes ``hidden_states [tokens, H]``, ``top_k_index`` and
-    ``top_k_weights [tokens, k]`` and returns the tokens' outputs."""
+    ``top_k_weights [tokens, k]`` and returns the tokens' outputs.
+
+    Args:
+        blocked: the module's forward takes every expert's rows, ``[E * tokens, H]`` grouped by expert, and returns
+            them so (module docstring): each rank runs its experts' blocks, the blocks are gathered.
+    """
+
+    def __init__(self, blocked: bool = False):
+        super().__init__()
+        self.blocked = blocked
 
     def check(self, module: nn.Module, tp_size: int) -> int:
         """`module`'s number of experts; raise ValueError unless it is a module of stacked experts that `tp_size`
         ranks split evenly."""
-        count = expert_count(module)
+        count = expert_count(module, self.blocked)
         if count is None:
             raise ValueError(f"ExpertsParallel splits a module of stacked experts (num_experts the first dim of "
                              f"each of its parameters, transformers' expert-parallel kernels); "
@@ -72,8 +89,12 @@ class ExpertsParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
                                                          requires_grad=param.requires_grad))
         first = device_mesh.get_local_rank() * (count // device_mesh.size())
-        module.forward = _local_forward(module, module.forward, first, device_mesh.get_group())
+        local = _blocked_forward if self.blocked else _local_forward
+        module.forward = local(module, module.forward, first, device_mesh.get_group())
         return module
+
+    def __repr__(self) -> str:
+        return f"ExpertsParallel(blocked={self.blocked})"
 
 
 def _local_forward(module: nn.Module, forward, first: int, group):
@@ -96,6 +117,22 @@ def _local_forward(module: nn.Module, forward, first: int, group):
             # process's for those experts), so the optimizer steps them as one process's.
             out = out + zero_tie((hidden, weights, *params))
         return _SumOutput.apply(out, group)
+
+    return run
+
+
+def _blocked_forward(module: nn.Module, forward, first: int, group):
+    """`forward` run on this rank's experts' blocks of rows (the first expert `first`), the blocks gathered over
+    `group` in expert order."""
+
+    @functools.wraps(forward)
+    def run(hidden_states):
+        (rows,) = grad_summed(group, hidden_states)
+        with _local_parameters(module) as params:
+            count = params[0].shape[0]
+            blocks = rows.view(module.num_experts, -1, rows.shape[-1])
+            out = forward(blocks[first:first + count].reshape(-1, rows.shape[-1]))
+        return _GatherBlocks.apply(out, group)
 
     return run
 
@@ -160,6 +197,33 @@ class _SumOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """The ranks' blocks of rows, concatenated in rank order; the backward hands each rank its block's rows of the
+    (whole, alike) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.rows = dist.get_rank(group), x.shape[0]
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        all_gather_flat(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
+
+
+class RowwiseOwnOutput(RowwiseParallel):
+    """torch's ``RowwiseParallel`` whose replicated output is a tensor of its own (one copy), not the view of the
+    summed DTensor torch hands over, which autograd forbids modifying in place: for a layer whose caller adds into
+    its output (Llama 4's MoE adds its experts' rows into its shared expert's, ``out.add_``)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
 
 
 class SharedKeyParallel(ParallelStyle):

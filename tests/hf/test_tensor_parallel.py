@@ -18,10 +18,14 @@ FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3", "granite_swa")
 # grouped one takes no float64 on CPU) and by the family's loop: Qwen3-MoE (its first layer a dense MLP: the plan's
 # dense entries name layer 0's modules only), Aria (transposed weights), Nemotron-H (one projection, batched only),
 # DeepSeek-V2 (its multi-head latent attention too: the shared rotary key's gradient summed, SharedKeyParallel),
-# MiMo-V2-Flash (attention sinks split by heads in its sliding-window layers, none in the others: LocalParams).
+# MiMo-V2-Flash (attention sinks split by heads in its sliding-window layers, none in the others: LocalParams),
+# Llama 4 (a dense first layer; its plan under a prefix its causal LM does not hold; its experts take every
+# expert's rows at once, ExpertsParallel(blocked=True); its MoE adds them into its row-split shared expert's output in
+# place, RowwiseOwnOutput).
 MOE = {"qwen3_moe": dict(mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
-       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}, "mimo_v2_flash": {}}
-MOE_KERNELS = {"nemotron_h": ("batched_mm",)}
+       "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}, "mimo_v2_flash": {},
+       "llama4_text": dict(moe_layers=[1])}
+MOE_KERNELS = {"nemotron_h": ("batched_mm",), "llama4_text": ("eager",)}
 
 
 def _batch(vocab, seq=24):
@@ -133,8 +137,9 @@ def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, l
     # the experts' parameters named without their module's entry
     ("qwen3_moe", dict(base_model_tp_plan={"layers.*.mlp.experts.down_proj": "rowwise"}),
      r"splits the parameters model.layers.\*.mlp.experts.down_proj by themselves"),
-    # a plan naming none of the model's modules (Llama 4's, under a base model prefix the model does not hold)
-    ("llama4_text", {}, r"Llama4ForCausalLM has no tensor-parallel plan that names its modules"),
+    # a plan naming none of the model's modules
+    ("llama", dict(base_model_tp_plan={"decoder.*.self_attn.q_proj": "colwise"}),
+     r"LlamaForCausalLM has no tensor-parallel plan that names its modules"),
     # No plan; laid out like Llama, its per-head q/k LayerNorms would be applied to another rank's heads.
     ("stablelm", dict(qk_layernorm=True), r"StableLmForCausalLM has no tensor-parallel plan .* does not guess one"),
     # xIELU's two scalars act on the split MLP width: measured 120% off in the gradient without the refusal.
@@ -149,7 +154,8 @@ def test_a_plan_ndp_cannot_apply_is_refused_before_any_work(family, fields, matc
         ndp.hf.parallelize(model, ndp.ParallelismConfig(tp_size=2), None)
 
 
-@pytest.mark.parametrize("family, field", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts")])
+@pytest.mark.parametrize("family, field", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts"),
+                                           ("llama4_text", "num_local_experts")])
 def test_experts_that_tp_cannot_split_evenly_are_refused_by_name(family, field):
     model = tiny_model(family, **{field: 5})
     with pytest.raises(ValueError, match=r"splits the experts of \w+Experts over the ranks: num_experts=5 must be a "

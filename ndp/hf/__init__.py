@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ndp.ops.linear_ce import CHUNK_BYTES
 from ndp.parallel import (TP_STYLES, ExpertsParallel, LocalParams, ModelPlan, ParallelismConfig, RowwiseOwnOutput,
-                          SharedKeyParallel, ac_mode, as_config, expert_count, is_transformers_model, match_modules)
+                          SharedKeyParallel, SummedParams, ac_mode, as_config, expert_count, is_transformers_model,
+                          match_modules)
 from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
@@ -149,13 +150,34 @@ def _own_tp_plan(model: nn.Module) -> dict:
         return _lora_tp_plan(model, _own_tp_plan(peft_inner(model)))
     plan = getattr(model.config, "base_model_tp_plan", None)
     if plan:
-        return _styles(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()}))
+        return _completed(model, _styles(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()})))
     text = text_config(model)
     plan = getattr(text, "base_model_tp_plan", None)
     if not plan:
         return {}
     where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
-    return _styles(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()})) if where else {}
+    return _completed(model, _styles(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()}))) if where \
+        else {}
+
+
+def _completed(model: nn.Module, plan: dict) -> dict:
+    """`plan` with a :class:`ndp.parallel.SummedParams` entry for each module whose parameters it leaves whole beside
+    column-split projections (:func:`_whole_in_split_modules`) and that computes each output element from the rank's
+    own share: a per-head norm (every parameter 1-D of the head size of the attention holding it: Glm4-MoE's q/k
+    norms, which its plan does not list) or an activation (every parameter a scalar: Apertus' xIELU). Other such
+    parameters stay for :func:`check_tp_plan` to refuse by name."""
+    out = dict(plan)
+    for name in sorted({n.rpartition(".")[0] for n in _whole_in_split_modules(model, plan)}):
+        module = model.get_submodule(name)
+        own = list(module.parameters(recurse=False))
+        if len(own) != len(list(module.parameters())):
+            continue
+        head = getattr(model.get_submodule(name.rpartition(".")[0]), "head_dim", None)
+        per_head = "Norm" in type(module).__name__ and all(p.shape == (head,) for p in own)
+        scalars = type(module).__module__ == "transformers.activations" and all(p.numel() == 1 for p in own)
+        if per_head or scalars:
+            out[name] = SummedParams()
+    return out
 
 
 def _built(model: nn.Module, plan: dict) -> dict:

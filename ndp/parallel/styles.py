@@ -215,6 +215,29 @@ class _GatherBlocks(torch.autograd.Function):
         return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
 
 
+class SummedParams(ParallelStyle):
+    """A module whose own parameters stay whole on every TP rank while it computes on this rank's share of a split
+    activation, each output element from its own share only (a per-head norm on the rank's heads, an activation's
+    scalars on the rank's share of the MLP width): its forward reads them through one node that sums their gradients,
+    each rank's share's part, over the TP ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        forward, group = module.forward, device_mesh.get_group()
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            held = dict(module._parameters)
+            names = [n for n, p in held.items() if p is not None]
+            module._parameters.update(zip(names, grad_summed(group, *(held[n] for n in names))))
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
+
+        module.forward = run
+        return module
+
+
 class RowwiseOwnOutput(RowwiseParallel):
     """torch's ``RowwiseParallel`` whose replicated output is a tensor of its own (one copy), not the view of the
     summed DTensor torch hands over, which autograd forbids modifying in place: for a layer whose caller adds into

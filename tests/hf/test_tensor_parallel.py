@@ -1,8 +1,8 @@
 """Tensor parallel of transformers models with their own plans (``config.base_model_tp_plan``), float64, against one
 process: per-head q/k norms (Qwen3, Gemma 3: "replicated_with_grad_allreduce"), gathered projections (OLMo 2, Phi-3:
-"colwise_gather_output" / "rowwise_split_input"), attention sinks ("local_params": Granite SWA), mixtures of experts
-and multi-head latent attention (below), alone and under FSDP2; a plan ndp cannot apply is refused by name before
-any work."""
+"colwise_gather_output" / "rowwise_split_input"), attention sinks ("local_params": Granite SWA), parameters the plan
+leaves whole beside split projections (below), mixtures of experts and multi-head latent attention (below), alone
+and under FSDP2; a plan ndp cannot apply is refused by name before any work."""
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -12,7 +12,12 @@ import ndp.hf
 from _zoo import tiny_model
 from dist import spawn
 
-FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3", "granite_swa")
+FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3", "granite_swa", "apertus", "phi")
+# Parameters a plan leaves whole beside column-split projections, each output element computed from the rank's own
+# share (ndp.parallel.SummedParams: gradients summed over TP): Apertus' xIELU scalars on the split MLP width
+# (without the sum 120% off in their gradient), Phi's q/k LayerNorms per head (qk_layernorm), Glm4-MoE's q/k norms
+# (sarvam_moe: use_qk_norm, not in its plan).
+FIELDS = {"phi": dict(qk_layernorm=True)}
 # Mixture-of-experts families, their stacked experts split over the TP ranks by ndp.parallel.ExpertsParallel (the
 # plan's "moe_tp_experts"), the load-balancing loss on, run by transformers' batched-matmul experts kernel (its
 # grouped one takes no float64 on CPU) and by the family's loop: Qwen3-MoE (its first layer a dense MLP: the plan's
@@ -24,7 +29,7 @@ FAMILIES = ("qwen3", "gemma3_text", "olmo2", "phi3", "granite_swa")
 # place, RowwiseOwnOutput).
 MOE = {"qwen3_moe": dict(mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.5),
        "aria_text": dict(output_router_logits=True, router_aux_loss_coef=0.5), "deepseek_v2": {}, "mimo_v2_flash": {},
-       "llama4_text": dict(moe_layers=[1])}
+       "llama4_text": dict(moe_layers=[1]), "sarvam_moe": {}}
 MOE_KERNELS = {"nemotron_h": ("batched_mm",), "llama4_text": ("eager",)}
 
 
@@ -53,8 +58,9 @@ def _model(family, experts="eager", **fields):
 def _tp_body(rank, world, layout):
     cfg = ndp.ParallelismConfig(**layout)
     mesh = cfg.build_device_mesh("cpu")
-    cases = [(f, {}) for f in FAMILIES] + [(f, dict(MOE.get(f, {}), experts=k)) for f in [*MOE, *MOE_KERNELS]
-                                           for k in MOE_KERNELS.get(f, ("batched_mm", "eager"))]
+    moe = [(f, dict(MOE.get(f, {}), experts=k)) for f in [*MOE, *MOE_KERNELS]
+           for k in MOE_KERNELS.get(f, ("batched_mm", "eager"))]
+    cases = [(f, FIELDS.get(f, {})) for f in FAMILIES] + moe
     for family, fields in cases:
         ref = _model(family, **fields)
         batch = _batch(ref.config.vocab_size)
@@ -142,10 +148,8 @@ def test_dropout_under_tp_draws_as_one_process_seeded_like_tp_rank_0(tmp_path, l
      r"LlamaForCausalLM has no tensor-parallel plan that names its modules"),
     # No plan; laid out like Llama, its per-head q/k LayerNorms would be applied to another rank's heads.
     ("stablelm", dict(qk_layernorm=True), r"StableLmForCausalLM has no tensor-parallel plan .* does not guess one"),
-    # xIELU's two scalars act on the split MLP width: measured 120% off in the gradient without the refusal.
-    ("apertus", {}, r"leaves model.layers.0.mlp.act_fn.alpha_p, model.layers.0.mlp.act_fn.alpha_n, .* whole beside"),
-    # q/k LayerNorms its plan does not list
-    ("phi", dict(qk_layernorm=True), r"leaves model.layers.0.self_attn.q_layernorm.weight, .* whole beside them"),
+    # a parameter per key/value head beside the split projections, neither a per-head norm's nor an activation's
+    ("doge", {}, r"leaves model.layers.0.self_attn.A, model.layers.1.self_attn.A whole beside them"),
     ("gemma3n_text", {}, r"Gemma3nForCausalLM's activation sparsity .* statistics over the whole MLP width"),
 ])
 def test_a_plan_ndp_cannot_apply_is_refused_before_any_work(family, fields, match):

@@ -233,13 +233,13 @@ def test_a_rank_whose_experts_get_no_token_trains_as_one_process(tmp_path, layou
     spawn(_idle_experts_body, 2 * layout.get("dp_shard_size", 1), tmp_path, layout, timeout_s=120)
 
 
-def _moe_checkpoint_body(rank, world, path):
+def _moe_checkpoint_body(rank, world, path, family):
     from transformers import AutoModelForCausalLM
     from _zoo import tiny_config
     from ndp.train.checkpoint import load_checkpoint, save_checkpoint
 
     def build(cfg):
-        model = ndp.hf.parallelize(tiny_model("qwen3_moe"), cfg, cfg.build_device_mesh("cpu"))
+        model = ndp.hf.parallelize(tiny_model(family), cfg, cfg.build_device_mesh("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
@@ -256,16 +256,18 @@ def _moe_checkpoint_body(rank, world, path):
         assert torch.equal(_full(opt.state[p]["exp_avg"]), _full(other_opt.state[loaded[n]]["exp_avg"])), n
     # a meta model split by experts gets the shards of the seeded initialisation
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float64)
+        meta = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float64)
     cfg = ndp.ParallelismConfig(tp_size=2)
     meta = ndp.hf.parallelize(meta, cfg, cfg.build_device_mesh("cpu"), init_seed=3)
-    whole = dict(ndp.hf.init_weights(tiny_model("qwen3_moe"), seed=3).named_parameters())
+    whole = dict(ndp.hf.init_weights(tiny_model(family), seed=3).named_parameters())
     for n, p in meta.named_parameters():
         assert torch.equal(_full(p), whole[n]), n
 
 
 @pytest.mark.distributed
-def test_experts_split_by_tp_checkpoint_in_whole_shapes_and_resume_on_another_layout(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4_text"])
+def test_experts_split_by_tp_checkpoint_in_whole_shapes_and_resume_on_another_layout(tmp_path, family):
     """The experts' parameters are DTensors of their whole shapes split along the experts, a layout distributed
-    checkpoints save (splitting each expert's width packs gate and up: two pieces per rank, which they cannot)."""
-    spawn(_moe_checkpoint_body, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=120)
+    checkpoints save (splitting each expert's width packs gate and up: two pieces per rank, which they cannot);
+    Llama 4's blocked experts alike."""
+    spawn(_moe_checkpoint_body, 2, tmp_path, str(tmp_path / "ckpt"), family, timeout_s=120)

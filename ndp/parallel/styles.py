@@ -138,17 +138,22 @@ def _blocked_forward(module: nn.Module, forward, first: int, group):
 
 
 @contextlib.contextmanager
+def _parameters_as(module: nn.Module, tensors: dict):
+    """The module's own parameters named in `tensors` read as those tensors for a forward; yields the tensors."""
+    held = dict(module._parameters)
+    module._parameters.update(tensors)
+    try:
+        yield list(tensors.values())
+    finally:
+        module._parameters.update(held)
+
+
 def _local_parameters(module: nn.Module):
     """The module's own parameters as this rank's shards, plain tensors, for a forward (``to_local`` is
     differentiable: the gradients reach the DTensors; read when the forward runs, after FSDP2 has put its gathered
     parameters in place); yields those tensors."""
-    held = dict(module._parameters)
-    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
-    module._parameters.update(local)
-    try:
-        yield list(local.values())
-    finally:
-        module._parameters.update(held)
+    return _parameters_as(module, {n: p.to_local() if isinstance(p, DTensor) else p
+                                   for n, p in module._parameters.items()})
 
 
 @contextlib.contextmanager
@@ -226,13 +231,10 @@ class SummedParams(ParallelStyle):
 
         @functools.wraps(forward)
         def run(*args, **kwargs):
-            held = dict(module._parameters)
-            names = [n for n, p in held.items() if p is not None]
-            module._parameters.update(zip(names, grad_summed(group, *(held[n] for n in names))))
-            try:
+            names = [n for n, p in module._parameters.items() if p is not None]
+            summed = grad_summed(group, *(module._parameters[n] for n in names))
+            with _parameters_as(module, dict(zip(names, summed))):
                 return forward(*args, **kwargs)
-            finally:
-                module._parameters.update(held)
 
         module.forward = run
         return module

@@ -190,10 +190,11 @@ class Accelerator(accelerate.Accelerator):
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         split = [m for m in models if any(isinstance(p, DTensor) for p in m.parameters())]
         if any(not hasattr(m, DRAWS_ATTR) for m in split):
-            raise ValueError(f"ndp.accelerate: tp_size={self.parallelism_config.tp_size} and a model transformers "
-                             f"loaded split already (from_pretrained(..., tp_plan=..., device_mesh=...)): ndp splits "
-                             f"the model itself, with its own plan checked exact and dropout drawn alike on the TP "
-                             f"ranks. Load it whole, without tp_plan / device_mesh / distributed_config: "
+            raise ValueError(f"ndp.accelerate: tp_size={self.parallelism_config.tp_size} and a model split already, "
+                             f"not by ndp (DTensor parameters: transformers loaded split, from_pretrained(..., "
+                             f"tp_plan=..., device_mesh=...), or sharded before prepare): ndp splits the model itself, "
+                             f"with its own plan checked exact and dropout drawn alike on the TP ranks. Load it whole, "
+                             f"without tp_plan / device_mesh / distributed_config: "
                              f"AutoModelForCausalLM.from_pretrained(path).")
         if split:
             return args  # split by ndp's TP already (Accelerator.prepare_tp)
@@ -233,10 +234,10 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_tp(self, model):
         """ndp's TP on a transformers model prepared outside the Accelerator, before anything shards it (TRL's DPO /
-        KTO reference model, which TRL shards with FSDP2 itself): a model split already (DTensor parameters), or any
-        model without tp_size > 1, is returned as it is."""
-        if (self.parallelism_config and self.parallelism_config.tp_enabled
-                and not any(isinstance(p, DTensor) for p in model.parameters())):
+        KTO reference model, which TRL shards with FSDP2 itself), as :meth:`_prepare_tp` splits it (a model ndp split
+        already passes, one transformers loaded split is refused); any model without tp_size > 1 is returned as it
+        is."""
+        if self.parallelism_config and self.parallelism_config.tp_enabled:
             self._prepare_tp(model)
         return model
 

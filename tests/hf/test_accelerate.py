@@ -933,9 +933,11 @@ def _loaded_split_rank(rank, world, model_dir):
                                      fsdp_plugin=_fsdp2_plugin())
     split = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", device_mesh=acc.torch_device_mesh["tp"])
     assert any(isinstance(p, DTensor) for p in split.parameters())
-    with pytest.raises(ValueError, match=r"tp_size=2 and a model transformers loaded split already .*Load it whole, "
-                                         r"without tp_plan / device_mesh"):
-        acc.prepare(split, torch.optim.SGD(split.parameters(), lr=0.1))
+    for prepare in (lambda: acc.prepare(split, torch.optim.SGD(split.parameters(), lr=0.1)),
+                    lambda: acc.prepare_tp(split)):  # TRL's reference model
+        with pytest.raises(ValueError, match=r"tp_size=2 and a model split already, not by ndp \(DTensor parameters: "
+                                             r"transformers loaded split.*Load it whole, without tp_plan / device_mesh"):
+            prepare()
     whole = AutoModelForCausalLM.from_pretrained(model_dir)
     model, _ = acc.prepare(whole, torch.optim.SGD(whole.parameters(), lr=0.1))
     assert acc.prepare_tp(model) is model  # split by ndp already: passed through

@@ -50,6 +50,7 @@ def spawn(fn, world_size, tmp_path, *args, timeout_s=60):
     timeout_s: the process group's timeout: a collective or transfer that waits longer fails the rank
     (tests of "no hang" pass a short one so that a hang fails fast instead of stalling the suite).
     """
+    os.makedirs(tmp_path, exist_ok=True)  # the file rendezvous waits, without an error, on a missing directory
     parent = (dict(os.environ), list(sys.path), os.getcwd())
     mp.start_processes(_entry, args=(fn, world_size, str(tmp_path), args, timeout_s, parent), nprocs=world_size,
                        join=True, start_method="forkserver")

@@ -425,14 +425,16 @@ def mesh(cfg):
     return _mesh(frozenset((k, getattr(cfg, k)) for k in degrees))
 
 
-def cp(model_type, impl, world):
-    """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`."""
+def cp(model_type, impl, world, tp_size=1):
+    """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`; `tp_size`: the
+    model also split by its own plan over that many ranks (a job of ``world * tp_size`` ranks)."""
     import ndp
     import ndp.hf
 
     def run():
         ref_loss, ref_grads = reference(model_type)
-        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag", cp_mixers="gather")
+        cfg = ndp.ParallelismConfig(cp_size=world, tp_size=tp_size, cp_impl=impl, cp_layout="zigzag",
+                                    cp_mixers="gather")
         model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
         ids, labels, pos = batch()
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)

@@ -17,6 +17,8 @@ table to the attention gets it through ndp's mask marker, or is refused.
 loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name.
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
+(h) cp 2 x tp 2 on 4 ranks, ring: (b) with the model also split by its own plan (no family exact under each alone may
+be off under both).
 
 ``python tests/hf/test_zoo.py`` prints the table (the counts in the README come from it)."""
 import collections
@@ -43,6 +45,7 @@ MIN_EXACT_TP = 109
 MIN_EXACT_PACKED = 104
 MIN_EXACT_CP_PACKED = 104
 MIN_EXACT_CP_AUX = 22
+MIN_EXACT_CP_TP = 107
 
 
 def _quiet():
@@ -61,6 +64,8 @@ def _parallel_body(rank, world, fams, impl, out):
     for mt in fams:
         if impl == "tp":
             r = _zoo.tp(mt, world)
+        elif impl.startswith("cp_tp:"):
+            r = _zoo.cp(mt, impl.split(":")[1], 2, tp_size=world // 2)
         elif impl.startswith("packed:"):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
         elif impl.startswith("aux:"):
@@ -79,14 +84,14 @@ def run_single():
     return {mt: _zoo.single(mt) for mt in _zoo.families()}
 
 
-def run_parallel(fams, tmp, impl="ring"):
+def run_parallel(fams, tmp, impl="ring", world=2):
     out = os.path.join(tmp, f"zoo_{impl.replace(':', '_')}.jsonl")
     open(out, "w").close()
-    spawn(_parallel_body, 2, tmp, fams, impl, out, timeout_s=60)
+    spawn(_parallel_body, world, tmp, fams, impl, out, timeout_s=60)
     res = {}
     for line in open(out):
         mt, rs = json.loads(line)
-        res[mt] = tuple(rs[0]) if rs[0] == rs[1] else ("DISAGREE", str(rs))
+        res[mt] = tuple(rs[0]) if all(r == rs[0] for r in rs) else ("DISAGREE", str(rs))
     return res
 
 
@@ -170,6 +175,15 @@ def test_zoo_tp2_exact_or_refused(single_results, tmp_path):
     _exact_or_refused(results, MIN_EXACT_TP)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zoo_cp2_tp2_exact_or_refused(single_results, tmp_path):
+    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    results = run_parallel(fams, str(tmp_path), "cp_tp:ring", world=4)
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_TP)
+
+
 if __name__ == "__main__":
     import tempfile
 
@@ -177,8 +191,9 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "aux:ring", "tp")
-    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux:") else fams, tempfile.mkdtemp(), impl)
+    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "aux:ring", "tp", "cp_tp:ring")
+    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux:") else fams, tempfile.mkdtemp(), impl,
+                               world=4 if impl.startswith("cp_tp:") else 2)
             for impl in impls}
     names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace(':', ' ')}" for i in impls]
     print(f"{'family':28s} " + " ".join(f"{n:{max(10, len(n))}s}" for n in names) + " detail")
@@ -191,6 +206,6 @@ if __name__ == "__main__":
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
     for impl, res in runs.items():
-        name = "tp 2" if impl == "tp" else f"cp 2 {impl.replace(':', ' ')}"
+        name = {"tp": "tp 2", "cp_tp:ring": "cp 2 x tp 2 ring"}.get(impl, f"cp 2 {impl.replace(':', ' ')}")
         print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))
     print(f"took {time.time() - t0:.0f} s")

@@ -344,8 +344,9 @@ def check_tp_plan(model: nn.Module, tp_plan) -> None:
     per-head norms a split applies to another rank's heads); experts ndp cannot split by experts
     (:func:`_experts_fold`: not stacked, or a loop that runs every index), a style ndp does not implement (MLA
     projections, local parameters) and a parameter the plan splits by itself are named; so are parameters the plan
-    leaves whole inside a module whose projections it splits by columns (each rank would compute them on its share
-    only: Apertus' xIELU activation, a per-head q/k norm the plan does not list) and Gemma 3n's activation sparsity
+    leaves whole inside a module whose projections it splits by columns, other than a per-head norm's or an
+    activation's scalars (:func:`_completed` sums their gradients; Doge's per-head ``A``, a sparse indexer's
+    projections: each rank would compute them on its share only) and Gemma 3n's activation sparsity
     (statistics over the split width). A PEFT wrapper: LoRA only, without DoRA (:func:`_lora_tp_problem`), the
     wrapped model checked with its own plan."""
     name = type(model).__name__

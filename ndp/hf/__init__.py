@@ -148,16 +148,15 @@ def _own_tp_plan(model: nn.Module) -> dict:
     with its LoRA layers split as :func:`_lora_tp_plan` splits them."""
     if peft_inner(model) is not model:
         return _lora_tp_plan(model, _own_tp_plan(peft_inner(model)))
-    plan = getattr(model.config, "base_model_tp_plan", None)
-    if plan:
-        return _completed(model, _styles(model, _built(model, {_base_prefix(model) + k: v for k, v in plan.items()})))
-    text = text_config(model)
-    plan = getattr(text, "base_model_tp_plan", None)
+    plan, prefix = getattr(model.config, "base_model_tp_plan", None), _base_prefix(model)
     if not plan:
-        return {}
-    where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
-    return _completed(model, _styles(model, _built(model, {f"{where}.{k}": v for k, v in plan.items()}))) if where \
-        else {}
+        text = text_config(model)
+        plan = getattr(text, "base_model_tp_plan", None)
+        where = next((n for n, m in model.named_modules() if n and is_transformers_model(m) and m.config is text), None)
+        if not plan or where is None:
+            return {}
+        prefix = f"{where}."
+    return _completed(model, _styles(model, _built(model, {prefix + k: v for k, v in plan.items()})))
 
 
 def _completed(model: nn.Module, plan: dict) -> dict:

@@ -196,10 +196,10 @@ class Accelerator(accelerate.Accelerator):
                              f"with its own plan checked exact and dropout drawn alike on the TP ranks. Load it whole, "
                              f"without tp_plan / device_mesh / distributed_config: "
                              f"AutoModelForCausalLM.from_pretrained(path).")
-        if split:
-            return args  # split by ndp's TP already (Accelerator.prepare_tp)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         for model in models:
+            if any(model is m for m in split):
+                continue  # split by ndp's TP already (Accelerator.prepare_tp)
             if not is_transformers_model(model):
                 raise ValueError(f"ndp.accelerate splits transformers models by tensor parallel (tp_size="
                                  f"{self.parallelism_config.tp_size}); got a {type(model).__name__}. Use "
@@ -209,10 +209,10 @@ class Accelerator(accelerate.Accelerator):
             ndp.hf.check_tp_plan(model, plan)
             names = {id(p): n for n, p in model.named_parameters()}
             apply_tp(model, mesh_axis(self.torch_device_mesh, "tp"), plan)
-            split = dict(model.named_parameters())
+            params = dict(model.named_parameters())
             for opt in optimizers:
                 for group in opt.param_groups:
-                    group["params"] = [split[names[id(p)]] if id(p) in names else p for p in group["params"]]
+                    group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]]
         return args
 
     def _prepare_cp(self, *args):

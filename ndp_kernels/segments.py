@@ -142,10 +142,12 @@ class Segments:
         return Segments(table, max_q_len, max_k_len)
 
     @staticmethod
-    def dense(seqlen_q: int, seqlen_k: int, *, causal: bool, window_size=(-1, -1)) -> "Segments":
+    def dense(seqlen_q: int, seqlen_k: int, *, causal: bool, window_size=(-1, -1), spans=()) -> "Segments":
         """One bottom-right aligned segment covering the whole sequences (cached: tables are immutable, so
-        the per-table facts the engines memoise carry over from one call of a layer to the next)."""
-        return _dense(int(seqlen_q), int(seqlen_k), bool(causal), tuple(int(w) for w in window_size))
+        the per-table facts the engines memoise carry over from one call of a layer to the next). With
+        `spans` (``check_spans``; causal, seqlen_q == seqlen_k): one segment per run of rows outside a span, and
+        per span, whose rows see every key before its end that the window reaches."""
+        return _dense(int(seqlen_q), int(seqlen_k), bool(causal), tuple(int(w) for w in window_size), tuple(spans))
 
     @staticmethod
     def from_cu_seqlens(cu_q, cu_k, *, causal: bool, window_size=(-1, -1)) -> "Segments":
@@ -171,8 +173,17 @@ class Segments:
 
 
 @functools.lru_cache(maxsize=256)
-def _dense(seqlen_q: int, seqlen_k: int, causal: bool, window_size: tuple) -> Segments:
-    return Segments.from_rows([(0, seqlen_q, 0, seqlen_k, *band(seqlen_q, seqlen_k, causal, window_size))])
+def _dense(seqlen_q: int, seqlen_k: int, causal: bool, window_size: tuple, spans: tuple) -> Segments:
+    if not spans:
+        return Segments.from_rows([(0, seqlen_q, 0, seqlen_k, *band(seqlen_q, seqlen_k, causal, window_size))])
+    left = window_size[0]
+    rows = []
+    for i0, i1, end in span_cuts(0, seqlen_q, 1, spans):
+        if end is None:  # causal rows: keys up to the last of them, bottom-right aligned
+            rows.append((i0, i1 - i0, 0, i1, *band(i1 - i0, i1, True, window_size)))
+        else:  # a span's rows: every key before its end, from each row's window on
+            rows.append((i0, i1 - i0, 0, end, i0 - left if left >= 0 else -NO_LIMIT, NO_LIMIT))
+    return Segments.from_rows(rows)
 
 
 def _check_tensor(name, x):
@@ -302,6 +313,55 @@ def check_softcap(softcap) -> float:
     return cap
 
 
+def check_spans(spans, seqlen: int, causal: bool) -> tuple:
+    """`bidirectional_spans` as a tuple of ``(start, end)`` int pairs in ascending order: global positions
+    ``[start, end)`` inside which every query sees every key (a vision-language model's image blocks), on top of a
+    causal mask. None or empty gives ``()``. (Not sorted here: torch.compile traces this and cannot sort pairs.)
+
+    Raises:
+        TypeError: not pairs of ints.  ValueError: a span empty, outside ``[0, seqlen)``, overlapping or before the
+        one before it, or given with a mask that is not causal.
+    """
+    if spans is None:
+        return ()
+    try:
+        out = tuple((int(a), int(b)) for a, b in spans)
+    except (TypeError, ValueError):
+        raise TypeError(f"bidirectional_spans must be (start, end) pairs of ints; got {spans!r}") from None
+    if not out:
+        return ()
+    if not causal:
+        raise ValueError(f"bidirectional_spans widen a causal mask (every query of a span sees the whole span); "
+                         f"with causal=False every query sees every key already. Pass causal=True, or no spans.")
+    for (a, b), nxt in zip(out, out[1:] + ((seqlen, seqlen),)):
+        if not 0 <= a < b <= seqlen or b > nxt[0]:
+            raise ValueError(f"bidirectional_spans must be non-empty, disjoint [start, end) ranges of positions "
+                             f"0 .. {seqlen - 1} (the whole sequence's) in ascending order; got {list(out)}: fix "
+                             f"({a}, {b}).")
+    return out
+
+
+def span_cuts(first: int, count: int, stride: int, spans: tuple) -> list:
+    """The rows ``0 .. count - 1`` of a run at global positions ``first + stride * i`` cut where `spans` (sorted,
+    disjoint) start and end: ``(i0, i1, end)`` for rows ``[i0, i1)``, `end` the end of the span holding them or
+    None outside every span. Inside a span a query sees every key before `end` that its window reaches."""
+    def row(pos):  # the first row at or past global position pos
+        return min(count, max(0, -((first - pos) // stride)))
+
+    cuts, at = [], 0
+    for a, b in spans:
+        i0, i1 = row(a), row(b)
+        if i0 >= i1:
+            continue
+        if at < i0:
+            cuts.append((at, i0, None))
+        cuts.append((i0, i1, b))
+        at = i1
+    if at < count:
+        cuts.append((at, count, None))
+    return cuts
+
+
 def _value_head_differs(q, k, v) -> bool:
     """q, k, v are tensors of one layout whose only difference is the value head size (MLA)."""
     if not all(torch.is_tensor(x) and x.dim() in (3, 4) for x in (q, k, v)):
@@ -363,14 +423,20 @@ def check_call(q, k, v, *, softmax_scale=None, window_size=(-1, -1), cu_seqlens_
 
 
 def segments_of(q, k, *, causal=False, window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-                max_seqlen_q=None, max_seqlen_k=None) -> Segments:
-    """The segment table of a call that passed ``check_call``, after the checks of the cu_seqlens' values.
+                max_seqlen_q=None, max_seqlen_k=None, spans=()) -> Segments:
+    """The segment table of a call that passed ``check_call``, after the checks of the cu_seqlens' values; `spans`
+    (``check_spans``): bidirectional spans of dense rows, as many queries as keys.
 
     Raises:
         ValueError naming the broken constraint, the values and the fix.
     """
+    if spans and (cu_seqlens_q is not None or q.shape[1] != k.shape[1]):
+        got = ("packed documents (cu_seqlens, or position_ids that restart)" if cu_seqlens_q is not None else
+               f"{q.shape[1]} queries and {k.shape[1]} keys (a KV cache)")
+        raise ValueError(f"bidirectional_spans apply to dense rows with as many queries as keys; got {got}. Attend "
+                         f"such calls without spans.")
     if cu_seqlens_q is None:
-        return Segments.dense(q.shape[1], k.shape[1], causal=causal, window_size=window_size)
+        return Segments.dense(q.shape[1], k.shape[1], causal=causal, window_size=window_size, spans=spans)
     cq = _cu_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     ck = _cu_values("cu_seqlens_k", cu_seqlens_k, k.shape[0])
     segs = _packed(tuple(cq), tuple(ck), bool(causal), tuple(window_size))

@@ -4,7 +4,9 @@ import torch
 
 
 def dense_allowed(case, n):
-    """[n, n] bool: key j visible to query i over the full sequence (documents, chunks, causal, window)."""
+    """[n, n] bool: key j visible to query i over the full sequence (documents, chunks, causal, window; the case's
+    ``spans``, bidirectional ranges or-ed to the causal mask, the window and-ed after them, as transformers' Gemma 3
+    composes its image blocks)."""
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     ok = torch.ones(n, n, dtype=torch.bool)
     if case.get("docs") is not None:
@@ -18,7 +20,10 @@ def dense_allowed(case, n):
     if left >= 0:
         ok &= i - j <= left
     if right >= 0:
-        ok &= j - i <= right
+        seen = j - i <= right
+        for a, b in case.get("spans", ()):
+            seen |= (i >= a) & (i < b) & (j >= a) & (j < b)
+        ok &= seen
     return ok
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ndp.ops.attention import engine_for
 from ndp.ops.sinks import add_sinks, check_sinks, sinks_grad
-from ndp_kernels.segments import Segments, acc_dtype, check_softcap
+from ndp_kernels.segments import Segments, acc_dtype, check_softcap, check_spans
 
 from ._validate import agree, check_common, check_layout, resolve_group_or_input_error
 from .schedule import Mask, Placement, Step
@@ -17,7 +17,7 @@ from .sharding import PackedShard, _check_divisible, _require_ops, packed_shard
 from .stats import nbytes, record_comm, record_flops
 
 __all__ = ["Call", "LocalEngine", "prepare_call", "check_blocks", "to_segments", "run_fwd_step", "run_bwd_step",
-           "p2p_ring", "acc_dtype", "stacked_kv_function"]
+           "p2p_ring", "acc_dtype", "stacked_kv_function", "mask_of"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Call:
 
 
 def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, layout, cu_seqlens, backend,
-                 deterministic=False, sinks=None, chunk_size=None, softcap=0.0, extra=None,
-                 pre_check=None, blocks=None) -> Call:
+                 deterministic=False, sinks=None, chunk_size=None, softcap=0.0, bidirectional_spans=None,
+                 extra=None, pre_check=None, blocks=None) -> Call:
     """Validates a public CP call on this rank, then agrees with the other ranks (one small all-gather).
 
     A local failure does not raise before the exchange: the rank reports it there, so that every rank
@@ -76,9 +76,10 @@ def prepare_call(impl, q, k, v, *, group, causal, softmax_scale, window_size, la
         if pre_check is not None:
             pre_check(world)
         placement, cu_desc, batch = placement_for(impl, q, world, rank, layout, cu_seqlens, chunk_size)
-        fields = call_fields(impl, q, k, layout, causal, window, scale, cu_desc, engine, extra, sinks, chunk_size)
-        call = Call(pg, world, rank, layout, Mask(causal, tuple(window)), scale, engine, packed, placement, batch,
-                    q.shape[-2], k.shape[-2], q.shape[-1])
+        mask = mask_of(impl, causal, window, bidirectional_spans, placement, packed, chunk_size)
+        fields = call_fields(impl, q, k, layout, mask, scale, cu_desc, engine, extra, sinks, chunk_size)
+        call = Call(pg, world, rank, layout, mask, scale, engine, packed, placement, batch, q.shape[-2], k.shape[-2],
+                    q.shape[-1])
         if blocks is not None:
             check_blocks(blocks(call), q, engine)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -122,10 +123,23 @@ def local_engine(backend, deterministic, softcap=0.0) -> LocalEngine:
     return LocalEngine(backend, deterministic, check_softcap(softcap))
 
 
-def call_fields(impl, q, k, layout, causal, window, scale, cu_desc, backend, extra, sinks=None, chunk_size=None):
+def mask_of(impl, causal, window, spans, placement, packed: bool, chunk_size) -> Mask:
+    """The call's global Mask; `spans` (``bidirectional_spans``) checked against the whole sequence.
+
+    Raises:
+        ValueError / TypeError: spans malformed (``check_spans``), or given with packed documents or chunks.
+    """
+    spans = check_spans(spans, placement.total, causal)
+    if spans and (packed or chunk_size is not None):
+        raise ValueError(f"{impl}: bidirectional_spans apply to dense sequences; got them with "
+                         f"{'packed documents (cu_seqlens)' if packed else f'chunk_size={chunk_size}'}. Pass one.")
+    return Mask(causal, tuple(window), spans)
+
+
+def call_fields(impl, q, k, layout, mask, scale, cu_desc, backend, extra, sinks=None, chunk_size=None):
     """What every rank of a group must agree on (compared by ``agree``)."""
     packed = cu_desc is not None
-    return dict(impl=impl, layout=None if packed else layout, causal=causal, window=tuple(window),
+    return dict(impl=impl, layout=None if packed else layout, causal=mask.causal, window=mask.window, spans=mask.spans,
                 sinks=None if sinks is None else str(sinks.dtype), chunk_size=chunk_size,
                 scale=scale, dtype=str(q.dtype), device=q.device.type,
                 q_shape=tuple(q.shape[-2:]) if packed else tuple(q.shape),

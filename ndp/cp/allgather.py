@@ -204,7 +204,7 @@ AllGatherAttnFunction = stacked_kv_function("AllGatherAttnFunction", _allgather_
 @any_value_head
 def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                         window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                        chunk_size=None, softcap=0.0):
+                        chunk_size=None, softcap=0.0, bidirectional_spans=None):
     """Exact attention over a sequence sharded on the group, by all-gathering K/V (autograd).
 
     Args:
@@ -213,7 +213,7 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
         k, v: ``[batch, seq/N, kv_heads, head_dim]`` (packed ``[local_tokens, kv_heads, head_dim]``); v's head size
             may differ (MLA; ``any_value_head``: out then has v's).
         group, causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
-            chunk_size, softcap: as in ``ndp.ring_attention``.
+            chunk_size, softcap, bidirectional_spans: as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and the lse when asked.
     Raises:
@@ -221,7 +221,8 @@ def allgather_attention(q, k, v, *, group=None, causal=True, softmax_scale=None,
     """
     return dispatch("allgather", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
                     backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
+                    bidirectional_spans=bidirectional_spans)
 
 
 def _prepare(q, k, v, groups, need_lse=True, **kw):

@@ -72,18 +72,20 @@ def _groups(group: str, group2: str):
     return [dist.distributed_c10d._resolve_process_group(n) for n in (group, group2) if n]
 
 
-def _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap):
+def _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap, spans):
     return dict(cu_seqlens=cu_seqlens, sinks=sinks, causal=causal, softmax_scale=scale, window_size=(left, right),
                 layout=layout, backend=backend, deterministic=deterministic,
-                chunk_size=None if chunk_size < 0 else chunk_size, softcap=softcap)
+                chunk_size=None if chunk_size < 0 else chunk_size, softcap=softcap,
+                bidirectional_spans=tuple(zip(spans[::2], spans[1::2])))
 
 
 @torch.library.custom_op("ndp::cp_attention", mutates_args=())
 def _cp_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, cu_seqlens: Tensor | None, impl: str,
                   group: str, group2: str, causal: bool, scale: float, left: int, right: int, layout: str, backend: str,
-                  deterministic: bool, chunk_size: int, softcap: float) -> tuple[Tensor, Tensor]:
+                  deterministic: bool, chunk_size: int, softcap: float, spans: list[int]) -> tuple[Tensor, Tensor]:
     cp = _IMPLS[impl]
-    kw = _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap)
+    kw = _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap,
+                 spans)
     rest = cp.prepare(q, k, v, _groups(group, group2), **kw)
     out, lse = cp.function.forward(_Ctx(), q, k, v, *rest)
     return distinct_outputs((out, lse), (q, k, v, sinks))
@@ -91,7 +93,7 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, cu_seql
 
 @_cp_attention.register_fake
 def _cp_attention_fake(q, k, v, sinks, cu_seqlens, impl, group, group2, causal, scale, left, right, layout, backend,
-                       deterministic, chunk_size, softcap):
+                       deterministic, chunk_size, softcap, spans):
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_seqlens is not None), dtype=acc_dtype(q.dtype))
 
 
@@ -99,10 +101,11 @@ def _cp_attention_fake(q, k, v, sinks, cu_seqlens, impl, group, group2, causal, 
 def _cp_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            sinks: Tensor | None, cu_seqlens: Tensor | None, impl: str, group: str, group2: str,
                            causal: bool, scale: float, left: int, right: int, layout: str, backend: str,
-                           deterministic: bool, chunk_size: int,
-                           softcap: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                           deterministic: bool, chunk_size: int, softcap: float,
+                           spans: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cp = _IMPLS[impl]
-    kw = _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap)
+    kw = _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, deterministic, chunk_size, softcap,
+                 spans)
     rest = cp.prepare(q, k, v, _groups(group, group2), **kw)
     packed = cu_seqlens is not None
     q4, k4, v4, out4, lse4 = (x.unsqueeze(0) if packed else x for x in (q, k, v, out, lse))
@@ -142,7 +145,7 @@ def dispatch(impl: str, q, k, v, groups, *, return_lse=False, **kw):
     Args:
         groups: the call's process groups (or 1-D meshes; None = the default group): one, USP's two.
         kw: the public function's keywords (causal, softmax_scale, layout, backend, window_size, cu_seqlens,
-            deterministic, sinks, chunk_size, softcap).
+            deterministic, sinks, chunk_size, softcap, bidirectional_spans).
     """
     if torch.compiler.is_compiling():
         return _op_call(impl, q, k, v, groups, return_lse=return_lse, **kw)
@@ -152,7 +155,7 @@ def dispatch(impl: str, q, k, v, groups, *, return_lse=False, **kw):
 
 
 def _op_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backend, window_size, cu_seqlens,
-             return_lse, deterministic, sinks, chunk_size, softcap):
+             return_lse, deterministic, sinks, chunk_size, softcap, bidirectional_spans):
     """The call as the op ``ndp::cp_attention``.
 
     Raises:
@@ -169,5 +172,5 @@ def _op_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backe
     out, lse = torch.ops.ndp.cp_attention(
         q, k, v, sinks, cu_seqlens, impl, names[0], names[1], bool(causal), float(softmax_scale),
         int(left), int(right), layout, backend, bool(deterministic), -1 if chunk_size is None else int(chunk_size),
-        float(softcap or 0.0))
+        float(softcap or 0.0), [int(x) for span in bidirectional_spans or () for x in span])
     return (out, lse) if return_lse else out

@@ -143,7 +143,7 @@ RingAttnFunction = stacked_kv_function("RingAttnFunction", ring_fwd, ring_bwd)
 @any_value_head
 def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                    window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                   chunk_size=None, softcap=0.0):
+                   chunk_size=None, softcap=0.0, bidirectional_spans=None):
     """Exact attention over a sequence sharded on the CP group, by passing K/V around a ring (autograd).
 
     Args:
@@ -167,6 +167,9 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
             positions (with the causal mask / window inside it); dense input only.
         softcap: logit soft-capping (Gemma 2): every block's scores ``softcap * tanh(scores / softcap)``;
             0 = off (blocks run on an engine with soft-capping: triton, or the reference).
+        bidirectional_spans: causal dense input only: ``(start, end)`` ranges of global positions inside which
+            every query sees every key (a vision-language model's image blocks), each query's window (if any)
+            still bounding the keys before it; the ring's schedule computes the blocks they add.
     Returns:
         out, q's shape and dtype (and lse when asked).
     Raises:
@@ -175,7 +178,8 @@ def ring_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layo
     """
     return dispatch("ring", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
                     backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
+                    bidirectional_spans=bidirectional_spans)
 
 
 def _prepare(q, k, v, groups, need_lse=True, **kw):

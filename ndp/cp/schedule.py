@@ -14,6 +14,8 @@ global positions, so one ring Function serves every layout:
   k rank > q rank: one full block of the second query half against all keys.
 - striped: the shifted causal block (band_hi = -1 when k rank > q rank).
 - windows: band_lo/band_hi from global distances; packed documents: blocks only within a document.
+- bidirectional spans (image blocks): a query run is cut where spans start and end (``span_cuts``); rows inside
+  a span see every key before its end that the window reaches (the key run clipped there, no upper band limit).
 
 Blocks whose query ranges overlap cannot share one segment table (a query row belongs to at most one
 segment), so a step is a tuple of *passes*, each one table; partial results of the passes merge by
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ndp_kernels.segments import span_cuts
+
 NO_LIMIT = 1 << 30  # same sentinel as ndp_kernels.segments.NO_LIMIT
 
 __all__ = ["Mask", "Placement", "Run", "Step", "RingSchedule", "build_step", "LAYOUTS"]
@@ -35,9 +39,11 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 
 @dataclass(frozen=True)
 class Mask:
-    """Global attention mask: causal and/or a (left, right) window, both in global token distances."""
+    """Global attention mask: causal and/or a (left, right) window, both in global token distances; `spans`:
+    sorted disjoint global ``(start, end)`` ranges attended bidirectionally on top of the causal mask."""
     causal: bool
     window: tuple = (-1, -1)
+    spans: tuple = ()
 
     def band(self) -> tuple[int, int]:
         """(lo, hi) such that query position p sees key position t iff lo <= t - p <= hi."""
@@ -245,6 +251,28 @@ def _to_passes(blocks: list) -> tuple:
     return tuple(tuple(p) for p in passes)
 
 
+def _clipped(kr: Run, end: int) -> Run | None:
+    """The rows of key run `kr` at global positions before `end`, or None."""
+    n = min(kr.length, max(0, _ceildiv(end - kr.global_start, kr.stride)))
+    return Run(kr.local_start, n, kr.global_start, kr.stride, kr.doc) if n else None
+
+
+def _span_blocks(u: Run, kr: Run, k_offset: int, mask: Mask, band: tuple) -> list:
+    """The segment rows of query run `u` against key run `kr` (none, one, or one per piece of `u` that the mask's
+    spans cut: ``span_cuts``)."""
+    if not mask.spans:
+        b = _pair_block(u, kr, k_offset, band)
+        return [] if b is None else [b]
+    out = []
+    for i0, i1, end in span_cuts(u.global_start, u.length, u.stride, mask.spans):
+        part = Run(u.local_start + i0, i1 - i0, u.global_start + u.stride * i0, u.stride, u.doc)
+        keys = kr if end is None else _clipped(kr, end)
+        b = None if keys is None else _pair_block(part, keys, k_offset, band if end is None else (band[0], NO_LIMIT))
+        if b is not None:
+            out.append(b)
+    return out
+
+
 def build_step(q_runs: tuple, k_runs: tuple, mask: Mask, k_offset: int = 0) -> Step:
     """The Step computing queries `q_runs` against keys `k_runs` (keys at rows k_offset + local)."""
     band = mask.band()
@@ -262,9 +290,7 @@ def build_step(q_runs: tuple, k_runs: tuple, mask: Mask, k_offset: int = 0) -> S
             else:
                 units = [qr]
             for u in units:
-                b = _pair_block(u, kr, k_offset, band)
-                if b is not None:
-                    blocks.append(b)
+                blocks.extend(_span_blocks(u, kr, k_offset, mask, band))
     blocks = _merge(blocks)
     pairs = sum(block_pairs(b) for b in blocks)
     return Step(_to_passes(blocks), pairs)

@@ -270,7 +270,7 @@ class UlyssesAttnFunction(torch.autograd.Function):
 @any_value_head
 def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, layout="zigzag", backend="auto",
                       window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False, sinks=None,
-                      chunk_size=None, softcap=0.0):
+                      chunk_size=None, softcap=0.0, bidirectional_spans=None):
     """Exact attention over a sequence sharded on the group, by all-to-all to head sharding (autograd).
 
     Args:
@@ -286,7 +286,7 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
         deterministic: bitwise-reproducible gradients.
         sinks: optional ``[heads]`` attention sinks (as in ``ndp.ring_attention``; each rank joins its heads').
         chunk_size: chunked attention, as in ``ndp.ring_attention``.
-        softcap: logit soft-capping, as in ``ndp.ring_attention``.
+        softcap, bidirectional_spans: logit soft-capping, image blocks, as in ``ndp.ring_attention``.
     Returns:
         out (q's shape and dtype), and lse when asked.
     Raises:
@@ -295,7 +295,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=True, softmax_scale=None, l
     """
     return dispatch("ulysses", q, k, v, (group,), causal=causal, softmax_scale=softmax_scale, layout=layout,
                     backend=backend, window_size=window_size, cu_seqlens=cu_seqlens, return_lse=return_lse,
-                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+                    deterministic=deterministic, sinks=sinks, chunk_size=chunk_size, softcap=softcap,
+                    bidirectional_spans=bidirectional_spans)
 
 
 def _prepare(q, k, v, groups, need_lse=True, **kw):

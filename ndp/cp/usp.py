@@ -19,12 +19,12 @@ import torch.distributed as dist
 from ndp.ops.sinks import add_sinks, check_sinks
 from ndp_kernels.segments import any_value_head
 
-from ._common import acc_dtype, call_fields, check_blocks, local_engine, placement_for
+from ._common import acc_dtype, call_fields, check_blocks, local_engine, mask_of, placement_for
 from ._validate import (agree, check_common, check_layout, group_key, resolve_group,
                         resolve_group_or_input_error)
 from .compiled import CpImpl, dispatch, register
 from .ring import RingPlan, ring_blocks, ring_bwd, ring_fwd
-from .schedule import Mask, Placement, RingSchedule
+from .schedule import Placement, RingSchedule
 from .sharding import _require_ops
 from .ulysses import (A2APlan, _expand_kv, _reduce_kv, check_heads, head_to_seq, heads_of, lse_to_head, lse_to_seq,
                       make_a2a_order, seq_to_head, sinks_grad_of_heads)
@@ -168,7 +168,7 @@ class UspAttnFunction(torch.autograd.Function):
 @any_value_head
 def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_scale=None, layout="zigzag",
                   backend="auto", window_size=(-1, -1), cu_seqlens=None, return_lse=False, deterministic=False,
-                  sinks=None, chunk_size=None, softcap=0.0):
+                  sinks=None, chunk_size=None, softcap=0.0, bidirectional_spans=None):
     """Exact attention with Ulysses inside `ulysses_group` and a ring across `ring_group` (autograd).
 
     Args:
@@ -178,7 +178,7 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
         ulysses_group, ring_group: from ``ndp.cp.split_cp_group(cp_group, ulysses_size)`` (CP rank
             c = ring_rank * U + ulysses_rank).
         causal, softmax_scale, layout, backend, window_size, cu_seqlens, return_lse, deterministic, sinks,
-            chunk_size, softcap: as in ring_attention
+            chunk_size, softcap, bidirectional_spans: as in ring_attention
             (a PackedShard passed as cu_seqlens must be for the whole CP group).
     Returns:
         out (q's shape and dtype), and the lse when asked.
@@ -189,11 +189,11 @@ def usp_attention(q, k, v, *, ulysses_group, ring_group, causal=True, softmax_sc
     return dispatch("usp", q, k, v, (ulysses_group, ring_group), causal=causal, softmax_scale=softmax_scale,
                     layout=layout, backend=backend, window_size=window_size, cu_seqlens=cu_seqlens,
                     return_lse=return_lse, deterministic=deterministic, sinks=sinks, chunk_size=chunk_size,
-                    softcap=softcap)
+                    softcap=softcap, bidirectional_spans=bidirectional_spans)
 
 
 def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_seqlens, backend, deterministic,
-             sinks, chunk_size, softcap, need_lse=True):
+             sinks, chunk_size, softcap, bidirectional_spans=None, need_lse=True):
     """UspAttnFunction's arguments after q, k, v: validation, the validity exchange over both groups, the plan."""
     ulysses_group, ring_group = groups
     _require_ops()
@@ -215,9 +215,10 @@ def _prepare(q, k, v, groups, *, causal, softmax_scale, window_size, layout, cu_
         rep = check_heads("usp_attention", q.shape[-2], k.shape[-2], u_size)
         n, c = u_size * r_size, g * u_size + u
         placement, cu_desc, batch = placement_for("usp_attention", q, n, c, layout, cu_seqlens, chunk_size)
-        fields = call_fields("usp_attention", q, k, layout, causal, window, scale, cu_desc, engine,
-                             (u_size, r_size), sinks, chunk_size)
-        plan = _usp_plan(placement, Mask(causal, tuple(window)), ug, u_size, u, rg, r_size, g, rep, scale, engine)
+        mask = mask_of("usp_attention", causal, window, bidirectional_spans, placement, packed, chunk_size)
+        fields = call_fields("usp_attention", q, k, layout, mask, scale, cu_desc, engine, (u_size, r_size), sinks,
+                             chunk_size)
+        plan = _usp_plan(placement, mask, ug, u_size, u, rg, r_size, g, rep, scale, engine)
         check_blocks(ring_blocks(plan.ring.schedule, g, r_size, batch, q.shape[-2] // u_size,
                                  k.shape[-2] * rep // u_size, q.shape[-1]), q, engine)
     except (ValueError, TypeError, RuntimeError) as e:

@@ -29,7 +29,7 @@ from ndp.cp.sharding import seq_multiple
 from ndp.parallel import CP_ATTR
 
 from .batch import whole_forward
-from .masks import describe, documents_of, marker, read_dense, spec_of, with_padding
+from .masks import IMAGE_BLOCKS, describe, documents_of, marker, read_dense, spec_of, with_padding
 from .models import Unsupported, check_packed_model
 from .padded import padded_attention, padding_plan
 
@@ -210,8 +210,9 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
         q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     if not cp_on:
         if cu is None:
-            out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks,
-                                    softcap=softcap, position_ids=rows_pos)
+            out = _by_span_rows(spec, q, k, v, lambda q, k, v, spans, rows: ndp.ops.attention(
+                q, k, v, causal=causal, softmax_scale=scaling, window_size=window, sinks=sinks, softcap=softcap,
+                position_ids=_rows_of(rows_pos, rows), bidirectional_spans=spans))
         else:
             mx = None if flat else kwargs.get("max_length_q")
             out = ndp.ops.attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window,
@@ -219,11 +220,35 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
                                     softcap=softcap)
     else:
         kw = dict(causal=causal, softmax_scale=scaling, layout=ctx.layout, window_size=window, sinks=sinks,
-                  chunk_size=chunk, softcap=softcap)
-        out = _cp_attention(q, k, v, ctx, impl, **kw, **({} if cu is None else dict(cu_seqlens=cu)))
+                  chunk_size=chunk, softcap=softcap, **({} if cu is None else dict(cu_seqlens=cu)))
+        out = _by_span_rows(spec, q, k, v, lambda q, k, v, spans, rows: _cp_attention(
+            q, k, v, ctx, impl, bidirectional_spans=spans, **kw))
     if cu is not None:
         out = out.reshape(batch, seq, *out.shape[1:])
     return out, None
+
+
+def _by_span_rows(spec, q, k, v, attend):
+    """`attend(q, k, v, spans, rows)` over the rows, one call per run of rows with the same image spans (the spec's,
+    ``MaskSpec.spans``: every row's alike in one call, rows with other images in calls of their own), their
+    outputs concatenated along the batch; ``rows`` the call's row slice (None: every row)."""
+    spans = None if spec is None else spec.spans
+    if spans is None or all(s == spans[0] for s in spans):
+        return attend(q, k, v, spans and spans[0], None)
+    outs, start = [], 0
+    for i in range(1, len(spans) + 1):
+        if i == len(spans) or spans[i] != spans[start]:
+            rows = slice(start, i)
+            outs.append(attend(q[rows], k[rows], v[rows], spans[start], rows))
+            start = i
+    return torch.cat(outs)
+
+
+def _rows_of(position_ids, rows):
+    """position_ids ([batch or 1, seq], or None) of the row slice `rows` (None: all of them)."""
+    if rows is None or position_ids is None or position_ids.shape[0] == 1:
+        return position_ids
+    return position_ids[rows]
 
 
 def _one_dtype(q, k, v):
@@ -314,6 +339,10 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs, table):
                           f"attention (model.set_attn_implementation('sdpa')).")
     if spec is not None and spec.refused:
         return Unsupported(spec.refused)
+    if spec is not None and spec.spans is not None:
+        why = _spans_error(spec, ctx, table)
+        if why:
+            return Unsupported(IMAGE_BLOCKS.format(why=why))
     if dropout:
         return ValueError(f"ndp attention has no attention dropout; got dropout={dropout}. Set the model's "
                           f"attention_dropout to 0.")
@@ -321,6 +350,20 @@ def _call_error(ctx, spec, attention_mask, dropout, seq, impl, kwargs, table):
         # compiled decoder layers skip it: guard_positions checks once per forward, before the layers; a whole
         # batch's positions are the model's own, cut by ndp (PaliGemma's count from 1)
         return _shard_positions_error(kwargs.get("position_ids"), ctx, seq, impl)
+    return None
+
+
+def _spans_error(spec, ctx, table) -> str | None:
+    """Where a batch's image blocks (``spec.spans``) cannot be attended as spans, what is in the way, else None."""
+    if spec.lengths is not None:
+        return "in padded rows (a 2-D attention mask with padding)"
+    if spec.q_offset or spec.kv_offset:
+        return "behind a KV cache (generation)"
+    if table is not None or spec.chunk is not None:
+        return "in packed documents" if table is not None else "under chunked attention"
+    if ctx is not None and whole_forward() is None:
+        return (f"in a batch sharded before the model (the images' positions are rank {ctx.rank}'s shard's, not the "
+                f"row's; ndp.hf.shard_batch gives a batch with images to the model whole)")
     return None
 
 

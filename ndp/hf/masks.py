@@ -5,9 +5,11 @@ chunked, packed-sequence pieces joined by ``and_masks``). ndp's attention builds
 causality, a window or document boundaries itself. :func:`describe` reads the mask function's pieces (their code
 and closure values) into a :class:`MaskSpec`, so that the attention call applies exactly that mask; a piece ndp
 cannot express (a learned or arbitrary mask, ``or_masks``) raises :class:`~ndp.hf.models.Unsupported` instead of
-being dropped. Bidirectional image blocks (``blockwise_overlay`` or-ed to the causal mask: git, Gemma 4) are honoured
-when the batch has no image block (text-only training: the or-ed piece is false everywhere) and refused otherwise;
-that refusal depends on the data, so it travels in the spec and the attention raises it on every CP rank at once.
+being dropped. Bidirectional image blocks (``blockwise_overlay`` or-ed to the causal mask: Gemma 3, Gemma 4) become
+each row's spans (``MaskSpec.spans``: every image's token run, attended bidirectionally, a sliding window and-ed
+after the or still bounding the keys before a query); what cannot be a span (an image group whose tokens are not one
+run, a window inside the or) depends on the data, so its refusal travels in the spec and the attention raises it on
+every CP rank at once.
 
 A dense 4-D mask handed to the model (transformers passes it to the attention as it is: a user's "custom 4D mask",
 or one a model builds itself, BLT's cross-attention) is read by :func:`read_dense`: full attention, causal, or causal
@@ -34,8 +36,9 @@ class MaskSpec:
     run of real tokens where transformers' 2-D padding mask masks something (read once per forward), else None;
     ``q_offset`` / ``kv_offset``: the positions of the first query and key in that mask (a KV cache), else 0;
     ``mask_given``: the batch came with a 2-D attention_mask, so position_ids place RoPE only (transformers then
-    reads no packed documents from them, all-ones mask included); ``refused``: why this batch cannot be attended
-    exactly (a data-dependent refusal the attention raises on every rank), else None."""
+    reads no packed documents from them, all-ones mask included); ``spans``: per row, the ``(start, end)`` position
+    ranges of its image blocks (attended bidirectionally), None where no row has one; ``refused``: why this batch
+    cannot be attended exactly (a data-dependent refusal the attention raises on every rank), else None."""
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
@@ -45,6 +48,7 @@ class MaskSpec:
     q_offset: int = 0
     kv_offset: int = 0
     mask_given: bool = False
+    spans: tuple | None = None
     refused: str | None = None
 
 
@@ -62,9 +66,9 @@ _PACKED = _code("packed_sequence_mask_function", None)
 _REMAP = _code("remap_positions_for_packed_sequence", mu.causal_mask_function, None)
 _OR = _code("or_masks", mu.causal_mask_function)
 _BLOCKWISE = _code("blockwise_overlay", None)
-_IMAGE_BLOCKS = ("the batch has bidirectional image blocks (tokens with a block_sequence_ids / token_type_ids "
-                 "group): ndp attention applies causal, sliding-window, chunked and packed-document masks only. "
-                 "Train on text-only batches with ndp, or use the model's own attention implementation (cp_size=1).")
+IMAGE_BLOCKS = ("the batch has bidirectional image blocks (tokens with a block_sequence_ids / token_type_ids "
+                 "group) {why}: ndp attends each image's run of tokens bidirectionally, under the causal mask and a "
+                 "sliding window and-ed after it. Use the model's own attention implementation (cp_size=1).")
 
 
 def _closure(fn) -> dict:
@@ -73,7 +77,7 @@ def _closure(fn) -> dict:
 
 def _pieces(fn):
     """The mask function as a flat list of its and-ed pieces (packed remapping unwrapped; an or-ed image-block
-    piece is kept as itself, for ``describe`` to judge)."""
+    piece is kept as itself, for ``describe`` to judge, behind the base's window if the base has one)."""
     code = getattr(fn, "__code__", None)
     if code is _AND:
         return [p for f in _closure(fn)["mask_functions"] for p in _pieces(f)]
@@ -81,10 +85,38 @@ def _pieces(fn):
         fns = _closure(fn)["mask_functions"]
         blocks = [f for f in fns if getattr(f, "__code__", None) is _BLOCKWISE]
         if len(blocks) == len(fns) - 1:  # base OR image blocks: the base's pieces, and the blocks to judge
-            return _pieces(next(f for f in fns if f not in blocks)) + blocks
+            base = _pieces(next(f for f in fns if f not in blocks))
+            windowed = any(getattr(p, "__code__", None) is _WINDOW for p in base)
+            return base + [_InsideOr(b) if windowed else b for b in blocks]
     if code is _REMAP:  # positions remapped inside each packed document: the inner mask, per document
         return _pieces(_closure(fn)["mask_function"])
     return [fn]
+
+
+class _InsideOr:
+    """An image-block piece or-ed to a windowed mask: its keys beyond the window would be seen too (no model
+    composes its mask so; Gemma and-s the window after the or). Refused where the batch has image blocks."""
+
+    def __init__(self, piece):
+        self.piece = piece
+
+
+def _block_spans(ids) -> tuple[tuple | None, str | None]:
+    """(per row, the (start, end) runs of each image group of `ids` ([batch, positions], -1 = text), or None where
+    no row has one; why they cannot be spans, else None)."""
+    if not torch.is_tensor(ids) or not bool((ids >= 0).any()):
+        return None, None
+    ids = ids.cpu()
+    image = ids >= 0
+    first = image & (ids != F.pad(ids, (1, 0), value=-1)[:, :-1])
+    last = image & (ids != F.pad(ids, (0, 1), value=-1)[:, 1:])
+    rows = []
+    for i in range(ids.shape[0]):
+        starts, ends = first[i].nonzero()[:, 0], last[i].nonzero()[:, 0] + 1
+        if ids[i, starts].unique().numel() != starts.numel():
+            return None, "with an image group whose tokens are not one run"
+        rows.append(tuple(zip(starts.tolist(), ends.tolist())))
+    return tuple(rows), None
 
 
 def describe(mask_function) -> MaskSpec:
@@ -93,7 +125,7 @@ def describe(mask_function) -> MaskSpec:
     Raises:
         Unsupported: a piece ndp cannot apply exactly (named in the message).
     """
-    causal, window, chunk, packed, refused = False, None, None, False, None
+    causal, window, chunk, packed, spans, refused = False, None, None, False, None, None
     for piece in _pieces(mask_function):
         code = getattr(piece, "__code__", None)
         if code is _CAUSAL:
@@ -108,9 +140,11 @@ def describe(mask_function) -> MaskSpec:
         elif code is _PACKED:
             packed = True
         elif code is _BLOCKWISE:
-            ids = _closure(piece)["block_sequence_ids"]
-            if torch.is_tensor(ids) and bool((ids >= 0).any()):
-                refused = _IMAGE_BLOCKS
+            spans, why = _block_spans(_closure(piece)["block_sequence_ids"])
+            refused = refused or (why and IMAGE_BLOCKS.format(why=why))
+        elif isinstance(piece, _InsideOr):
+            if _block_spans(_closure(piece.piece)["block_sequence_ids"])[0] is not None:
+                refused = IMAGE_BLOCKS.format(why="or-ed to a sliding-window mask (keys past the window seen)")
         else:
             name = getattr(piece, "__qualname__", type(piece).__name__)
             raise Unsupported(
@@ -119,7 +153,7 @@ def describe(mask_function) -> MaskSpec:
                 f"own attention implementation.")
     if chunk is not None and window is not None:
         raise Unsupported(f"a mask that is both chunked ({chunk}) and windowed ({window}): ndp applies one of them.")
-    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, refused=refused)
+    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, spans=spans, refused=refused or None)
 
 
 _PAD_FIX = ("Pad on one side (tokenizer.padding_side), or pack the documents (position_ids restarting at 0, no "

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, lse_shape, packed_rows_cu,
-                                   run_bwd, segments_of)
+from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, check_spans, lse_shape,
+                                   packed_rows_cu, run_bwd, segments_of)
 
 from .engines import ENGINE_MODULES, ENGINES, block_class, capable, choose, engine_available, engine_module
 from .sinks import add_sinks, check_sinks, sinks_grad
@@ -142,7 +142,7 @@ class _Layout:
     are; packed ``[T, H, D]`` as one row; dense rows whose ``position_ids`` restart (transformers' packed rows)
     as one row of ``B * S`` tokens. lse: ``[B, H, S]`` / ``[H, T]`` outside, ``[B', H, S']`` inside."""
 
-    def __init__(self, q, k, cu_q, cu_k, pos, causal, window, max_q, max_k):
+    def __init__(self, q, k, cu_q, cu_k, pos, causal, window, max_q, max_k, spans):
         self.rows = None
         if cu_q is None and pos is not None:
             cu_q = cu_k = packed_rows_cu(pos, q.shape[0], q.shape[1])
@@ -152,7 +152,7 @@ class _Layout:
         flat = (lambda x: x.reshape(-1, *x.shape[2:])) if self.rows is not None else (lambda x: x)
         self.segs = segments_of(flat(q), flat(k), causal=causal, window_size=window, cu_seqlens_q=cu_q,
                                 cu_seqlens_k=cu_k, max_seqlen_q=None if max_q < 0 else max_q,
-                                max_seqlen_k=None if max_k < 0 else max_k)
+                                max_seqlen_k=None if max_k < 0 else max_k, spans=tuple(zip(spans[::2], spans[1::2])))
 
     def block(self, x):
         """A q/k/v/out-like tensor as a 4-D block."""
@@ -191,8 +191,8 @@ def _forward(lay, q, k, v, sinks, scale, softcap, backend, deterministic):
 
 def _attention_impl(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None,
                     sinks: Tensor | None, causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float,
-                    softcap: float, backend: str, deterministic: bool) -> tuple[Tensor, Tensor]:
-    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+                    softcap: float, backend: str, deterministic: bool, spans: list[int]) -> tuple[Tensor, Tensor]:
+    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k, spans)
     return distinct_outputs(_forward(lay, q, k, v, sinks, scale, softcap, backend, deterministic), (q, k, v, sinks))
 
 
@@ -201,7 +201,7 @@ _attention_op = torch.library.custom_op("ndp::attention", mutates_args=())(_atte
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, cu_q, cu_k, pos, sinks, causal, left, right, max_q, max_k, scale, softcap, backend,
-                    deterministic):
+                    deterministic, spans):
     return q.new_empty(q.shape), q.new_empty(lse_shape(q, cu_q is not None), dtype=acc_dtype(q.dtype))
 
 
@@ -218,8 +218,8 @@ def _backward(lay, dout, q, k, v, out, lse, sinks, scale, softcap, backend, dete
 def _attention_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         cu_q: Tensor | None, cu_k: Tensor | None, pos: Tensor | None, sinks: Tensor | None,
                         causal: bool, left: int, right: int, max_q: int, max_k: int, scale: float, softcap: float,
-                        backend: str, deterministic: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+                        backend: str, deterministic: bool, spans: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k, spans)
     return distinct_outputs(_backward(lay, dout, q, k, v, out, lse, sinks, scale, softcap, backend, deterministic),
                             (dout, q, k, v, out, lse, sinks))
 
@@ -259,8 +259,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, pos, sinks, opts):
-        causal, left, right, max_q, max_k, scale, softcap, backend, deterministic = opts
-        ctx.lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k)
+        causal, left, right, max_q, max_k, scale, softcap, backend, deterministic, spans = opts
+        ctx.lay = _Layout(q, k, cu_q, cu_k, pos, causal, (left, right), max_q, max_k, spans)
         out, lse = _forward(ctx.lay, q, k, v, sinks, scale, softcap, backend, deterministic)
         out, lse = out.contiguous(), lse.contiguous()
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -286,7 +286,7 @@ def _eager(*tensors) -> bool:
 @any_value_head
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, backend="auto", return_lse=False,
-              deterministic=False, sinks=None, softcap=0.0, position_ids=None):
+              deterministic=False, sinks=None, softcap=0.0, position_ids=None, bidirectional_spans=None):
     """Attention on one device, differentiable with respect to q, k and v.
 
     Args:
@@ -307,6 +307,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         position_ids: dense input only: ``[batch, seq]`` (or ``[1, seq]``) positions; where they do not continue
             the previous token's, a packed document starts (transformers' packed rows): attention stays inside
             each document. Read inside the op, so a compiled caller does not break its graph on them.
+        bidirectional_spans: dense rows, as many queries as keys, causal: ``(start, end)`` position ranges inside
+            which every query sees every key (a vision-language model's image blocks, transformers'
+            ``block_sequence_ids``), each query's window (if any) still bounding the keys before it.
     Returns:
         out in q's dtype and shape (and lse when asked).
     Raises:
@@ -321,8 +324,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     softcap = check_softcap(softcap)
     _check_backend(backend)
     check_sinks(sinks, q.shape[-2], q.device)
+    spans = check_spans(bidirectional_spans, q.shape[1] if q.dim() == 4 else q.shape[0], bool(causal))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
-            _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend, bool(deterministic))
+            _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend, bool(deterministic),
+            [x for span in spans for x in span])
     if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks):
         out, lse = _EagerAttention.apply(*args[:7], args[7:])  # one options tuple: Function.apply walks each argument
     else:

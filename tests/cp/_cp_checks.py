@@ -72,7 +72,7 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
     sinks = None
     if case.get("sinks"):
         sinks = torch.randn(case["heads"], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    if sinks is not None or case.get("chunk") or case.get("softcap") or case.get("dim_v"):
+    if sinks is not None or case.get("chunk") or case.get("softcap") or case.get("dim_v") or case.get("spans"):
         ref = dense_reference(case, *(x.to(dtype) for x in (q, k, v)), dout,
                               None if sinks is None else sinks.to(dtype))
     else:
@@ -88,6 +88,8 @@ def run_case(fn, case, dtype=torch.float64, group=None, check=True, **kw):
         args["chunk_size"] = case["chunk"]
     if case.get("softcap"):
         args["softcap"] = case["softcap"]
+    if case.get("spans"):
+        args["bidirectional_spans"] = case["spans"]
     inputs = (ql, kl, vl)
     if sinks is not None:
         inputs += (sinks.to(dtype).requires_grad_(),)

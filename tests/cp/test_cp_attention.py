@@ -45,7 +45,17 @@ MLA_CASES = [
          sinks=True),
     dict(docs=[0, 9, 30, 1], heads=4, kv_heads=4, dim=32, dim_v=16, causal=True, softcap=2.0),
 ]
-FEATURE_CASES = SINK_CASES + CHUNK_CASES + SOFTCAP_CASES + MLA_CASES
+# Bidirectional spans (a VLM's image blocks, Gemma 3): across shard boundaries, next to each other, one token, with a
+# window (keys before a span's start still bounded by it), sinks, soft-capping.
+SPAN_CASES = [
+    dict(batch=2, seqlen=32, heads=4, kv_heads=2, dim=16, causal=True, layout="zigzag",
+         spans=((3, 11), (11, 15), (20, 21), (22, 31))),
+    dict(batch=1, seqlen=48, heads=4, kv_heads=1, dim=16, causal=True, window=(6, 0), layout="striped", sinks=True,
+         spans=((5, 25), (40, 48))),
+    dict(batch=1, seqlen=32, heads=4, kv_heads=4, dim=16, causal=True, layout="contiguous", softcap=2.0,
+         spans=((0, 17),)),
+]
+FEATURE_CASES = SINK_CASES + CHUNK_CASES + SOFTCAP_CASES + MLA_CASES + SPAN_CASES
 
 
 def _flops_total(case, st):

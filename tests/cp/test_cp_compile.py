@@ -1,7 +1,7 @@
 """The CP attention functions under torch.compile on 2 gloo ranks: a layer (projections, CP attention, output
 projection) traces with 0 graph breaks and compiles fullgraph (aot_eager, inductor) to eager's output and
-gradients (fp32, 1e-5), for ring, all-gather, Ulysses (and USP on 4 ranks), dense and packed; a bad input on
-one rank still raises on every rank."""
+gradients (fp32, 1e-5), for ring, all-gather, Ulysses (and USP on 4 ranks), dense (with bidirectional spans) and
+packed; a bad input on one rank still raises on every rank."""
 import os
 import sys
 
@@ -38,6 +38,8 @@ class Layer(torch.nn.Module):
         kw = dict(causal=True, sinks=self.sinks, window_size=(24, 0))
         if cu is not None:
             kw["cu_seqlens"] = cu
+        else:  # image blocks (Gemma 3): the spans reach the op as ints
+            kw["bidirectional_spans"] = ((5, 30), (40, 41))
         if self.impl == "usp":
             out = ndp.cp.usp_attention(q, k, v, ulysses_group=self.groups[0], ring_group=self.groups[1], **kw)
         else:

@@ -1,4 +1,6 @@
 """ndp's HF attention reads the model's mask function and refuses what it cannot apply (never drops it)."""
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import masking_utils as mu
@@ -22,19 +24,58 @@ def test_describe_reads_causal_window_chunk_and_packing():
     assert describe(mu.bidirectional_mask_function) == MaskSpec(causal=False)
 
 
-def test_image_blocks_honoured_when_absent_refused_when_present():
-    # git / Gemma 4: causal OR bidirectional image blocks (block_sequence_ids >= 0 inside an image).
+def _masked_reference(mask_function, q, k, v, scale):
+    """Attention under the dense mask `mask_function` gives (transformers' own mask, evaluated at every index)."""
+    b, n = q.shape[0], q.shape[2]
+    r, i, j = torch.arange(b)[:, None, None], torch.arange(n)[None, :, None], torch.arange(n)[None, None, :]
+    keep = mask_function(r, torch.tensor(0), i, j).expand(b, n, n)
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~keep[:, None], float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("rows", ["alike", "unlike"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_image_blocks_attended_as_transformers_masks_them(rows, window):
+    # Gemma 3 / Gemma 4: causal OR bidirectional image blocks (block_sequence_ids >= 0 inside an image), a sliding
+    # window and-ed after the or. Rows alike share one call; unlike rows (an image in one only) a call each.
+    ids = torch.full((2, 16), -1)
+    ids[:, 2:7] = 0
+    ids[:, 9:14] = 1
+    if rows == "unlike":
+        ids[0] = -1
+        ids[1, 14] = 2
+    fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids))
+    if window:
+        fn = mu.and_masks(fn, mu.sliding_window_overlay(window))
+    spec = describe(fn)
+    want_spans = ((2, 7), (9, 14)) + (() if rows == "alike" else ((14, 15),))
+    assert spec.refused is None and spec.spans[1] == want_spans and spec.window == window
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 16, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _ = ndp_attention_forward(_Attn(), q, k, v, marker(spec, "cpu"), scaling=0.5)
+    torch.testing.assert_close(out, _masked_reference(fn, q, k, v, 0.5), rtol=1e-10, atol=1e-10)
+    assert (out - _ref(q, k, v, 0.5, window).transpose(1, 2)).abs().max() > 0.1  # not the causal mask alone
     text = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(torch.full((2, 8), -1)))
-    assert describe(text) == MaskSpec(causal=True)
-    windowed = mu.and_masks(text, mu.sliding_window_overlay(4))
-    assert describe(windowed) == MaskSpec(causal=True, window=4)
-    ids = torch.full((2, 8), -1)
-    ids[1, 2:5] = 0
+    assert describe(text) == MaskSpec(causal=True)  # text-only rows: the causal mask, no spans
+
+
+def test_image_blocks_ndp_cannot_attend_exactly_are_refused():
+    ids = torch.full((1, 12), -1)
+    ids[0, 2:5] = 0
+    windowed_inside = mu.or_masks(mu.sliding_window_causal_mask_function(4), mu.blockwise_overlay(ids))
+    assert "or-ed to a sliding-window mask" in describe(windowed_inside).refused
+    split = ids.clone()
+    split[0, 8:10] = 0  # one group in two runs: a query of the first would see keys of the second
+    assert "not one run" in describe(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(split))).refused
     spec = describe(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)))
-    assert spec.refused and "bidirectional image blocks" in spec.refused
+    q = torch.zeros(1, 2, 12, 16)
+    for changed, match in ((dict(lengths=(10,), starts=(0,)), "in padded rows"),
+                           (dict(q_offset=4, kv_offset=0), "behind a KV cache")):
+        with pytest.raises(Unsupported, match=f"bidirectional image blocks .*{match}"):
+            ndp_attention_forward(_Attn(), q, q, q, marker(replace(spec, **changed), "cpu"))
     # The refusal depends on the batch: the attention raises it (under CP on every rank of the group).
-    q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(Unsupported, match="bidirectional image blocks"):
+    with pytest.raises(Unsupported, match="bidirectional image blocks .*not one run"):
+        spec = describe(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(split)))
         ndp_attention_forward(_Attn(), q, q, q, marker(spec, "cpu"))
 
 

@@ -45,6 +45,7 @@ _IMAGES = {
     "idefics3": (dict(image_size=64), 1, (2, 1, 3, 64, 64), {}),  # 4 patches of 32, scale factor 2
     "internvl": (dict(image_size=[28, 28], patch_size=[14, 14]), 1, (2, 3, 28, 28), {}),
     "paligemma": (dict(image_size=28, projection_dim=64), 4, (2, 3, 28, 28), {}),
+    "gemma3": (dict(image_size=28, patch_size=14), 4, (2, 3, 28, 28), {}),  # token_type_ids: vlm_batch
 }
 
 
@@ -66,10 +67,16 @@ def tiny_vlm(family, seed=0, **vision):
             cfg.scale_factor = 2
         if family == "paligemma":
             cfg.projection_dim = 64
+        if family == "gemma3":  # 2 x 2 patches, one token each; a window that cuts into the image blocks
+            cfg.mm_tokens_per_image, cfg.boi_token_index, cfg.eoi_token_index = 4, START, END
+            cfg.text_config.sliding_window = 3
     for name, value in vision.items():
         setattr(cfg.vision_config, name, value)
     torch.manual_seed(seed)
-    return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
+    model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
+    if family == "gemma3":  # its projection starts at zero (no image would reach the text, nor a gradient the tower)
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    return model
 
 
 def vlm_batch(model, seq, padded=0, seed=1):
@@ -97,6 +104,8 @@ def vlm_batch(model, seq, padded=0, seed=1):
     else:
         extra = dict(pixel_values=torch.randn(_IMAGES[family][2], generator=g, dtype=torch.float64),
                      **_IMAGES[family][3])
+        if family == "gemma3":  # its image blocks, attended bidirectionally
+            extra["token_type_ids"] = (ids == IMAGE).long()
     return dict(input_ids=ids, attention_mask=mask, **extra), labels
 
 
@@ -143,6 +152,8 @@ def _shard_batch_body(rank, world, family, impl, seq, padded):
     ("idefics3", "ulysses", 22, 0),
     ("internvl", "ring", 21, 0),
     ("paligemma", "ring", 22, 0),  # its positions count from 1 (refused as "not this rank's shard" before)
+    ("gemma3", "ring", 23, 0),  # bidirectional image blocks, a sliding window cutting into them (refused before)
+    ("gemma3", "ulysses", 24, 0),
 ])
 def test_a_batch_with_images_under_cp_equals_one_process(tmp_path, family, impl, seq, padded):
     """cp 2 through shard_batch: the loss and every gradient (the vision tower's too) equal one process's. Before:

@@ -277,3 +277,63 @@ def test_softcap_routing_and_bad_values():
                             (True, TypeError, "softcap must be a real number")):
         with pytest.raises(exc, match=match):
             ndp.ops.attention(q, k, v, causal=True, softcap=bad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton", "auto"])
+@pytest.mark.parametrize("case", [dict(spans=((3, 9), (9, 12), (20, 31))), dict(spans=((0, 40),)),
+                                  dict(spans=((5, 25), (39, 40)), window=(6, 0), sinks=True),
+                                  dict(spans=((2, 30),), window=(30, 0))])
+def test_bidirectional_spans_match_definition(backend, case):
+    """Image blocks (Gemma 3): causal attention with every query of a span seeing the whole span, the window (if
+    any) still bounding the keys before it; out, lse and every gradient against attention written from the
+    definition, on every engine, and through the op as torch.compile traces it."""
+    if backend == "triton" and not ndp_kernels.interpreter_active():
+        pytest.skip("triton backend on CPU runs only under TRITON_INTERPRET=1")
+    case = dict(case, causal=True)
+    q, k, v = _qkv(2, 40, 40, 4, 2, 16)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) if case.get("sinks") \
+        else None
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = dense_reference(case, q, k, v, dout, sinks)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
+    kw = dict(causal=True, window_size=case.get("window", (-1, -1)), bidirectional_spans=case["spans"],
+              backend=backend, return_lse=True, sinks=inputs[3] if sinks is not None else None)
+    torch._dynamo.reset()  # each case compiles afresh (dynamo's recompile limit)
+    for run in (ndp.ops.attention, torch.compile(ndp.ops.attention, backend="aot_eager", fullgraph=True)):
+        out, lse = run(*inputs[:3], **kw)
+        grads = torch.autograd.grad(out, inputs, dout.to(dt))
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + grads, want):
+            assert_close(g, w, dt, "out" if name in ("out", "lse") else "grad", msg=f"{backend} {name} {case}")
+    causal = ndp.ops.attention(*(x.detach() for x in inputs[:3]), causal=True, window_size=kw["window_size"])
+    assert (causal - out).abs().max() > 0.05  # the spans change these rows: dropping them would be seen
+
+
+def test_bidirectional_spans_refused_where_they_mean_nothing_exact():
+    q, k, v = (x.detach() for x in _qkv(1, 16, 16, 4, 2, 16))
+    for spans, match in ((((4, 9), (8, 12)), r"disjoint \[start, end\) ranges of positions 0 \.\. 15.*fix \(4, 9\)"),
+                         (((4, 17),), r"fix \(4, 17\)"), (((5, 5),), r"non-empty.*fix \(5, 5\)"),
+                         (((9, 12), (2, 5)), r"in ascending order; got \[\(9, 12\), \(2, 5\)\]: fix \(9, 12\)")):
+        with pytest.raises(ValueError, match=match):
+            ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=spans)
+    with pytest.raises(TypeError, match="bidirectional_spans must be \\(start, end\\) pairs of ints; got \\[3\\]"):
+        ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=[3])
+    with pytest.raises(ValueError, match="widen a causal mask.*Pass causal=True"):
+        ndp.ops.attention(q, k, v, causal=False, bidirectional_spans=((2, 6),))
+    with pytest.raises(ValueError, match=r"as many queries as keys; got 8 queries and 16 keys \(a KV cache\)"):
+        ndp.ops.attention(q[:, :8], k, v, causal=True, bidirectional_spans=((2, 6),))
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"as many queries as keys; got packed documents \(cu_seqlens"):
+        ndp.ops.attention(q[0], k[0], v[0], causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                          bidirectional_spans=((2, 6),))
+    restart = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    with pytest.raises(ValueError, match=r"got packed documents \(cu_seqlens, or position_ids that restart\)"):
+        ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=((2, 6),), position_ids=restart)
+    # positions that continue: one document, the spans apply
+    assert torch.equal(ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=((2, 6),),
+                                         position_ids=torch.arange(16)[None]),
+                       ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=((2, 6),)))
+    # none, or an empty list: plain causal attention, bitwise
+    plain = ndp.ops.attention(q, k, v, causal=True)
+    for off in (None, (), []):
+        assert torch.equal(ndp.ops.attention(q, k, v, causal=True, bidirectional_spans=off), plain)

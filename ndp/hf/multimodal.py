@@ -33,8 +33,9 @@ from .masks import spec_of
 from .models import Unsupported
 
 # The text decoder's arguments a whole batch's shard is cut from; cache_position is dropped (each decoder builds it
-# for its shard, as for a sharded text batch).
-_CUT = ("inputs_embeds", "position_ids", "attention_mask")
+# for its shard, as for a sharded text batch). Gemma 3n / Gemma 4's per-layer inputs are [batch, seq, layers, dim],
+# cut along the rows as the embeddings.
+_CUT = ("inputs_embeds", "position_ids", "attention_mask", "per_layer_inputs")
 _DROPPED = ("cache_position",)
 # A [batch, seq] mask of the visual tokens -> the decoder argument holding per-visual-token features placed there,
 # in the mask's row-major order (Qwen3-VL's deepstack: one [visual tokens, hidden] tensor per layer it adds to): the
@@ -87,8 +88,8 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
 
 
 def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:
-    """`kwargs` of the text decoder `module` with its whole inputs cut into this rank's shard: inputs_embeds and a
-    2-D attention mask along dim 1, position_ids (``[batch, seq]``, or multimodal RoPE's ``[k, batch, seq]``) along
+    """`kwargs` of the text decoder `module` with its whole inputs cut into this rank's shard: inputs_embeds, a
+    2-D attention mask and per-layer inputs along dim 1, position_ids (``[batch, seq]``, or multimodal RoPE's ``[k, batch, seq]``) along
     their last dim (0 .. seq - 1 where none are given), carrying the shard's REAL_TOKENS and the batch's LONGEST."""
     name = type(module).__name__
     embeds = kwargs.get("inputs_embeds")
@@ -109,6 +110,13 @@ def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2:
         out["attention_mask"] = _cut(mask, 1, ctx)
+    layers = kwargs.get("per_layer_inputs")
+    if torch.is_tensor(layers):
+        if layers.shape[:2] != (batch, seq):
+            raise Unsupported(f"{name} got per_layer_inputs {tuple(layers.shape)} under context parallelism; ndp cuts "
+                              f"them as [batch ({batch}), seq ({seq}), ...]. Train batches with images with "
+                              f"cp_size=1.")
+        out["per_layer_inputs"] = _cut(layers, 1, ctx)
     for where, features in _PLACED.items():
         if torch.is_tensor(kwargs.get(where)):
             out[where], out[features] = _placed(name, kwargs[where], kwargs.get(features), features, ctx)

@@ -19,6 +19,8 @@ from torch.distributed.tensor import DTensor
 from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, LlavaProcessor,
                           PreTrainedTokenizerFast)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import ndp
@@ -46,7 +48,10 @@ _IMAGES = {
     "internvl": (dict(image_size=[28, 28], patch_size=[14, 14]), 1, (2, 3, 28, 28), {}),
     "paligemma": (dict(image_size=28, projection_dim=64), 4, (2, 3, 28, 28), {}),
     "gemma3": (dict(image_size=28, patch_size=14), 4, (2, 3, 28, 28), {}),  # token_type_ids: vlm_batch
+    "gemma4": ({}, 64, None, {}),  # a 48 px image: 64 soft tokens (vlm_batch: its processor's patches, positions)
 }
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16)
 
 
 def tiny_vlm(family, seed=0, **vision):
@@ -70,6 +75,10 @@ def tiny_vlm(family, seed=0, **vision):
         if family == "gemma3":  # 2 x 2 patches, one token each; a window that cuts into the image blocks
             cfg.mm_tokens_per_image, cfg.boi_token_index, cfg.eoi_token_index = 4, START, END
             cfg.text_config.sliding_window = 3
+        if family == "gemma4":  # a vision tower (the config has none), its image blocks attended bidirectionally
+            cfg.vision_config = Gemma4VisionConfig(**GEMMA4_VISION)
+            cfg.boi_token_id, cfg.eoi_token_id = START, END
+            cfg.text_config.use_bidirectional_attention = "vision"
     for name, value in vision.items():
         setattr(cfg.vision_config, name, value)
     torch.manual_seed(seed)
@@ -101,6 +110,11 @@ def vlm_batch(model, seq, padded=0, seed=1):
         pixels = torch.randn(int(grid.prod(-1).sum()), 3 * vc.temporal_patch_size * vc.patch_size ** 2,
                              generator=g, dtype=torch.float64)
         extra = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
+    elif family == "gemma4":
+        image = Image.fromarray((torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy())
+        px = Gemma4ImageProcessorPil(max_soft_tokens=70)(images=[image, image], return_tensors="pt")
+        extra = dict(pixel_values=px["pixel_values"].double(), image_position_ids=px["image_position_ids"],
+                     mm_token_type_ids=(ids == IMAGE).long())
     else:
         extra = dict(pixel_values=torch.randn(_IMAGES[family][2], generator=g, dtype=torch.float64),
                      **_IMAGES[family][3])
@@ -112,9 +126,9 @@ def vlm_batch(model, seq, padded=0, seed=1):
 def _reference(family, seq, padded):
     model = tiny_vlm(family)
     # eager: transformers' sdpa drops the causal mask where a layer says is_causal=False (PaliGemma's text layers);
-    # sdpa for Gemma 3: eager fills a pad whose sliding window sees only pads with NaN in float64, and the next
+    # sdpa for Gemma 3 and 4: eager fills a pad whose sliding window sees only pads with NaN in float64, and the next
     # layer spreads it over the row
-    model.set_attn_implementation("sdpa" if family == "gemma3" else "eager")
+    model.set_attn_implementation("sdpa" if family.startswith("gemma") else "eager")
     batch, labels = vlm_batch(model, seq, padded)
     return _loss_and_grads(model, F.cross_entropy(model(**batch).logits.flatten(0, 1), labels.flatten()))
 
@@ -156,6 +170,7 @@ def _shard_batch_body(rank, world, family, impl, seq, padded):
     ("paligemma", "ring", 22, 0),  # its positions count from 1 (refused as "not this rank's shard" before)
     ("gemma3", "ring", 23, 0),  # bidirectional image blocks, a sliding window cutting into them (refused before)
     ("gemma3", "ulysses", 24, 5),  # right padding, which shard_batch drops from the mask (pads labelled -100)
+    ("gemma4", "ring", 86, 0),  # image blocks; per-layer inputs cut as the embeddings
 ])
 def test_a_batch_with_images_under_cp_equals_one_process(tmp_path, family, impl, seq, padded):
     """cp 2 through shard_batch: the loss and every gradient (the vision tower's too) equal one process's. Before:

@@ -523,3 +523,35 @@ def test_token_type_rows_are_padded_as_text():
     rows = {"input_ids": torch.ones(1, 3, dtype=torch.long), "mm_token_type_ids": torch.ones(1, 3, dtype=torch.long)}
     out = pad_rows(rows, 4, pad_id=151643)
     assert out["input_ids"].tolist() == [[1, 1, 1, 151643]] and out["mm_token_type_ids"].tolist() == [[1, 1, 1, 0]]
+
+
+def test_compiled_layers_follow_each_batchs_image_blocks():
+    """Gemma 3's decoder layers compiled fullgraph: each batch's image blocks (spans read into the mask marker's spec,
+    images at other positions in the second batch) give eager's logits and gradients, never spans compiled in from
+    an earlier batch."""
+    import torch._dynamo as dynamo
+
+    ndp.hf.register_attention()
+    model = tiny_vlm("gemma3").float()
+    model.set_attn_implementation(ndp.hf.text_attention(model, "ndp_ring"))
+    batches = [vlm_batch(model, 23, seed=seed)[0] for seed in (1, 2)]
+    batches[1]["input_ids"] = batches[1]["input_ids"].roll(7, dims=1)  # the images 7 tokens later
+    batches[1]["token_type_ids"] = batches[1]["token_type_ids"].roll(7, dims=1)
+
+    def run(batch):
+        model.zero_grad()
+        out = model(**{k: v.float() if v.is_floating_point() else v for k, v in batch.items()}).logits
+        out.square().mean().backward()
+        return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    eager = [run(b) for b in batches]
+    layers = model.model.language_model.layers
+    dynamo.reset()
+    try:
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for b, want in zip(batches, eager):
+            for got, w in zip(run(b), want):
+                torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+    finally:
+        dynamo.reset()

@@ -97,7 +97,8 @@ def vlm_batch(model, seq, padded=0, seed=1):
     qwen = family.startswith("qwen")
     tokens = [int(torch.tensor(grid).prod()) // 4 for grid in GRIDS] if qwen else [_IMAGES[family][1]] * 2
     for row, n in enumerate(tokens):
-        ids[row, 4], ids[row, 5:5 + n], ids[row, 5 + n] = START, IMAGE, END
+        at = 4 + 5 * row if family == "gemma3" else 4  # Gemma 3: the rows' image blocks apart (an attention call each)
+        ids[row, at], ids[row, at + 1:at + 1 + n], ids[row, at + 1 + n] = START, IMAGE, END
     mask = torch.ones_like(ids)
     if padded:
         mask[1, -padded:] = 0

@@ -192,6 +192,18 @@ def test_sinks_rows_without_keys_and_bad_shapes():
         ndp.ops.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.int64))
 
 
+def _definition_case(case, q, k, v, backend):
+    """(inputs: q, k, v and the case's sinks in the backend's dtype, requiring grad; dout; the reference from the
+    definition: out, lse and every gradient; the dtype)."""
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) if case.get("sinks") \
+        else None
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = dense_reference(case, q, k, v, dout, sinks)
+    dt = torch.float32 if backend == "triton" else torch.float64
+    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
+    return inputs, dout, want, dt
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
 @pytest.mark.parametrize("case", [dict(causal=True), dict(causal=False, window=(4, 2)), dict(causal=False),
                                   dict(causal=True, docs=[7, 0, 12, 1]), dict(causal=True, sinks=True)])
@@ -208,14 +220,9 @@ def test_softcap_matches_definition(backend, case):
         cu = torch.tensor([0] + torch.tensor(case["docs"]).cumsum(0).tolist(), dtype=torch.int32)
         q, k, v = (x[0] for x in (q, k, v))
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(case["docs"]), max_seqlen_k=max(case["docs"]))
-    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) if case.get("sinks") \
-        else None
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    want = dense_reference(case, q, k, v, dout, sinks)
-    dt = torch.float32 if backend == "triton" else torch.float64
-    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
-    out, lse = ndp.ops.attention(*inputs[:3], backend=backend, return_lse=True, sinks=inputs[3] if sinks is not None
-                                 else None, **kw)
+    inputs, dout, want, dt = _definition_case(case, q, k, v, backend)
+    sinks = inputs[3] if len(inputs) > 3 else None
+    out, lse = ndp.ops.attention(*inputs[:3], backend=backend, return_lse=True, sinks=sinks, **kw)
     grads = torch.autograd.grad(out, inputs, dout.to(dt))
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse) + grads, want):
         assert_close(g, w, dt, "out" if name in ("out", "lse") else "grad", msg=f"{backend} {name} {case}")
@@ -291,14 +298,10 @@ def test_bidirectional_spans_match_definition(backend, case):
         pytest.skip("triton backend on CPU runs only under TRITON_INTERPRET=1")
     case = dict(case, causal=True)
     q, k, v = _qkv(2, 40, 40, 4, 2, 16)
-    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64) if case.get("sinks") \
-        else None
-    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    want = dense_reference(case, q, k, v, dout, sinks)
-    dt = torch.float32 if backend == "triton" else torch.float64
-    inputs = tuple(x.detach().to(dt).requires_grad_() for x in (q, k, v) + ((sinks,) if sinks is not None else ()))
+    inputs, dout, want, dt = _definition_case(case, q, k, v, backend)
+    sinks = inputs[3] if len(inputs) > 3 else None
     kw = dict(causal=True, window_size=case.get("window", (-1, -1)), bidirectional_spans=case["spans"],
-              backend=backend, return_lse=True, sinks=inputs[3] if sinks is not None else None)
+              backend=backend, return_lse=True, sinks=sinks)
     torch._dynamo.reset()  # each case compiles afresh (dynamo's recompile limit)
     for run in (ndp.ops.attention, torch.compile(ndp.ops.attention, backend="aot_eager", fullgraph=True)):
         out, lse = run(*inputs[:3], **kw)

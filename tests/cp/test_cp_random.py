@@ -1,8 +1,9 @@
 """Seeded random CP calls (ring, all-gather, Ulysses on 2 gloo ranks): each one either matches single-process
 fp64 attention on every rank, or every rank refuses it with the same error before any transfer, and the group
 still works after it. The fixed cases of test_cp_attention pick one value per feature; these draw combinations
-(layout x packed documents x window x soft-cap x sinks x chunks x head ratio x dtype x forced engine), which is how
-a forced engine refused inside a ring step (transfers in flight, the next collective waiting forever) was found."""
+(layout x packed documents x window x soft-cap x sinks x chunks x image spans x head ratio x dtype x forced engine),
+which is how a forced engine refused inside a ring step (transfers in flight, the next collective waiting forever)
+was found."""
 import random
 
 import pytest
@@ -39,7 +40,12 @@ def draw(seed: int, world: int):
         case["softcap"] = 7.0      # the sdpa engine has none: a forced sdpa is refused
     if r.random() < 0.2:
         case["sinks"] = True
-    return r.choice(sorted(FUNCTIONS)), case, r.choice([torch.float64, torch.float32])
+    name, dtype = r.choice(sorted(FUNCTIONS)), r.choice([torch.float64, torch.float32])
+    if "seqlen" in case and r.random() < 0.3:  # image blocks: refused with chunks or a mask that is not causal
+        n = case["seqlen"]
+        cuts = sorted(r.sample(range(n + 1), 2 * r.randint(1, min(3, n // 2))))
+        case["spans"] = tuple(zip(cuts[::2], cuts[1::2]))
+    return name, case, dtype
 
 
 def _body(rank, world):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 import ndp.cp
@@ -132,7 +133,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
     """transformers attention interface: ``(attn_output [B, S, H, Dv], None)``.
 
     Args:
-        module: the attention layer (its ``ndp_cp`` CPContext selects the CP groups; ``is_causal``).
+        module: the attention layer (``ndp_cp``: CP groups; ``is_causal``; cross-attention: :func:`_cross_attention`).
         query, key: ``[B, H, S, D]`` / ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ from D, as in
             MLA); local shards under CP, in the CP layout.
         attention_mask: what ndp's mask interface returned: None, a marker carrying the layer's
@@ -150,12 +151,14 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
             mask, unknown ones) are refused, never dropped.
     Raises:
         ValueError: padding under CP or in a form ndp cannot read, dropout, or a packed batch with batch > 1.
-            Under CP a mask or dropout refused on one rank raises on every rank of the CP group (no rank is left
-            waiting in the ring).
-        Unsupported: an argument or mask ndp cannot apply exactly (the same on every rank).
+        Unsupported: an argument or mask ndp cannot apply exactly. Under CP either is raised on every rank of the
+            CP group (no rank is left waiting in the ring).
     """
     ctx = getattr(module, CP_ATTR, None)
     cp_on = ctx is not None and ctx.enabled
+    if cp_on and "CrossAttention" in type(module).__name__:  # keys of a tower's states, not of the rows
+        return _cross_attention(module, query, key, value, attention_mask, ctx, impl, scaling=scaling,
+                                dropout=dropout, **kwargs)
     spec, dense, cu = _mask_of(attention_mask, query.shape[0], query.shape[2], cp_on, kwargs.get("cu_seq_lens_q"))
     causal = kwargs.pop("is_causal", None)
     sinks = kwargs.pop("s_aux", None)  # gpt-oss style: one learnable logit per query head
@@ -249,6 +252,21 @@ def _rows_of(position_ids, rows):
     if rows is None or position_ids is None or position_ids.shape[0] == 1:
         return position_ids
     return position_ids[rows]
+
+
+def _cross_attention(module, query, key, value, attention_mask, ctx, impl, **kwargs):
+    """Under CP, a decoder's cross-attention (Mllama's text layers attending to the vision tower's states): its
+    queries are this rank's rows, its keys and values the tower's states, whole on every rank where the batch
+    reached the model whole (``ndp.hf.multimodal``: its mask cut to the shard's rows as well), so the model's own
+    SDPA attention of the shard's rows is the whole rows' there. Refused on every rank of the CP group otherwise
+    (a batch sharded before the model: the states would be a shard's)."""
+    if whole_forward() is None:
+        raise_on_cp_ranks(Unsupported(
+            f"{type(module).__name__} (a cross-attention) under context parallelism on a batch sharded before the "
+            f"model: ndp attends a cross-attention only where the batch reaches the model whole (ndp.hf.shard_batch "
+            f"gives a batch with images to the model whole), its keys a tower's states. Train it with cp_size=1."),
+            ctx, f"ndp_{impl} attention")
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _one_dtype(q, k, v):

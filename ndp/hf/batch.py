@@ -158,16 +158,16 @@ def _pad_value(name, pad_id):
         return 0
     if name == ORIGIN:
         return -1
-    if name.endswith("token_type_ids"):
-        return 0  # text (Gemma 3's token_type_ids, Qwen-VL's mm_token_type_ids)
+    if name.endswith("token_type_ids") or name == "cross_attention_mask":
+        return 0  # text (Gemma 3's token_type_ids, Qwen-VL's mm_token_type_ids); Mllama: a pad sees no image
     if name == "attention_mask":
         return 1  # pads sit after every real token: under a causal mask no real token sees them
     return pad_id
 
 
 def pad_rows(rows, multiple, pad_id=0):
-    """Dense rows padded at the end to a multiple of `multiple` tokens: labels -100, positions continued, attention
-    mask 1, other tensors (input_ids) `pad_id`."""
+    """Dense rows ([batch, seq, ...]) padded at the end to a multiple of `multiple` tokens: labels -100, positions
+    continued, attention mask 1, other tensors (input_ids) `pad_id` (``_pad_value``)."""
     seq = next(iter(rows.values())).shape[1]
     extra = -seq % multiple
     if not extra:
@@ -177,7 +177,8 @@ def pad_rows(rows, multiple, pad_id=0):
         if name == "position_ids":
             tail = t[:, -1:] + torch.arange(1, extra + 1, device=t.device, dtype=t.dtype)
         else:
-            tail = torch.full((t.shape[0], extra), _pad_value(name, pad_id), dtype=t.dtype, device=t.device)
+            tail = torch.full((t.shape[0], extra, *t.shape[2:]), _pad_value(name, pad_id), dtype=t.dtype,
+                              device=t.device)
         out[name] = torch.cat([t, tail], dim=1)
     return out
 
@@ -529,7 +530,9 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
     """shard_batch of a batch that reaches `model` whole (:func:`keeps_whole`): its rows checked; under CP right
     padding dropped and rows padded to the layout's multiple as for a sharded batch, only the labels sharded."""
     ids = tensors.get("input_ids")
-    rows = {k: t for k, t in tensors.items() if torch.is_tensor(t) and torch.is_tensor(ids) and t.shape == ids.shape}
+    # the rows' tensors: [batch, seq] and [batch, seq, ...] (Mllama's cross_attention_mask)
+    rows = {k: t for k, t in tensors.items() if torch.is_tensor(t) and torch.is_tensor(ids) and t.dim() >= 2
+            and t.shape[:2] == ids.shape}
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise ValueError(f"{type(model).__name__} under context parallelism takes a batch with images (or another "
                          f"tower's input) whole, its text decoder sharding it: it needs the input_ids ([batch, seq]) "
@@ -550,7 +553,8 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
 def refuse_packed_whole(model, tensors, rows) -> None:
     """Refuse a packed batch (a document table, positions or seq_idx restarting inside a row) that reaches `model`
     whole: its text decoder cuts rows, not documents."""
-    if packed_cu({**rows, **{k: tensors[k] for k in PACKING_KEYS if k in tensors}}) is not None:
+    flat = {k: t for k, t in rows.items() if t.dim() == 2}  # [batch, seq]: what names documents
+    if packed_cu({**flat, **{k: tensors[k] for k in PACKING_KEYS if k in tensors}}) is not None:
         raise Unsupported(f"{type(model).__name__}: packed documents with images (or another tower's input) under "
                           f"context parallelism: ndp cuts such a batch at the text decoder, as rows. Pad the rows "
                           f"(labels -100 at the pads) instead of packing them, or train packed batches with cp_size=1.")

@@ -33,9 +33,11 @@ from .masks import spec_of
 from .models import Unsupported
 
 # The text decoder's arguments a whole batch's shard is cut from; cache_position is dropped (each decoder builds it
-# for its shard, as for a sharded text batch). Gemma 3n / Gemma 4's per-layer inputs are [batch, seq, layers, dim],
-# cut along the rows as the embeddings.
-_CUT = ("inputs_embeds", "position_ids", "attention_mask", "per_layer_inputs")
+# for its shard, as for a sharded text batch).
+_CUT = ("inputs_embeds", "input_ids", "position_ids", "attention_mask")
+# [batch, ..., seq, ...] decoder arguments cut along their rows at a dim of their own: Gemma 4's per-layer inputs
+# ([batch, seq, layers, dim]), Mllama's cross-attention mask and its rows' mask ([batch, 1, seq, vision or 1]).
+_ROWS_AT = {"per_layer_inputs": 1, "cross_attention_mask": 2, "full_text_row_masked_out_mask": 2}
 _DROPPED = ("cache_position",)
 # A [batch, seq] mask of the visual tokens -> the decoder argument holding per-visual-token features placed there,
 # in the mask's row-major order (Qwen3-VL's deepstack: one [visual tokens, hidden] tensor per layer it adds to): the
@@ -88,35 +90,42 @@ def guard_whole_batches(model, decoder: str, ctx) -> None:
 
 
 def shard_decoder_inputs(module, args, kwargs, whole, ctx) -> dict:
-    """`kwargs` of the text decoder `module` with its whole inputs cut into this rank's shard: inputs_embeds, a
-    2-D attention mask and per-layer inputs along dim 1, position_ids (``[batch, seq]``, or multimodal RoPE's ``[k, batch, seq]``) along
-    their last dim (0 .. seq - 1 where none are given), carrying the shard's REAL_TOKENS and the batch's LONGEST."""
+    """`kwargs` of the text decoder `module` with its whole inputs cut into this rank's shard: its tokens
+    (inputs_embeds, else input_ids: Mllama's decoder embeds them) and a 2-D attention mask along dim 1, the
+    arguments of ``_ROWS_AT`` along theirs, position_ids (``[batch, seq]``, or multimodal RoPE's ``[k, batch, seq]``)
+    along their last dim (0 .. seq - 1 where none are given), carrying the shard's REAL_TOKENS and the batch's
+    LONGEST."""
     name = type(module).__name__
-    embeds = kwargs.get("inputs_embeds")
-    if args or not torch.is_tensor(embeds) or embeds.dim() != 3 or embeds.shape[1] != whole.seq:
-        got = tuple(embeds.shape) if torch.is_tensor(embeds) else None
+    key = "inputs_embeds" if kwargs.get("inputs_embeds") is not None else "input_ids"
+    tokens = kwargs.get(key)
+    if args or not torch.is_tensor(tokens) or tokens.dim() != (3 if key == "inputs_embeds" else 2) or \
+            tokens.shape[1] != whole.seq:
+        got = tuple(tokens.shape) if torch.is_tensor(tokens) else None
         raise Unsupported(f"{name} got a whole batch of {whole.seq} tokens under context parallelism, but not as "
-                          f"inputs_embeds [batch, {whole.seq}, hidden] by keyword (got {len(args)} positional "
-                          f"arguments, inputs_embeds {got}): ndp cannot cut it into this rank's shard. Train batches "
-                          f"with images with cp_size=1.")
-    batch, seq = embeds.shape[:2]
+                          f"inputs_embeds [batch, {whole.seq}, hidden] or input_ids [batch, {whole.seq}] by keyword "
+                          f"(got {len(args)} positional arguments, {key} {got}): ndp cannot cut it into this rank's "
+                          f"shard. Train batches with images with cp_size=1.")
+    batch, seq = tokens.shape[:2]
     _refuse_uncut(name, kwargs, batch, seq)
     pos = kwargs.get("position_ids")
     if pos is None:
-        pos = torch.arange(seq, device=embeds.device).expand(batch, seq)
+        pos = torch.arange(seq, device=tokens.device).expand(batch, seq)
     out = {k: v for k, v in kwargs.items() if k not in _DROPPED}
-    out["inputs_embeds"] = _cut(embeds, 1, ctx)
+    for k in ("inputs_embeds", "input_ids"):
+        if torch.is_tensor(kwargs.get(k)):  # both given: the decoder would refuse them, as without CP
+            out[k] = _cut(kwargs[k], 1, ctx)
     out["position_ids"] = _cut(pos, pos.dim() - 1, ctx)
     mask = kwargs.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2:
         out["attention_mask"] = _cut(mask, 1, ctx)
-    layers = kwargs.get("per_layer_inputs")
-    if torch.is_tensor(layers):
-        if layers.shape[:2] != (batch, seq):
-            raise Unsupported(f"{name} got per_layer_inputs {tuple(layers.shape)} under context parallelism; ndp cuts "
-                              f"them as [batch ({batch}), seq ({seq}), ...]. Train batches with images with "
-                              f"cp_size=1.")
-        out["per_layer_inputs"] = _cut(layers, 1, ctx)
+    for arg, dim in _ROWS_AT.items():
+        t = kwargs.get(arg)
+        if torch.is_tensor(t):
+            if t.dim() <= dim or t.shape[0] != batch or t.shape[dim] != seq:
+                raise Unsupported(f"{name} got {arg} {tuple(t.shape)} under context parallelism; ndp cuts it along "
+                                  f"dim {dim} as [batch ({batch}), ..., seq ({seq}) at dim {dim}, ...]. Train batches "
+                                  f"with images with cp_size=1.")
+            out[arg] = _cut(t, dim, ctx)
     for where, features in _PLACED.items():
         if torch.is_tensor(kwargs.get(where)):
             out[where], out[features] = _placed(name, kwargs[where], kwargs.get(features), features, ctx)
@@ -136,7 +145,7 @@ def _refuse_uncut(name, kwargs, batch, seq) -> None:
                           f"parallelism: ndp cannot cut it into this rank's shard. Let the model build its mask "
                           f"(no 4-D attention_mask), or train batches with images with cp_size=1.")
     for key, value in kwargs.items():
-        if key in (*_CUT, *_DROPPED, *_PLACED):
+        if key in (*_CUT, *_DROPPED, *_PLACED, *_ROWS_AT):
             continue
         along = [t for t in _tensors(value) if seq in tuple(t.shape) and t.numel() >= batch * seq]
         if along:

@@ -1,7 +1,8 @@
 """Vision-language models under CP with images (``ndp.hf.multimodal``): the batch reaches the model whole, the towers
 run on the whole images on every rank, the text decoder takes this rank's shard; the loss and every gradient (the
 vision tower's included) equal one process's, through ``ndp.hf.shard_batch`` (Qwen2-VL, Qwen3-VL, LLaVA, Mistral 3,
-Idefics3, InternVL) and through ndp's Trainer, SFTTrainer and DPOTrainer. Before, a batch with images under CP was
+Idefics3, InternVL, PaliGemma; Gemma 3 and Gemma 4 with their bidirectional image blocks; Mllama's cross-attention)
+and through ndp's Trainer, SFTTrainer and DPOTrainer. Before, a batch with images under CP was
 refused (the tower would have seen a shard): no VLM trained under CP; Mistral 3 with images did not run even on one
 process."""
 import os
@@ -29,6 +30,7 @@ import ndp.hf
 import ndp.trainer
 from dist import spawn
 from ndp.hf.batch import Whole, pad_rows
+from ndp.hf.attention import ndp_attention_forward
 from ndp.hf.multimodal import shard_decoder_inputs
 from test_accelerate import _InOrder, _fsdp2_plugin, _in_order, _rank_env, _save_word_tokenizer, _trainer_args
 from _zoo import _loss_and_grads, _shrink
@@ -49,6 +51,10 @@ _IMAGES = {
     "paligemma": (dict(image_size=28, projection_dim=64), 4, (2, 3, 28, 28), {}),
     "gemma3": (dict(image_size=28, patch_size=14), 4, (2, 3, 28, 28), {}),  # token_type_ids: vlm_batch
     "gemma4": ({}, 64, None, {}),  # a 48 px image: 64 soft tokens (vlm_batch: its processor's patches, positions)
+    # one tile of 28 px per image, attended by cross-attention (vlm_batch: the tiles' aspect ratios and mask)
+    "mllama": (dict(image_size=28, patch_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_global_layers=1, attention_heads=2, max_num_tiles=1, intermediate_layers_indices=[0],
+                    vision_output_dim=64, supported_aspect_ratios=[[1, 1]]), 1, (2, 1, 1, 3, 28, 28), {}),
 }
 GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16)
@@ -75,6 +81,8 @@ def tiny_vlm(family, seed=0, **vision):
         if family == "gemma3":  # 2 x 2 patches, one token each; a window that cuts into the image blocks
             cfg.mm_tokens_per_image, cfg.boi_token_index, cfg.eoi_token_index = 4, START, END
             cfg.text_config.sliding_window = 3
+        if family == "mllama":  # one cross-attention layer of the two
+            cfg.text_config.cross_attention_layers = [1]
         if family == "gemma4":  # a vision tower (the config has none), its image blocks attended bidirectionally
             cfg.vision_config = Gemma4VisionConfig(**GEMMA4_VISION)
             cfg.boi_token_id, cfg.eoi_token_id = START, END
@@ -85,6 +93,10 @@ def tiny_vlm(family, seed=0, **vision):
     model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
     if family == "gemma3":  # its projection starts at zero (no image would reach the text, nor a gradient the tower)
         torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    if family == "mllama":  # its gates start at zero (the cross-attention's output, and the tower's gradient, zero)
+        for name, p in model.named_parameters():
+            if "gate" in name and p.numel() == 1:
+                torch.nn.init.constant_(p, 0.5)
     return model
 
 
@@ -121,6 +133,10 @@ def vlm_batch(model, seq, padded=0, seed=1):
                      **_IMAGES[family][3])
         if family == "gemma3":  # its image blocks, attended bidirectionally
             extra["token_type_ids"] = (ids == IMAGE).long()
+        if family == "mllama":  # one tile per image; each token attends to its row's image from the image on
+            seen = ((ids == IMAGE).cumsum(1) > 0).long()[:, :, None, None]
+            extra.update(aspect_ratio_ids=torch.ones(2, 1, dtype=torch.long),
+                         aspect_ratio_mask=torch.ones(2, 1, 1, dtype=torch.long), cross_attention_mask=seen)
     return dict(input_ids=ids, attention_mask=mask, **extra), labels
 
 
@@ -172,6 +188,8 @@ def _shard_batch_body(rank, world, family, impl, seq, padded):
     ("gemma3", "ring", 23, 0),  # bidirectional image blocks, a sliding window cutting into them (refused before)
     ("gemma3", "ulysses", 24, 5),  # right padding, which shard_batch drops from the mask (pads labelled -100)
     ("gemma4", "ring", 86, 0),  # image blocks; per-layer inputs cut as the embeddings
+    ("mllama", "ring", 23, 0),  # cross-attention to the tower's states; the decoder cuts input_ids and the masks
+    ("mllama", "ulysses", 24, 0),
 ])
 def test_a_batch_with_images_under_cp_equals_one_process(tmp_path, family, impl, seq, padded):
     """cp 2 through shard_batch: the loss and every gradient (the vision tower's too) equal one process's. Before:
@@ -556,3 +574,17 @@ def test_compiled_layers_follow_each_batchs_image_blocks():
                 torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
     finally:
         dynamo.reset()
+
+
+def _cross_attention_sharded_body(rank, world):
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl="ring")
+    model = ndp.hf.parallelize(tiny_vlm("mllama").train(), cfg, cfg.build_device_mesh("cpu"))
+    cross = model.model.language_model.layers[1].cross_attn
+    q, kv = torch.randn(1, 4, 6, 16, dtype=torch.float64), torch.randn(1, 4, 5, 16, dtype=torch.float64)
+    # no whole batch around the call: the tower's states would be a shard's; refused on every rank
+    with pytest.raises((ndp.hf.Unsupported, ValueError), match="a cross-attention.* on a batch sharded before"):
+        ndp_attention_forward(cross, q, kv, kv, None)
+
+
+def test_a_cross_attention_on_a_sharded_batch_is_refused_on_every_rank(tmp_path):
+    spawn(_cross_attention_sharded_body, 2, tmp_path, timeout_s=120)

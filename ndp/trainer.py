@@ -83,7 +83,7 @@ from .accelerate import (Accelerator, batch_ranks, fsdp2_state_on_cpu, gather_ov
                          saved_optimizer_state)
 from .cp import sum_over_group
 from .hf.batch import (ORIGIN, PACKING_KEYS, document_positions, gather_tokens, keeps_whole, origin_rows,
-                       pad_id_of, refuse_other_batches, refuse_packed_whole, whole_batch, whole_rows,
+                       pad_id_of, refuse_other_batches, refuse_packed_whole, row_tensors, whole_batch, whole_rows,
                        without_padding)
 from .hf.models import POOLED_ON_WHOLE, classifies_tokens, peft_inner, pooled_last_token, row_head
 from .hf.router import losses_summed, recorded_shares
@@ -226,7 +226,7 @@ class NdpTrainerMixin:
         like = inputs.get("input_ids", inputs.get("labels"))
         names = [k for k, v in inputs.items() if torch.is_tensor(v) and v.dim() == 2 and v.shape == like.shape]
         if keeps_whole(self.accelerator.unwrap_model(model), inputs):
-            return self._whole_for_cp(model, inputs, names)
+            return self._whole_for_cp(model, inputs)
         if "position_ids" not in inputs:
             inputs["position_ids"] = document_positions({k: inputs[k] for k in (*names, *PACKING_KEYS) if k in inputs})
             names.append("position_ids")
@@ -240,12 +240,12 @@ class NdpTrainerMixin:
                                        names=names)
         return functools.partial(_neftune_of_batch, cp_context, self, model, like.shape[1], buffers[0]), inputs
 
-    def _whole_for_cp(self, model, inputs, names):
+    def _whole_for_cp(self, model, inputs):
         """:meth:`_shard_for_cp` of a batch with images (a tower's input): it reaches the model whole, its rows
-        `names` padded to the CP layout's multiple and only the labels (and the origin) sharded, as
+        (``row_tensors``) padded to the CP layout's multiple and only the labels (and the origin) sharded, as
         ``ndp.hf.shard_batch`` gives it; the text decoder takes the shard (``ndp.hf.multimodal``)."""
         unwrapped = self.accelerator.unwrap_model(model)
-        rows = {k: inputs[k] for k in names}
+        rows = row_tensors(inputs)
         refuse_other_batches({k: v for k, v in inputs.items() if torch.is_tensor(v)},
                              self.accelerator.torch_device_mesh, "ndp.trainer",
                              "; a sampler of one's own (_get_train_sampler) over the data-parallel ranks")

@@ -141,8 +141,7 @@ def ndp_attention_forward(module, query, key, value, attention_mask, scaling=Non
             ``ndp.hf.padded``), or a padding mask it could not read (refused); or a dense 4-D mask given to the
             model or built by it (:func:`~ndp.hf.masks.read_dense`: full, causal or causal packed documents are
             applied, any other is refused). A dense mask is the truth, as in eager attention: position_ids then
-            only place RoPE.
-        scaling: softmax scale; dropout: must be 0.
+            only place RoPE.  scaling: softmax scale; dropout: must be 0.
         sliding_window: the layer's window (Mistral / Qwen2); the mask's window wins where the mask has one.
         kwargs: ``cu_seq_lens_q`` (global int32 cu_seqlens of packed documents; batch must be 1),
             ``max_length_q``, ``position_ids`` (packed documents without CP are found from them), ``is_causal``,

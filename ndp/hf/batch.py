@@ -530,9 +530,7 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
     """shard_batch of a batch that reaches `model` whole (:func:`keeps_whole`): its rows checked; under CP right
     padding dropped and rows padded to the layout's multiple as for a sharded batch, only the labels sharded."""
     ids = tensors.get("input_ids")
-    # the rows' tensors: [batch, seq] and [batch, seq, ...] (Mllama's cross_attention_mask)
-    rows = {k: t for k, t in tensors.items() if torch.is_tensor(t) and torch.is_tensor(ids) and t.dim() >= 2
-            and t.shape[:2] == ids.shape}
+    rows = row_tensors(tensors)
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise ValueError(f"{type(model).__name__} under context parallelism takes a batch with images (or another "
                          f"tower's input) whole, its text decoder sharding it: it needs the input_ids ([batch, seq]) "
@@ -548,6 +546,15 @@ def _whole_batch(model, state, ctx, tensors, global_batch):
     refuse_packed_whole(model, tensors, rows)
     rows = whole_rows(without_padding(rows), ctx, pad_id_of(model))
     return _mark_shifted({**tensors, **rows})
+
+
+def row_tensors(tensors: dict) -> dict:
+    """The tensors of a batch given whole that are along its rows: [batch, seq] as its input_ids, and [batch, seq,
+    ...] (Mllama's cross_attention_mask), which :func:`whole_rows` pads with them."""
+    ids = tensors.get("input_ids")
+    if not torch.is_tensor(ids):
+        return {}
+    return {k: t for k, t in tensors.items() if torch.is_tensor(t) and t.dim() >= 2 and t.shape[:2] == ids.shape}
 
 
 def refuse_packed_whole(model, tensors, rows) -> None:
@@ -716,4 +723,4 @@ __all__ = ["shard_batch", "shard_rows", "items_per_rank", "guard_labels", "packe
            "document_positions", "parallel_state", "without_padding", "PACKING_KEYS", "LABEL_KEYS", "REAL_TOKENS",
            "SHIFTED", "LONGEST", "shard_positions", "shard_attribute", "refuse_other_batches", "holding", "WHOLE",
            "DECODER_SHARDS", "Whole", "whole_forward", "whole_batch", "whole_of", "keeps_whole", "whole_rows",
-           "refuse_packed_whole", "pad_id_of"]
+           "refuse_packed_whole", "pad_id_of", "row_tensors"]

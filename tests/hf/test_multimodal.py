@@ -411,19 +411,23 @@ class _Ctx:
 
 
 def test_decoder_arguments_ndp_cannot_cut_are_refused_by_name():
-    """What the text decoder gets along the sequence besides the embeddings, positions, a 2-D mask and placed
-    visual features is refused, never passed on whole beside a shard: another per-token tensor, a dense mask,
-    features that do not match their mask, positional inputs."""
+    """What the text decoder gets along the sequence besides the embeddings (or input_ids), positions, a 2-D mask,
+    per-layer inputs, cross-attention masks and placed visual features is refused, never passed on whole beside a
+    shard: another per-token tensor, a dense mask, features that do not match their mask, rows at another dim,
+    positional inputs."""
     whole = Whole(torch.ones(2, 4), torch.tensor([8]), 8)
     embeds = torch.zeros(2, 8, 16)
     cases = [
-        ({"inputs_embeds": embeds, "per_layer_inputs": torch.zeros(2, 8, 3, 4)}, r"per_layer_inputs \(2, 8, 3, 4\)"),
+        ({"inputs_embeds": embeds, "per_layer_inputs": torch.zeros(8, 2, 3, 4)},
+         r"per_layer_inputs \(8, 2, 3, 4\) .* cuts it along dim 1"),
+        ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "cross_attention_mask": torch.zeros(2, 1, 5, 8)},
+         r"cross_attention_mask \(2, 1, 5, 8\) .* along dim 2"),
         ({"inputs_embeds": embeds, "extra": [{"rows": torch.zeros(2, 8)}]}, r"extra \(2, 8\) along the batch's 8"),
         ({"inputs_embeds": embeds, "attention_mask": torch.zeros(2, 1, 8, 8)}, r"dense attention mask \(2, 1, 8, 8\)"),
         ({"inputs_embeds": embeds, "visual_pos_masks": torch.ones(2, 8, dtype=torch.bool),
           "deepstack_visual_embeds": [torch.zeros(15, 16)]},
          r"deepstack_visual_embeds \[\(15, 16\)\] for a mask of 16"),
-        ({"inputs_embeds": embeds[:, :6]}, r"not as inputs_embeds \[batch, 8, hidden\]"),
+        ({"inputs_embeds": embeds[:, :6]}, r"not as inputs_embeds \[batch, 8, hidden\] or input_ids \[batch, 8\]"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ndp.hf.Unsupported, match=match):
@@ -436,6 +440,15 @@ def test_decoder_arguments_ndp_cannot_cut_are_refused_by_name():
     assert out["position_ids"].tolist() == [[0, 1, 6, 7]] * 2  # zigzag: rank 0 holds pieces 0 and 3 of 4
     assert out["visual_pos_masks"].tolist() == [[True, False, True, False]] * 2  # positions 0 and 6 of each row
     assert out["deepstack_visual_embeds"][0].flatten().tolist() == [0., 2., 3., 5.]  # their features, in order
+    # Gemma 4's per-layer inputs along dim 1; Mllama's input_ids (its decoder embeds them) and cross-attention masks
+    rows = torch.arange(8.)[None, None, :, None]
+    given = {"input_ids": torch.arange(8).expand(2, 8), "per_layer_inputs": rows[0].expand(2, 8, 3).unsqueeze(-1),
+             "cross_attention_mask": rows.expand(2, 1, 8, 5), "full_text_row_masked_out_mask": rows.expand(2, 1, 8, 1)}
+    out = shard_decoder_inputs(torch.nn.Identity(), (), given, whole, _Ctx())
+    assert out["input_ids"].tolist() == [[0, 1, 6, 7]] * 2
+    assert out["per_layer_inputs"][0, :, 0, 0].tolist() == [0., 1., 6., 7.]
+    assert out["cross_attention_mask"][0, 0, :, 0].tolist() == [0., 1., 6., 7.]
+    assert out["full_text_row_masked_out_mask"][1, 0, :, 0].tolist() == [0., 1., 6., 7.]
 
 
 def _accelerate_body(rank, world):

@@ -376,8 +376,10 @@ def _spans_error(spec, ctx, table) -> str | None:
         return "in padded rows (a 2-D attention mask with padding)"
     if spec.q_offset or spec.kv_offset:
         return "behind a KV cache (generation)"
-    if table is not None or spec.chunk is not None:
-        return "in packed documents" if table is not None else "under chunked attention"
+    if table is not None or spec.packed:  # (a packed batch's spans would be dropped with its rows flattened)
+        return "in packed documents"
+    if spec.chunk is not None:
+        return "under chunked attention"
     if ctx is not None and whole_forward() is None:
         return (f"in a batch sharded before the model (the images' positions are rank {ctx.rank}'s shard's, not the "
                 f"row's; ndp.hf.shard_batch gives a batch with images to the model whole)")

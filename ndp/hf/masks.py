@@ -67,8 +67,8 @@ _REMAP = _code("remap_positions_for_packed_sequence", mu.causal_mask_function, N
 _OR = _code("or_masks", mu.causal_mask_function)
 _BLOCKWISE = _code("blockwise_overlay", None)
 IMAGE_BLOCKS = ("the batch has bidirectional image blocks (tokens with a block_sequence_ids / token_type_ids "
-                 "group) {why}: ndp attends each image's run of tokens bidirectionally, under the causal mask and a "
-                 "sliding window and-ed after it. Use the model's own attention implementation (cp_size=1).")
+                "group) {why}: ndp attends each image's run of tokens bidirectionally, under the causal mask and a "
+                "sliding window and-ed after it. Use the model's own attention implementation (cp_size=1).")
 
 
 def _closure(fn) -> dict:

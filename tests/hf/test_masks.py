@@ -70,7 +70,8 @@ def test_image_blocks_ndp_cannot_attend_exactly_are_refused():
     spec = describe(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)))
     q = torch.zeros(1, 2, 12, 16)
     for changed, match in ((dict(lengths=(10,), starts=(0,)), "in padded rows"),
-                           (dict(q_offset=4, kv_offset=0), "behind a KV cache")):
+                           (dict(q_offset=4, kv_offset=0), "behind a KV cache"),
+                           (dict(packed=True), "packed documents"), (dict(chunk=4), "under chunked attention")):
         with pytest.raises(Unsupported, match=f"bidirectional image blocks .*{match}"):
             ndp_attention_forward(_Attn(), q, q, q, marker(replace(spec, **changed), "cpu"))
     # The refusal depends on the batch: the attention raises it (under CP on every rank of the group).

@@ -341,6 +341,16 @@ def check_spans(spans, seqlen: int, causal: bool) -> tuple:
     return out
 
 
+def flat_spans(spans) -> list[int]:
+    """Spans as the flat int list a custom op takes: ``[start0, end0, start1, ...]`` (:func:`paired_spans`)."""
+    return [int(x) for span in spans or () for x in span]
+
+
+def paired_spans(flat) -> tuple:
+    """The ``(start, end)`` pairs of :func:`flat_spans`' list."""
+    return tuple(zip(flat[::2], flat[1::2]))
+
+
 def span_cuts(first: int, count: int, stride: int, spans: tuple) -> list:
     """The rows ``0 .. count - 1`` of a run at global positions ``first + stride * i`` cut where `spans` (sorted,
     disjoint) start and end: ``(i0, i1, end)`` for rows ``[i0, i1)``, `end` the end of the span holding them or

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ndp.ops.attention import distinct_outputs
-from ndp_kernels.segments import acc_dtype, lse_shape
+from ndp_kernels.segments import acc_dtype, flat_spans, lse_shape, paired_spans
 
 from ._validate import resolve_group
 
@@ -76,7 +76,7 @@ def _kwargs(cu_seqlens, sinks, causal, scale, left, right, layout, backend, dete
     return dict(cu_seqlens=cu_seqlens, sinks=sinks, causal=causal, softmax_scale=scale, window_size=(left, right),
                 layout=layout, backend=backend, deterministic=deterministic,
                 chunk_size=None if chunk_size < 0 else chunk_size, softcap=softcap,
-                bidirectional_spans=tuple(zip(spans[::2], spans[1::2])))
+                bidirectional_spans=paired_spans(spans))
 
 
 @torch.library.custom_op("ndp::cp_attention", mutates_args=())
@@ -172,5 +172,5 @@ def _op_call(impl: str, q, k, v, groups, *, causal, softmax_scale, layout, backe
     out, lse = torch.ops.ndp.cp_attention(
         q, k, v, sinks, cu_seqlens, impl, names[0], names[1], bool(causal), float(softmax_scale),
         int(left), int(right), layout, backend, bool(deterministic), -1 if chunk_size is None else int(chunk_size),
-        float(softcap or 0.0), [int(x) for span in bidirectional_spans or () for x in span])
+        float(softcap or 0.0), flat_spans(bidirectional_spans))
     return (out, lse) if return_lse else out

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, check_spans, lse_shape,
-                                   packed_rows_cu, run_bwd, segments_of)
+from ndp_kernels.segments import (acc_dtype, any_value_head, check_call, check_softcap, check_spans, flat_spans,
+                                   lse_shape, packed_rows_cu, paired_spans, run_bwd, segments_of)
 
 from .engines import ENGINE_MODULES, ENGINES, block_class, capable, choose, engine_available, engine_module
 from .sinks import add_sinks, check_sinks, sinks_grad
@@ -152,7 +152,7 @@ class _Layout:
         flat = (lambda x: x.reshape(-1, *x.shape[2:])) if self.rows is not None else (lambda x: x)
         self.segs = segments_of(flat(q), flat(k), causal=causal, window_size=window, cu_seqlens_q=cu_q,
                                 cu_seqlens_k=cu_k, max_seqlen_q=None if max_q < 0 else max_q,
-                                max_seqlen_k=None if max_k < 0 else max_k, spans=tuple(zip(spans[::2], spans[1::2])))
+                                max_seqlen_k=None if max_k < 0 else max_k, spans=paired_spans(spans))
 
     def block(self, x):
         """A q/k/v/out-like tensor as a 4-D block."""
@@ -327,7 +327,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     spans = check_spans(bidirectional_spans, q.shape[1] if q.dim() == 4 else q.shape[0], bool(causal))
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks, bool(causal), left, right,
             _given(max_seqlen_q), _given(max_seqlen_k), scale, softcap, backend, bool(deterministic),
-            [x for span in spans for x in span])
+            flat_spans(spans))
     if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, position_ids, sinks):
         out, lse = _EagerAttention.apply(*args[:7], args[7:])  # one options tuple: Function.apply walks each argument
     else:

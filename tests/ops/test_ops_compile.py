@@ -84,7 +84,8 @@ def test_op_registration_is_consistent(case):
     q, k, v = _inputs(case)
     cu = CU if case == "packed" else None
     sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], requires_grad=True) if case == "sinks" else None
-    args = (q, k, v, cu, cu, None, sinks, True, -1, -1, -1, -1, 32 ** -0.5, 0.0, "auto", False)
+    spans = [1, 3] if case == "causal" else []  # one image block: the op takes the spans as a flat int list
+    args = (q, k, v, cu, cu, None, sinks, True, -1, -1, -1, -1, 32 ** -0.5, 0.0, "auto", False, spans)
     torch.library.opcheck(torch.ops.ndp.attention.default, args, test_utils=(
         "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 

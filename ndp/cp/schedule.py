@@ -260,9 +260,6 @@ def _clipped(kr: Run, end: int) -> Run | None:
 def _span_blocks(u: Run, kr: Run, k_offset: int, mask: Mask, band: tuple) -> list:
     """The segment rows of query run `u` against key run `kr` (none, one, or one per piece of `u` that the mask's
     spans cut: ``span_cuts``)."""
-    if not mask.spans:
-        b = _pair_block(u, kr, k_offset, band)
-        return [] if b is None else [b]
     out = []
     for i0, i1, end in span_cuts(u.global_start, u.length, u.stride, mask.spans):
         part = Run(u.local_start + i0, i1 - i0, u.global_start + u.stride * i0, u.stride, u.doc)

@@ -153,7 +153,7 @@ def describe(mask_function) -> MaskSpec:
                 f"own attention implementation.")
     if chunk is not None and window is not None:
         raise Unsupported(f"a mask that is both chunked ({chunk}) and windowed ({window}): ndp applies one of them.")
-    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, spans=spans, refused=refused or None)
+    return MaskSpec(causal=causal, window=window, chunk=chunk, packed=packed, spans=spans, refused=refused)
 
 
 _PAD_FIX = ("Pad on one side (tokenizer.padding_side), or pack the documents (position_ids restarting at 0, no "

@@ -1,5 +1,6 @@
 """Multi-process helpers: real gloo process groups on CPU (docs/design.md, "Conventions: tests")."""
 import datetime
+import faulthandler
 import os
 import sys
 
@@ -22,6 +23,9 @@ def _entry(rank, fn, world_size, tmp_path, args, timeout_s, parent):
     os.environ.update(env)
     sys.path[:] = path
     os.chdir(cwd)
+    # A rank that dies in native code (SIGSEGV, SIGABRT) leaves only a signal name to mp.spawn: keep each
+    # thread's Python stack in a file that spawn() adds to the error.
+    faulthandler.enable(open(_fault_file(tmp_path, rank), "w"), all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdzv", rank=rank,
@@ -44,6 +48,25 @@ def _entry(rank, fn, world_size, tmp_path, args, timeout_s, parent):
     os._exit(0)
 
 
+def _fault_file(tmp_path, rank):
+    return os.path.join(tmp_path, f"fault.rank{rank}")
+
+
+def _with_fault_stacks(err, tmp_path, world_size):
+    """`err` (a rank killed by a signal) with the Python stacks faulthandler wrote at the crash."""
+    stacks = []
+    for rank in range(world_size):
+        try:
+            text = open(_fault_file(tmp_path, rank)).read().strip()
+        except OSError:
+            continue
+        if text:
+            stacks.append(f"--- rank {rank} ---\n{text}")
+    if stacks:
+        err.args = (err.args[0] + "\nfaulthandler:\n" + "\n".join(stacks),) + err.args[1:]
+    return err
+
+
 def spawn(fn, world_size, tmp_path, *args, timeout_s=60):
     """Run fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails.
 
@@ -52,5 +75,8 @@ def spawn(fn, world_size, tmp_path, *args, timeout_s=60):
     """
     os.makedirs(tmp_path, exist_ok=True)  # the file rendezvous waits, without an error, on a missing directory
     parent = (dict(os.environ), list(sys.path), os.getcwd())
-    mp.start_processes(_entry, args=(fn, world_size, str(tmp_path), args, timeout_s, parent), nprocs=world_size,
-                       join=True, start_method="forkserver")
+    try:
+        mp.start_processes(_entry, args=(fn, world_size, str(tmp_path), args, timeout_s, parent),
+                           nprocs=world_size, join=True, start_method="forkserver")
+    except mp.ProcessExitedException as err:
+        raise _with_fault_stacks(err, str(tmp_path), world_size) from None

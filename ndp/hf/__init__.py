@@ -19,14 +19,14 @@ from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
 
-from .attention import (IMPL_NAMES, guard_outside_layers, guard_packed, guard_positions, ndp_attention_forward,
-                        register_attention)
+from .attention import (IMPL_NAMES, guard_counted_positions, guard_outside_layers, guard_packed, guard_positions,
+                        ndp_attention_forward, register_attention)
 from .batch import DECODER_SHARDS, guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
 from .models import (Unsupported, attention_modules, check_cp_model, check_layerdrop, check_packed_model,
-                     cp_attention_modules, decoder_layers, gathered_mixers, head_counts, layer_stacks, outside_layers,
-                     peft_inner, text_config, text_decoder)
+                     counted_positions, cp_attention_modules, decoder_layers, gathered_mixers, head_counts,
+                     layer_stacks, outside_layers, peft_inner, text_config, text_decoder)
 from .mixers import gather_mixers, split_mixer_heads
 from .multimodal import guard_whole_batches
 from .router import aux_loss_on, check_router_loss, guard_router_loss
@@ -121,6 +121,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
             elif ctx.mixers == "heads":
                 split_mixer_heads(m, gathered_mixers(m) or [], ctx)
             guard_outside_layers(m, outside, ctx)
+            guard_counted_positions(m, counted_positions(m), ctx)
             if towers:
                 guard_whole_batches(m, decoder, ctx)
             guard_positions(m, ctx)

@@ -496,20 +496,40 @@ def guard_outside_layers(model, names, ctx) -> None:
     """Under CP, the modules `names` (token mixers and attention outside the decoder layers: vision and audio
     towers, ``ndp.hf.models.outside_layers``) are refused when they run on a batch sharded before the model: they
     would see this rank's shard. Text-only batches never call them; a batch given whole (``ndp.hf.multimodal``)
-    runs them on all of it. The refusal waits for this rank's next CP
-    attention call, which raises it on every rank: raised here, it would leave the other ranks in the FSDP
-    all-gather of the next decoder layer while this one joined the attention's validity exchange."""
+    runs them on all of it."""
+    _refuse_on_a_shard(model, names, ctx, lambda module: (
+        f"{type(module).__name__} runs outside the decoder layers (a vision or audio tower, or a token mixer "
+        f"before them) under context parallelism (cp_size={ctx.size}) on a batch sharded before the model: the "
+        f"tower would see this rank's shard. Pass the batch through ndp.hf.shard_batch or ndp.trainer's trainers, "
+        f"which give a batch with a tower's input to the model whole (its text decoder takes the shard), or "
+        f"train batches of that modality with cp_size=1."))
+
+
+def guard_counted_positions(model, names, ctx) -> None:
+    """Under CP, the positional embeddings `names` (``ndp.hf.models.counted_positions``: they count positions from
+    padding_idx + 1 over the row's non-pad tokens when given none, and take given position_ids as they are) are
+    refused on a batch sharded before the model: the position_ids CP needs (the shard's of 0, 1, ...) are not what
+    they count, and the shard's own count would restart at every shard. A batch given whole (with images) reaches
+    them whole, their count the one process's."""
+    _refuse_on_a_shard(model, names, ctx, lambda module: (
+        f"{type(module).__name__} numbers the positions itself (from padding_idx={module.padding_idx} + 1, over the "
+        f"row's non-pad tokens) and takes given position_ids as they are: under context parallelism (cp_size="
+        f"{ctx.size}) a batch sharded before the model gives it the shard's positions 0, 1, ... instead, another "
+        f"model than one process runs. Give it a batch with images (ndp.hf.shard_batch passes those to the model "
+        f"whole), or train text-only batches of this model with cp_size=1."))
+
+
+def _refuse_on_a_shard(model, names, ctx, message) -> None:
+    """A forward pre-hook on each module of `names`: run on a batch sharded before the model, it leaves the
+    refusal ``message(module)`` for this rank's next CP attention call, which raises it on every rank (raised
+    here, it would leave the other ranks in the FSDP all-gather of the next decoder layer while this one joined
+    the attention's validity exchange)."""
     def refuse(module, args):
-        # the batch reached the model whole (the towers see all of it), or a tower's block recomputed in the
-        # backward (gradient checkpointing: its forward was judged when it ran)
+        # the batch reached the model whole, or a block recomputed in the backward (gradient checkpointing: its
+        # forward was judged when it ran)
         if whole_forward() is not None or torch._C._current_graph_task_id() != -1:
             return
-        _PENDING.setdefault(id(ctx), Unsupported(
-            f"{type(module).__name__} runs outside the decoder layers (a vision or audio tower, or a token mixer "
-            f"before them) under context parallelism (cp_size={ctx.size}) on a batch sharded before the model: the "
-            f"tower would see this rank's shard. Pass the batch through ndp.hf.shard_batch or ndp.trainer's trainers, "
-            f"which give a batch with a tower's input to the model whole (its text decoder takes the shard), or "
-            f"train batches of that modality with cp_size=1."))
+        _PENDING.setdefault(id(ctx), Unsupported(message(module)))
 
     for name in names:
         model.get_submodule(name).register_forward_pre_hook(refuse)

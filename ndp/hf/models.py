@@ -144,6 +144,15 @@ def outside_layers(model: nn.Module) -> list[str]:
     return sorted(n for n in found if not any(_inside(n, [o]) and n != o for o in found))
 
 
+def counted_positions(model: nn.Module) -> list[str]:
+    """Names of the positional embeddings that number a row's tokens themselves when given no position_ids, from
+    padding_idx + 1 over its non-pad tokens (fairseq's convention, transformers' ``create_position_ids_from_input_ids``:
+    Kosmos-2.5's text model), and take given position_ids as they are."""
+    return [name for name, m in model.named_modules()
+            if callable(getattr(m, "create_position_ids_from_input_ids", None))
+            and isinstance(getattr(m, "padding_idx", None), int)]
+
+
 def cp_attention_modules(model: nn.Module) -> list[str]:
     """The attention modules CP runs: those not in :func:`outside_layers`."""
     outside = outside_layers(model)

@@ -601,3 +601,37 @@ def _cross_attention_sharded_body(rank, world):
 
 def test_a_cross_attention_on_a_sharded_batch_is_refused_on_every_rank(tmp_path):
     spawn(_cross_attention_sharded_body, 2, tmp_path, timeout_s=120)
+
+
+def _tiny_kosmos2_5():
+    cfg = AutoConfig.for_model("kosmos-2.5")
+    _shrink(cfg, set())
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64)
+
+
+def _counted_positions_body(rank, world):
+    cfg = ndp.ParallelismConfig(cp_size=world, cp_impl="ring", cp_layout="zigzag")
+    model = ndp.hf.parallelize(_tiny_kosmos2_5().train(), cfg, cfg.build_device_mesh("cpu"))
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    batch = ndp.hf.shard_batch(model, input_ids=ids, labels=F.pad(ids[:, 1:], (0, 1), value=-100))
+    labels = batch.pop("labels")
+    with pytest.raises(ndp.hf.Unsupported, match=r"numbers the positions itself \(from padding_idx=0 \+ 1"):
+        ndp.hf.loss(model(**batch).logits, labels, model)
+
+
+def test_a_model_that_numbers_its_positions_computes_another_model_with_the_shards_positions():
+    """Kosmos-2.5's text positions count from padding_idx + 1 when none are given and are taken as given otherwise:
+    the shard's positions (0, 1, ...) would be another model (before: under cp 2 its gradients were up to 3.1x their
+    scale off one process's, silently). Refused on every rank, before any attention runs."""
+    model = _tiny_kosmos2_5().eval()
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        given = model(input_ids=ids, position_ids=torch.arange(24).expand(2, 24).contiguous()).logits
+    assert float((own - given).abs().max()) > 0.1 * float(own.abs().max())  # the positions ndp would give differ
+    assert ndp.hf.models.counted_positions(model) == ["text_model.model.embed_positions"]
+
+
+def test_a_model_that_numbers_its_positions_is_refused_under_cp_on_every_rank(tmp_path):
+    spawn(_counted_positions_body, 2, tmp_path, timeout_s=120)

@@ -321,7 +321,10 @@ def _odd_dtype_modules(root: nn.Module) -> list[nn.Module]:
     if len(counts) < 2:
         return []
     main = max(counts, key=counts.get)
-    return [mod for mod in reversed(list(root.modules())) if mod is not root and not isinstance(mod, FSDPModule)
+    # a module inside a block sharded before is that block's (its parameters sharded with it), not root's
+    done = {id(m) for unit in root.modules() if unit is not root and isinstance(unit, FSDPModule)
+            for m in unit.modules()}
+    return [mod for mod in reversed(list(root.modules())) if mod is not root and id(mod) not in done
             and any(p.dtype != main for p in mod.parameters(recurse=False))]
 
 

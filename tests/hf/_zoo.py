@@ -9,8 +9,9 @@ import inspect
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from ndp.testing import tol
 
@@ -214,7 +215,12 @@ FP32_INSIDE = {"apertus": "xIELU activation (alpha_p, alpha_n) in float32",
                "qwen3_next": "gated delta rule in float32 (cp 2: 6.4e-6, 1.3e-7 with it in float64)",
                "lara_mini": "gated delta rule in float32 (cp 2: 1.3e-5, 1.7e-7 with it in float64)",
                "bailing_hybrid": "its convolution's weight and forget gate kept in float32 (cp 2: 9.9e-7, 2.8e-8 "
-                                 "with them in float64)"}
+                                 "with them in float64)",
+               # image-text-to-text classes (cp_vlm_text)
+               **dict.fromkeys(("minicpm_ocr", "minicpmv4_6", "minicpmv4_7"),
+                               "its Qwen3.5 text model's gated delta rule in float32 (cp 2: 2.4e-5)"),
+               **dict.fromkeys(("muse_glimmer", "muse_spark"),
+                               "router logits and residual gates in float32 (cp 2: 1.0e-6, 1.2e-6)")}
 
 
 def tolerance(model_type: str) -> float:
@@ -571,5 +577,50 @@ def tp(model_type, world):
         ids, labels, pos = batch()
         torch.manual_seed(100 + torch.distributed.get_rank())
         return _against(model, _forward(model, ids, pos), labels, ref_loss, ref_grads)
+
+    return classify(run, tolerance(model_type))
+
+
+# ------------------------------------------------------------ vision-language classes on text-only batches
+def vlm_families() -> list[str]:
+    """Model types of transformers' image-text-to-text auto mapping (the class a VLM is fine-tuned as)."""
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def tiny_vlm(model_type: str):
+    """The family's image-text-to-text class shrunk as :func:`tiny_config` shrinks it, float64 (its multimodal RoPE
+    sections fitted to heads of 16), or raises where it cannot be built so."""
+    cfg = tiny_config(model_type)
+    for c in (cfg, *(v for v in vars(cfg).values() if isinstance(v, transformers.PretrainedConfig))):
+        rope = getattr(c, "rope_parameters", None)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope["mrope_section"] = [2, 3, 3]  # 8 rotary frequencies
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64, experts_implementation="eager")
+
+
+def cp_vlm_text(model_type, impl, world):
+    """cp ``world``: a text-only batch as a tokenizer gives it (input_ids and an all-ones attention_mask, no
+    position_ids) through parallelize + shard_batch + ndp.hf.loss against one process's eager run on the whole
+    batch (the loss and every gradient); UNBUILT where that one-process run fails."""
+    import ndp
+    import ndp.hf
+
+    ids, labels, _ = batch()
+    mask = torch.ones_like(ids)
+    try:
+        model = tiny_vlm(model_type).train()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        ref_loss, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
+    except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+
+    def run():
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag", cp_mixers="gather")
+        model = ndp.hf.parallelize(tiny_vlm(model_type).train(), cfg, mesh(cfg))
+        b = ndp.hf.shard_batch(model, input_ids=ids, attention_mask=mask, labels=labels)
+        shard_labels = b.pop("labels")
+        return _against(model, model(**b).logits, shard_labels, ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))

@@ -19,6 +19,8 @@ loss with its own load-balancing loss; a family whose loss ndp does not reproduc
 refused by name (``ndp.hf.check_tp_plan``).
 (h) cp 2 x tp 2 on 4 ranks, ring: (b) with the model also split by its own plan (no family exact under each alone may
 be off under both).
+(i) cp 2, ring: every image-text-to-text family (the class a vision-language model is fine-tuned as) on a text-only
+batch as a tokenizer gives it (no position_ids), against one process (the loss and every gradient).
 
 ``python tests/hf/test_zoo.py`` prints the table (the counts in the README come from it)."""
 import collections
@@ -46,6 +48,7 @@ MIN_EXACT_PACKED = 104
 MIN_EXACT_CP_PACKED = 104
 MIN_EXACT_CP_AUX = 22
 MIN_EXACT_CP_TP = 107
+MIN_EXACT_VLM_TEXT = 36
 
 
 def _quiet():
@@ -70,6 +73,8 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
         elif impl.startswith("aux:"):
             r = _zoo.cp_aux(mt, impl.split(":")[1], world)
+        elif impl.startswith("vlm:"):
+            r = _zoo.cp_vlm_text(mt, impl.split(":")[1], world)
         else:
             r = _zoo.cp(mt, impl, world)
         rs = [None] * world
@@ -184,6 +189,15 @@ def test_zoo_cp2_tp2_exact_or_refused(single_results, tmp_path):
     _exact_or_refused(results, MIN_EXACT_CP_TP)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zoo_vision_language_text_only_cp2_exact_or_refused(tmp_path):
+    fams = _zoo.vlm_families()
+    results = run_parallel(fams, str(tmp_path), "vlm:ring")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_VLM_TEXT)
+
+
 if __name__ == "__main__":
     import tempfile
 
@@ -208,4 +222,8 @@ if __name__ == "__main__":
     for impl, res in runs.items():
         name = {"tp": "tp 2", "cp_tp:ring": "cp 2 x tp 2 ring"}.get(impl, f"cp 2 {impl.replace(':', ' ')}")
         print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))
+    vlm = run_parallel(_zoo.vlm_families(), tempfile.mkdtemp(), "vlm:ring")
+    for mt, r in vlm.items():
+        print(f"{mt:28s} {r[0]:10s} {r[1] if isinstance(r[1], str) else f'{r[1]:.1e}'}")
+    print("image-text-to-text, text-only, cp 2 ring:", dict(collections.Counter(r[0] for r in vlm.values())))
     print(f"took {time.time() - t0:.0f} s")

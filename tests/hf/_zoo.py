@@ -5,6 +5,7 @@ builds one with random float64 weights, every size field shrunk (hidden 64, 2-4 
 tiny vocab, MoE with 4 experts), or raises when the family cannot be built that way (a multimodal wrapper that needs
 a processor, a missing optional dependency)."""
 import functools
+import importlib
 import inspect
 
 import torch
@@ -476,7 +477,6 @@ AUX_COEF = 0.5  # large, so that a wrong load-balancing term shows in every rout
 
 def has_aux_loss(model_type) -> bool:
     """The family's causal LM adds its routers' load-balancing loss (its module's load_balancing_loss_func)."""
-    import importlib
     import sys
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
@@ -591,10 +591,17 @@ def tiny_vlm(model_type: str):
     """The family's image-text-to-text class shrunk as :func:`tiny_config` shrinks it, float64 (its multimodal RoPE
     sections fitted to heads of 16), or raises where it cannot be built so."""
     cfg = tiny_config(model_type)
+    # multimodal RoPE (Qwen2-VL's and its kin's): a section per axis, 8 rotary frequencies in all (transformers'
+    # defaults, for heads of 128, stand in the model's code where the config names none)
+    try:
+        mrope = "mrope_section" in inspect.getsource(importlib.import_module(
+            type(cfg).__module__.replace(".configuration_", ".modeling_")))
+    except ImportError:  # its model in another family's module (glmga)
+        mrope = False
     for c in (cfg, *(v for v in vars(cfg).values() if isinstance(v, transformers.PretrainedConfig))):
         rope = getattr(c, "rope_parameters", None)
-        if isinstance(rope, dict) and "mrope_section" in rope:
-            rope["mrope_section"] = [2, 3, 3]  # 8 rotary frequencies
+        if isinstance(rope, dict) and (mrope or "mrope_section" in rope):
+            rope["mrope_section"] = [2, 3, 3]
     torch.manual_seed(0)
     return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64, experts_implementation="eager")
 

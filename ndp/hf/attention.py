@@ -31,7 +31,7 @@ from ndp.parallel import CP_ATTR
 
 from .batch import whole_forward
 from .masks import IMAGE_BLOCKS, describe, documents_of, marker, read_dense, spec_of, with_padding
-from .models import Unsupported, check_packed_model
+from .models import Unsupported, check_packed_model, text_decoder
 from .padded import padded_attention, padding_plan
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
@@ -508,26 +508,28 @@ def guard_outside_layers(model, names, ctx) -> None:
 def guard_counted_positions(model, names, ctx) -> None:
     """Under CP, the positional embeddings `names` (``ndp.hf.models.counted_positions``: they count positions from
     padding_idx + 1 over the row's non-pad tokens when given none, and take given position_ids as they are) are
-    refused on a batch sharded before the model: the position_ids CP needs (the shard's of 0, 1, ...) are not what
-    they count, and the shard's own count would restart at every shard. A batch given whole (with images) reaches
-    them whole, their count the one process's."""
-    _refuse_on_a_shard(model, names, ctx, lambda module: (
-        f"{type(module).__name__} numbers the positions itself (from padding_idx={module.padding_idx} + 1, over the "
-        f"row's non-pad tokens) and takes given position_ids as they are: under context parallelism (cp_size="
-        f"{ctx.size}) a batch sharded before the model gives it the shard's positions 0, 1, ... instead, another "
-        f"model than one process runs. Give it a batch with images (ndp.hf.shard_batch passes those to the model "
-        f"whole), or train text-only batches of this model with cp_size=1."))
+    refused where they run on a shard: the position_ids CP gives (the shard's of 0, 1, ...) are not what they
+    count, and the shard's own count would restart at every shard. Inside the text decoder that is also a batch
+    given whole (with images: its decoder takes the shard at its entry); before it, such a batch is whole there."""
+    decoder = text_decoder(model)
+    inside = {n for n in names if decoder and (n == decoder or n.startswith(f"{decoder}."))}
+    for whole_ok, group in ((False, sorted(inside)), (True, [n for n in names if n not in inside])):
+        _refuse_on_a_shard(model, group, ctx, lambda module: (
+            f"{type(module).__name__} numbers the positions itself (from padding_idx={module.padding_idx} + 1, over "
+            f"the row's non-pad tokens) and takes given position_ids as they are: under context parallelism "
+            f"(cp_size={ctx.size}) it runs on this rank's shard, given the shard's positions 0, 1, ... instead, "
+            f"another model than one process runs. Train this model with cp_size=1."), whole_ok=whole_ok)
 
 
-def _refuse_on_a_shard(model, names, ctx, message) -> None:
-    """A forward pre-hook on each module of `names`: run on a batch sharded before the model, it leaves the
-    refusal ``message(module)`` for this rank's next CP attention call, which raises it on every rank (raised
-    here, it would leave the other ranks in the FSDP all-gather of the next decoder layer while this one joined
-    the attention's validity exchange)."""
+def _refuse_on_a_shard(model, names, ctx, message, whole_ok=True) -> None:
+    """A forward pre-hook on each module of `names`: run on a shard (a batch sharded before the model, or, unless
+    `whole_ok`, one given whole), it leaves the refusal ``message(module)`` for this rank's next CP attention call,
+    which raises it on every rank (raised here, it would leave the other ranks in the FSDP all-gather of the next
+    decoder layer while this one joined the attention's validity exchange)."""
     def refuse(module, args):
         # the batch reached the model whole, or a block recomputed in the backward (gradient checkpointing: its
         # forward was judged when it ran)
-        if whole_forward() is not None or torch._C._current_graph_task_id() != -1:
+        if (whole_ok and whole_forward() is not None) or torch._C._current_graph_task_id() != -1:
             return
         _PENDING.setdefault(id(ctx), Unsupported(message(module)))
 

@@ -31,7 +31,7 @@ from ndp.parallel import CP_ATTR
 
 from .batch import whole_forward
 from .masks import IMAGE_BLOCKS, describe, documents_of, marker, read_dense, spec_of, with_padding
-from .models import Unsupported, check_packed_model, text_decoder
+from .models import Unsupported, check_packed_model, inside, text_decoder
 from .padded import padded_attention, padding_plan
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
@@ -512,8 +512,8 @@ def guard_counted_positions(model, names, ctx) -> None:
     count, and the shard's own count would restart at every shard. Inside the text decoder that is also a batch
     given whole (with images: its decoder takes the shard at its entry); before it, such a batch is whole there."""
     decoder = text_decoder(model)
-    inside = {n for n in names if decoder and (n == decoder or n.startswith(f"{decoder}."))}
-    for whole_ok, group in ((False, sorted(inside)), (True, [n for n in names if n not in inside])):
+    in_decoder = [n for n in names if decoder and inside(n, [decoder])]
+    for whole_ok, group in ((False, in_decoder), (True, [n for n in names if n not in in_decoder])):
         _refuse_on_a_shard(model, group, ctx, lambda module: (
             f"{type(module).__name__} numbers the positions itself (from padding_idx={module.padding_idx} + 1, over "
             f"the row's non-pad tokens) and takes given position_ids as they are: under context parallelism "

@@ -105,7 +105,7 @@ def layer_stacks(model: nn.Module) -> list[str]:
     dec = text_decoder(model)
     found = []
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and (not dec or _inside(name, [dec])):
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (not dec or inside(name, [dec])):
             count = sum(1 for a in attn if a.startswith(f"{name}."))
             if count:
                 found.append((name.count("."), -count, name))
@@ -130,7 +130,8 @@ def _mixer_names(module: nn.Module) -> list[str]:
                 _RECURRENT.search(type(m).__name__) or _INDEXER.search(type(m).__name__))]
 
 
-def _inside(name: str, layers: list[str]) -> bool:
+def inside(name: str, layers: list[str]) -> bool:
+    """Whether module `name` is one of `layers` or inside one."""
     return any(name == layer or name.startswith(f"{layer}.") for layer in layers)
 
 
@@ -140,8 +141,8 @@ def outside_layers(model: nn.Module) -> list[str]:
     layers = layer_stacks(model)
     if not layers:
         return []
-    found = [n for n in _mixer_names(model) + attention_modules(model) if n and not _inside(n, layers)]
-    return sorted(n for n in found if not any(_inside(n, [o]) and n != o for o in found))
+    found = [n for n in _mixer_names(model) + attention_modules(model) if n and not inside(n, layers)]
+    return sorted(n for n in found if not any(inside(n, [o]) and n != o for o in found))
 
 
 def counted_positions(model: nn.Module) -> list[str]:
@@ -156,14 +157,14 @@ def counted_positions(model: nn.Module) -> list[str]:
 def cp_attention_modules(model: nn.Module) -> list[str]:
     """The attention modules CP runs: those not in :func:`outside_layers`."""
     outside = outside_layers(model)
-    return [name for name in attention_modules(model) if not _inside(name, outside)]
+    return [name for name in attention_modules(model) if not inside(name, outside)]
 
 
 def _mixers(module: nn.Module) -> list[str]:
     """The token mixers CP cannot split, as ``name (class)``: those of the decoder layers (or all, without any)."""
     outside = outside_layers(module)
     return [f"{name or '.'} ({type(module.get_submodule(name)).__name__})" for name in _mixer_names(module)
-            if not _inside(name, outside)]
+            if not inside(name, outside)]
 
 
 def _named_mixers(module: nn.Module, mixers: list[str]) -> list[str]:
@@ -196,16 +197,16 @@ def gathered_mixers(model: nn.Module) -> list[str] | None:
     layers, attn = _layers(model), cp_attention_modules(model)
     found = set()
     for name in (m.rsplit(" (", 1)[0] for m in _mixers(model)):
-        if any(_inside(lay, [name]) for lay in layers):
+        if any(inside(lay, [name]) for lay in layers):
             continue  # a decoder layer or the model, named like a mixer (JambaMambaDecoderLayer): its mixer counts
         layer = next((lay for lay in layers if name.startswith(f"{lay}.")), None)
         if layer is None:
             return None
         top = name
-        while (up := top.rpartition(".")[0]) != layer and not any(_inside(a, [up]) for a in attn):
+        while (up := top.rpartition(".")[0]) != layer and not any(inside(a, [up]) for a in attn):
             top = up
         found.add(top)
-    return sorted(n for n in found if not any(o != n and _inside(n, [o]) for o in found))
+    return sorted(n for n in found if not any(o != n and inside(n, [o]) for o in found))
 
 
 def _mixing_outside_attention(model: nn.Module, gather: bool = False) -> str | None:

@@ -512,13 +512,13 @@ def guard_counted_positions(model, names, ctx) -> None:
     count, and the shard's own count would restart at every shard. Inside the text decoder that is also a batch
     given whole (with images: its decoder takes the shard at its entry); before it, such a batch is whole there."""
     decoder = text_decoder(model)
-    in_decoder = [n for n in names if decoder and inside(n, [decoder])]
-    for whole_ok, group in ((False, in_decoder), (True, [n for n in names if n not in in_decoder])):
-        _refuse_on_a_shard(model, group, ctx, lambda module: (
+    for name in names:
+        _refuse_on_a_shard(model, [name], ctx, lambda module: (
             f"{type(module).__name__} numbers the positions itself (from padding_idx={module.padding_idx} + 1, over "
             f"the row's non-pad tokens) and takes given position_ids as they are: under context parallelism "
             f"(cp_size={ctx.size}) it runs on this rank's shard, given the shard's positions 0, 1, ... instead, "
-            f"another model than one process runs. Train this model with cp_size=1."), whole_ok=whole_ok)
+            f"another model than one process runs. Train this model with cp_size=1."),
+            whole_ok=not (decoder and inside(name, [decoder])))
 
 
 def _refuse_on_a_shard(model, names, ctx, message, whole_ok=True) -> None:

@@ -4,6 +4,7 @@
 builds one with random float64 weights, every size field shrunk (hidden 64, 2-4 layers, 4 heads of 16, 2 KV heads,
 tiny vocab, MoE with 4 experts), or raises when the family cannot be built that way (a multimodal wrapper that needs
 a processor, a missing optional dependency)."""
+import contextlib
 import functools
 import importlib
 import inspect
@@ -233,6 +234,24 @@ def _rel(a, b, floor=1e-30):
     return float((a - b).abs().max() / b.abs().max().clamp(min=floor))
 
 
+@contextlib.contextmanager
+def float64_softmax():
+    """Inside (or a check decorated with it), a float64 input's softmax stays float64. transformers' eager attention
+    takes its softmax in float32 (``softmax(..., dtype=torch.float32)``), which left the float64 reference up to
+    ~1e-6 off the exact attention ndp computes (opt under cp 2: 9.9e-7 against TOL 1e-6; 2.1e-8 inside); routers'
+    float32 softmaxes go float64 alike in the reference and the ndp run."""
+    plain = torch.nn.functional.softmax
+
+    def softmax(x, *args, dtype=None, **kw):
+        return plain(x, *args, dtype=None if x.dtype == torch.float64 else dtype, **kw)
+
+    torch.nn.functional.softmax = softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = plain
+
+
 def batch():
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
@@ -279,6 +298,7 @@ def classify(fn, tol=TOL):
     return ("EXACT" if rel <= tol else "DIFF"), rel
 
 
+@float64_softmax()
 def single(model_type):
     """1 process: ndp attention vs the model's eager attention, logits."""
     import ndp.hf
@@ -319,6 +339,7 @@ def _loss_and_grads(model, loss):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@float64_softmax()
 def fused(model_type):
     """1 process: ndp's fused LM-head loss (``ndp.hf.head.head_loss``) vs cross_entropy on the model's logits
     (the summed loss and every gradient)."""
@@ -384,6 +405,7 @@ def _per_document(model_type, docs, targets):
     return _loss_and_grads(model, total / count)
 
 
+@float64_softmax()
 def packed(model_type):
     """1 process, ndp's attention: the documents packed in one row (position_ids restarting, the document table
     ``cu_seq_lens_q``, as ndp-train and DataCollatorWithFlattening give them) against each document in a call of
@@ -432,6 +454,7 @@ def mesh(cfg):
     return _mesh(frozenset((k, getattr(cfg, k)) for k in degrees))
 
 
+@float64_softmax()
 def cp(model_type, impl, world, tp_size=1):
     """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`; `tp_size`: the
     model also split by its own plan over that many ranks (a job of ``world * tp_size`` ranks)."""
@@ -451,6 +474,7 @@ def cp(model_type, impl, world, tp_size=1):
     return classify(run, tolerance(model_type))
 
 
+@float64_softmax()
 def cp_packed(model_type, impl, world, compile=False, lens=DOCS):
     """cp ``world`` (this rank's part): documents of `lens` tokens (:func:`packed`'s) in one row through parallelize
     (``compile``: the decoder layers compiled) + shard_batch (positions restarting: sharded per document, with the
@@ -467,6 +491,42 @@ def cp_packed(model_type, impl, world, compile=False, lens=DOCS):
                                position_ids=_packed_positions(docs))
         labels = b.pop("labels")
         return _against(model, model(**b).logits, labels, ref_loss, ref_grads)
+
+    return classify(run, tolerance(model_type))
+
+
+PADDED = (29, 26)  # real tokens per row of a right-padded batch (SEQ each, pads after: a padding collator's)
+
+
+def padded_batch():
+    """A padding collator's batch of :func:`batch`'s ids: rows of PADDED real tokens, then the pad id (0), an
+    attention_mask of 0 at the pads, labels shifted with -100 at every pad and at each row's last real token."""
+    ids, _, _ = batch()
+    mask = (torch.arange(SEQ) < torch.tensor(PADDED)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = torch.nn.functional.pad(ids.masked_fill(mask == 0, -100)[:, 1:], (0, 1), value=-100)
+    return ids, labels, mask
+
+
+@float64_softmax()
+def cp_padded(model_type, impl, world):
+    """cp ``world`` (this rank's part): a right-padded batch as a tokenizer and a padding collator give it
+    (attention_mask, no position_ids, labels -100 at the pads) through parallelize + shard_batch + ndp.hf.loss
+    against one process's eager run on the padded batch with its mask (the mean loss and every gradient)."""
+    import ndp
+    import ndp.hf
+
+    def run():
+        ids, labels, mask = padded_batch()
+        model = tiny_model(model_type).train()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        ref_loss, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
+        cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag", cp_mixers="gather")
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
+        b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=mask)
+        inputs = dict(_inputs(model, b["input_ids"], b["position_ids"]), attention_mask=b["attention_mask"])
+        return _against(model, model(**inputs).logits, b["labels"], ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))
 
@@ -497,16 +557,24 @@ def aux_model(model_type):
     return model
 
 
-def cp_aux(model_type, impl, world):
+@float64_softmax()
+def cp_aux(model_type, impl, world, padded=False):
     """cp ``world`` (this rank's part): :func:`cp` with the family's load-balancing loss on, ``ndp.hf.loss +
-    AUX_COEF x aux_loss`` against one process's mean loss + AUX_COEF x its aux_loss."""
+    AUX_COEF x aux_loss`` against one process's mean loss + AUX_COEF x its aux_loss; `padded`: on
+    :func:`padded_batch` (the reference given its mask, which the family's loss reads to leave the pads out)."""
     import ndp
     import ndp.hf
 
-    ids, labels, pos = batch()
+    if padded:
+        ids, labels, mask = padded_batch()
+        ref_inputs = dict(input_ids=ids, attention_mask=mask)
+        rows = dict(input_ids=ids, labels=labels, attention_mask=mask)
+    else:
+        ids, labels, pos = batch()
+        rows = dict(input_ids=ids, labels=labels, position_ids=pos)
     try:
         model = aux_model(model_type)
-        out = model(**_reference_inputs(model, ids, pos))
+        out = model(**(ref_inputs if padded else _reference_inputs(model, ids, pos)))
         ref_loss, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(
             out.logits.flatten(0, 1), labels.flatten()) + AUX_COEF * out.aux_loss)
     except Exception as e:  # noqa: BLE001 - the family's own forward fails with the loss on: not ndp's to judge
@@ -515,8 +583,9 @@ def cp_aux(model_type, impl, world):
     def run():
         cfg = ndp.ParallelismConfig(cp_size=world, cp_impl=impl, cp_layout="zigzag", cp_mixers="gather")
         model = ndp.hf.parallelize(aux_model(model_type), cfg, mesh(cfg))
-        b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
-        out = model(**_inputs(model, b["input_ids"], b["position_ids"]))
+        b = ndp.hf.shard_batch(model, **rows)
+        inputs = _inputs(model, b["input_ids"], b["position_ids"])
+        out = model(**inputs, **({"attention_mask": b["attention_mask"]} if padded else {}))
         return _against(model, out.logits, b["labels"], ref_loss, ref_grads, aux=AUX_COEF * out.aux_loss)
 
     return classify(run, tolerance(model_type))
@@ -562,6 +631,7 @@ def dropout_fields(model_type) -> dict:
             if isinstance(v, float) and ("drop" in k or "jitter" in k) and not any(o in k for o in _KEPT_OFF)}
 
 
+@float64_softmax()
 def tp(model_type, world):
     """tp ``world`` with the model's own plan, in training with the family's dropout on (:func:`dropout_fields`) and
     each rank seeded its own: parallelize + ndp.hf.loss on the whole batch vs :func:`reference` seeded like TP rank 0
@@ -606,6 +676,7 @@ def tiny_vlm(model_type: str):
     return AutoModelForImageTextToText.from_config(cfg, dtype=torch.float64, experts_implementation="eager")
 
 
+@float64_softmax()
 def cp_vlm_text(model_type, impl, world):
     """cp ``world``: a text-only batch as a tokenizer gives it (input_ids and an all-ones attention_mask, no
     position_ids) through parallelize + shard_batch + ndp.hf.loss against one process's eager run on the whole

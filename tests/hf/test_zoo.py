@@ -12,15 +12,21 @@ refused by name (``ndp.hf.check_packed_model``).
 (f) cp 2, ring, Ulysses and all-gather: (e)'s packed row sharded per document by ``shard_batch`` (the shards'
 document table) against each document in a call of its own on one process; a model whose layers do not hand the
 table to the attention gets it through ndp's mask marker, or is refused.
+(j) cp 2, ring: a right-padded batch as a tokenizer and a padding collator give it (attention_mask 0 at the pads,
+no position_ids, labels -100 there) through ``shard_batch`` against one process's run of the padded batch with its
+mask (the loss and every gradient).
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
 (``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
-loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name.
+loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name; and on (j)'s
+right-padded batch, whose pads the family's loss leaves out by its mask.
 (d) tp 2 with the model's own plan (``base_model_tp_plan``): the same comparison; a plan ndp cannot apply exactly is
 refused by name (``ndp.hf.check_tp_plan``).
 (h) cp 2 x tp 2 on 4 ranks, ring: (b) with the model also split by its own plan (no family exact under each alone may
 be off under both).
 (i) cp 2, ring: every image-text-to-text family (the class a vision-language model is fine-tuned as) on a text-only
 batch as a tokenizer gives it (no position_ids), against one process (the loss and every gradient).
+
+Every check takes float64 softmaxes in float64 (``_zoo.float64_softmax``: eager attention's are float32).
 
 ``python tests/hf/test_zoo.py`` prints the table (the counts in the README come from it)."""
 import collections
@@ -49,6 +55,7 @@ MIN_EXACT_CP_PACKED = 104
 MIN_EXACT_CP_AUX = 22
 MIN_EXACT_CP_TP = 107
 MIN_EXACT_VLM_TEXT = 57
+MIN_EXACT_CP_PADDED = 124
 
 
 def _quiet():
@@ -71,8 +78,10 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.cp(mt, impl.split(":")[1], 2, tp_size=world // 2)
         elif impl.startswith("packed:"):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
-        elif impl.startswith("aux:"):
-            r = _zoo.cp_aux(mt, impl.split(":")[1], world)
+        elif impl.startswith("aux:") or impl.startswith("aux_padded:"):
+            r = _zoo.cp_aux(mt, impl.split(":")[1], world, padded=impl.startswith("aux_padded:"))
+        elif impl.startswith("padded:"):
+            r = _zoo.cp_padded(mt, impl.split(":")[1], world)
         elif impl.startswith("vlm:"):
             r = _zoo.cp_vlm_text(mt, impl.split(":")[1], world)
         else:
@@ -163,10 +172,20 @@ def aux_families(single):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(900)  # 92 s measured
+def test_zoo_cp2_padded_batch_exact_or_refused(single_results, tmp_path):
+    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    results = run_parallel(fams, str(tmp_path), "padded:ring")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_PADDED)
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_zoo_cp2_load_balancing_loss_exact_or_refused(single_results, tmp_path):
+@pytest.mark.parametrize("batch", ["aux", "aux_padded"])  # dense rows; (j)'s right-padded batch (16 s measured)
+def test_zoo_cp2_load_balancing_loss_exact_or_refused(single_results, tmp_path, batch):
     fams = aux_families(single_results)
-    results = run_parallel(fams, str(tmp_path), "aux:ring")
+    results = run_parallel(fams, str(tmp_path), f"{batch}:ring")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_AUX)
 
@@ -205,8 +224,9 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "aux:ring", "tp", "cp_tp:ring")
-    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux:") else fams, tempfile.mkdtemp(), impl,
+    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "aux:ring",
+             "aux_padded:ring", "tp", "cp_tp:ring")
+    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux") else fams, tempfile.mkdtemp(), impl,
                                world=4 if impl.startswith("cp_tp:") else 2)
             for impl in impls}
     names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace(':', ' ')}" for i in impls]

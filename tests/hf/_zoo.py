@@ -509,10 +509,11 @@ def padded_batch():
 
 
 @float64_softmax()
-def cp_padded(model_type, impl, world):
+def cp_padded(model_type, impl, world, own_loss=False):
     """cp ``world`` (this rank's part): a right-padded batch as a tokenizer and a padding collator give it
     (attention_mask, no position_ids, labels -100 at the pads) through parallelize + shard_batch + ndp.hf.loss
-    against one process's eager run on the padded batch with its mask (the mean loss and every gradient)."""
+    against one process's eager run on the padded batch with its mask (the mean loss and every gradient);
+    `own_loss`: the model given the labels, its own loss (``model(**batch).loss``) instead of ndp.hf.loss."""
     import ndp
     import ndp.hf
 
@@ -526,6 +527,8 @@ def cp_padded(model_type, impl, world):
         model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, attention_mask=mask)
         inputs = dict(_inputs(model, b["input_ids"], b["position_ids"]), attention_mask=b["attention_mask"])
+        if own_loss:
+            return _against(model, None, None, ref_loss, ref_grads, own=model(**inputs, labels=b["labels"]).loss)
         return _against(model, model(**inputs).logits, b["labels"], ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))
@@ -591,14 +594,20 @@ def cp_aux(model_type, impl, world, padded=False):
     return classify(run, tolerance(model_type))
 
 
-def _against(model, logits, labels, ref_loss, ref_grads, aux=None):
+def _against(model, logits, labels, ref_loss, ref_grads, aux=None, own=None):
     """Largest relative difference of ndp.hf.loss's mean (plus `aux`, each rank's load-balancing term: their mean
-    over the ranks is the batch's) and of every gradient from the reference's."""
+    over the ranks is the batch's), or of the model's `own` loss (each rank's is ndp.hf.loss's: their mean over the
+    ranks is the batch's mean), and of every gradient from the reference's."""
     import ndp.hf
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    if own is None:
+        loss, mean = ndp.hf.loss(logits, labels, model, return_mean=True)
+    else:
+        loss, mean = own, own.detach().clone()
+        dist.all_reduce(mean)
+        mean = mean / dist.get_world_size()
     if aux is not None:
         loss = loss + aux
         term = aux.detach().clone()

@@ -14,7 +14,8 @@ document table) against each document in a call of its own on one process; a mod
 table to the attention gets it through ndp's mask marker, or is refused.
 (j) cp 2, ring: a right-padded batch as a tokenizer and a padding collator give it (attention_mask 0 at the pads,
 no position_ids, labels -100 there) through ``shard_batch`` against one process's run of the padded batch with its
-mask (the loss and every gradient).
+mask (the loss and every gradient); with ndp.hf.loss on the logits, and with the model's own loss (``model(**batch,
+labels=...).loss``, what a user's loop and transformers' Trainer read).
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
 (``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
 loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name; and on (j)'s
@@ -80,8 +81,8 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
         elif impl.startswith("aux:") or impl.startswith("aux_padded:"):
             r = _zoo.cp_aux(mt, impl.split(":")[1], world, padded=impl.startswith("aux_padded:"))
-        elif impl.startswith("padded:"):
-            r = _zoo.cp_padded(mt, impl.split(":")[1], world)
+        elif impl.startswith("padded"):  # padded:X, padded_own:X
+            r = _zoo.cp_padded(mt, impl.split(":")[1], world, own_loss=impl.startswith("padded_own:"))
         elif impl.startswith("vlm:"):
             r = _zoo.cp_vlm_text(mt, impl.split(":")[1], world)
         else:
@@ -172,10 +173,11 @@ def aux_families(single):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(900)  # 92 s measured
-def test_zoo_cp2_padded_batch_exact_or_refused(single_results, tmp_path):
+@pytest.mark.timeout(900)  # 75-90 s measured
+@pytest.mark.parametrize("loss", ["padded", "padded_own"])  # ndp.hf.loss on the logits; the model's own (labels given)
+def test_zoo_cp2_padded_batch_exact_or_refused(single_results, tmp_path, loss):
     fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
-    results = run_parallel(fams, str(tmp_path), "padded:ring")
+    results = run_parallel(fams, str(tmp_path), f"{loss}:ring")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_PADDED)
 
@@ -224,8 +226,8 @@ if __name__ == "__main__":
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
-    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "aux:ring",
-             "aux_padded:ring", "tp", "cp_tp:ring")
+    impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "padded_own:ring",
+             "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
     runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux") else fams, tempfile.mkdtemp(), impl,
                                world=4 if impl.startswith("cp_tp:") else 2)
             for impl in impls}

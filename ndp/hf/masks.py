@@ -201,9 +201,14 @@ class _Marker(torch.Tensor):
                 # the metadata torch.compile reads from a graph input (a compiled decoder block's mask argument)
                 "_is_view", "is_neg", "is_conj", "untyped_storage", "storage_offset", "stride"}
 
+    # Attributes a framework may set: reentrant checkpointing sets a detached argument's requires_grad.
+    _SETTABLE = {"requires_grad"}
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
+        if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) in cls._SETTABLE:
+            name = "requires_grad_"
         if name not in cls._ALLOWED:
             raise Unsupported(f"the model computes with its attention mask outside the attention call ({name}); "
                               f"ndp attention applies the mask itself and cannot follow that. Use the model's own "

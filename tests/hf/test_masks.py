@@ -3,6 +3,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.checkpoint import detach_variable
 from transformers import masking_utils as mu
 
 from ndp.hf import Unsupported
@@ -160,5 +161,8 @@ def test_attention_arguments_are_refused_not_dropped(kw, match):
 def test_marker_survives_what_frameworks_do_to_inputs():
     m = marker(MaskSpec(window=4), "cpu")
     assert not m.is_floating_point()
-    for moved in (m.to("cpu"), m.detach(), m.clone(), m.contiguous()):
+    # reentrant checkpointing detaches a positional argument and sets its requires_grad (Zamba2's mask)
+    for moved in (m.to("cpu"), m.detach(), m.clone(), m.contiguous(), *detach_variable((m,))):
         assert moved.ndp_mask == MaskSpec(window=4)
+    with pytest.raises(Unsupported, match="outside the attention call"):  # its values stay the marker's
+        m.data = torch.zeros(1, 1, 1, 1, dtype=torch.bool)

@@ -19,8 +19,8 @@ from ndp.parallel.parallelize import check_one_dtype_per_module
 from ndp.parallel import init_weights as _seeded_init_weights
 from ndp.parallel import parallelize as _parallelize
 
-from .attention import (IMPL_NAMES, guard_counted_positions, guard_outside_layers, guard_packed, guard_positions,
-                        ndp_attention_forward, register_attention)
+from .attention import (IMPL_NAMES, guard_checkpointing, guard_counted_positions, guard_outside_layers, guard_packed,
+                        guard_positions, ndp_attention_forward, register_attention)
 from .batch import DECODER_SHARDS, guard_labels, parallel_state, shard_batch
 from .rope import guard_rope
 from .head import head_loss
@@ -113,6 +113,7 @@ def hf_plan(model: nn.Module, *, loss_parallel: bool = False) -> ModelPlan:
         m.set_attn_implementation(text_attention(m, IMPL_NAMES[ctx.impl]))
         guard_packed(m, ctx)
         guard_labels(m, ctx)
+        guard_checkpointing(m)
         if towers:  # a batch with a tower's input is not rows alone (shard_batch keeps it whole)
             setattr(m, DECODER_SHARDS, decoder)
         if ctx.enabled:

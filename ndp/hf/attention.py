@@ -31,7 +31,7 @@ from ndp.parallel import CP_ATTR
 
 from .batch import whole_forward
 from .masks import IMAGE_BLOCKS, describe, documents_of, marker, read_dense, spec_of, with_padding
-from .models import Unsupported, check_packed_model, inside, text_decoder
+from .models import Unsupported, check_packed_model, inside, kv_shared_layers, reentrant_checkpointed, text_decoder
 from .padded import padded_attention, padding_plan
 
 IMPL_NAMES = {"ring": "ndp_ring", "allgather": "ndp_allgather", "ulysses": "ndp_ulysses", "usp": "ndp_usp"}
@@ -451,6 +451,30 @@ def guard_packed(model, ctx) -> None:
     def refuse(module, args, kwargs):
         if _packed(kwargs, ctx.enabled):
             raise Unsupported(message)
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
+def guard_checkpointing(model) -> None:
+    """Refuse a training forward of a model whose layers share keys and values (:func:`~ndp.hf.models.
+    kv_shared_layers`) while transformers checkpoints its layers with ``use_reentrant=True``: the layer that
+    computes them runs without autograd inside its checkpoint and hands them on in a dict, so the layers reading
+    them send no gradient back; transformers' own attention gives the same wrong gradients on one process (Gemma
+    3n: up to 0.6 of a k_proj gradient's scale). Checked at each forward (checkpointing may be turned on after
+    parallelize), on every rank alike, before any layer; models without such layers get no hook."""
+    shared = kv_shared_layers(model)
+    if not shared:
+        return
+
+    def refuse(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and reentrant_checkpointed(module):
+            raise Unsupported(
+                f"{type(module).__name__} has layers that take their keys and values from an earlier layer "
+                f"({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''}), and transformers' activation "
+                f"checkpointing runs its layers with use_reentrant=True (given, or torch's default), which leaves "
+                f"the earlier layers' key and value projections without those layers' gradients (transformers' own "
+                f"attention too). Turn it on with gradient_checkpointing_kwargs={{'use_reentrant': False}} (the "
+                f"default of gradient_checkpointing_enable()), or use ndp's activation checkpointing.")
 
     model.register_forward_pre_hook(refuse, with_kwargs=True)
 

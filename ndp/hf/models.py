@@ -27,8 +27,9 @@ import re
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import (GenericForQuestionAnswering, GenericForSequenceClassification,
-                                         GenericForTokenClassification)
+                                         GenericForTokenClassification, GradientCheckpointingLayer)
 
 from .mixers import head_split_problem, split_target
 
@@ -143,6 +144,29 @@ def outside_layers(model: nn.Module) -> list[str]:
         return []
     found = [n for n in _mixer_names(model) + attention_modules(model) if n and not inside(n, layers)]
     return sorted(n for n in found if not any(inside(n, [o]) and n != o for o in found))
+
+
+def kv_shared_layers(model: nn.Module) -> list[str]:
+    """The modules that take their keys and values from an earlier layer (transformers' KV sharing, Gemma 3n /
+    Gemma 4 / Mistral Large 4: ``is_kv_shared_layer``), which reach them in a dict outside the layers' arguments."""
+    return [name for name, m in model.named_modules() if getattr(m, "is_kv_shared_layer", False) is True]
+
+
+def reentrant_checkpointed(model: nn.Module) -> list[str]:
+    """The decoder layers transformers' activation checkpointing runs with ``use_reentrant=True`` (given, or
+    torch's default when not given: ``gradient_checkpointing_kwargs={}``). Such a layer is differentiated through
+    its positional arguments alone; a checkpoint function ndp cannot read (not torch's) is not listed."""
+    out = []
+    for name, m in model.named_modules():
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if not (isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and fn is not None):
+            continue
+        partial = isinstance(fn, functools.partial)
+        keywords = fn.keywords if partial else {}
+        if "use_reentrant" in keywords or (fn.func if partial else fn) is checkpoint:
+            if keywords.get("use_reentrant") in (None, True):
+                out.append(name)
+    return out
 
 
 def counted_positions(model: nn.Module) -> list[str]:

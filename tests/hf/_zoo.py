@@ -12,7 +12,7 @@ import inspect
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from ndp.testing import tol
@@ -455,9 +455,11 @@ def mesh(cfg):
 
 
 @float64_softmax()
-def cp(model_type, impl, world, tp_size=1):
+def cp(model_type, impl, world, tp_size=1, checkpointing=None):
     """cp ``world`` (this rank's part): parallelize + shard_batch + ndp.hf.loss vs :func:`reference`; `tp_size`: the
-    model also split by its own plan over that many ranks (a job of ``world * tp_size`` ranks)."""
+    model also split by its own plan over that many ranks (a job of ``world * tp_size`` ranks); `checkpointing`:
+    transformers' activation checkpointing on before parallelize (``gradient_checkpointing_enable`` with these
+    ``gradient_checkpointing_kwargs``, as Trainer's ``gradient_checkpointing=True`` turns it on)."""
     import ndp
     import ndp.hf
 
@@ -465,7 +467,10 @@ def cp(model_type, impl, world, tp_size=1):
         ref_loss, ref_grads = reference(model_type)
         cfg = ndp.ParallelismConfig(cp_size=world, tp_size=tp_size, cp_impl=impl, cp_layout="zigzag",
                                     cp_mixers="gather")
-        model = ndp.hf.parallelize(tiny_model(model_type).train(), cfg, mesh(cfg))
+        model = tiny_model(model_type).train()
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        model = ndp.hf.parallelize(model, cfg, mesh(cfg))
         ids, labels, pos = batch()
         b = ndp.hf.shard_batch(model, input_ids=ids, labels=labels, position_ids=pos)
         logits = _forward(model, b["input_ids"], b["position_ids"])
@@ -538,16 +543,26 @@ def cp_padded(model_type, impl, world, own_loss=False):
 AUX_COEF = 0.5  # large, so that a wrong load-balancing term shows in every router's gradient
 
 
+def causal_lm_class(model_type):
+    """The class :func:`tiny_model` builds for the family (a text model's too: qwen3_5_moe_text's lives in
+    qwen3_5_moe), or None where its tiny config cannot be built (tiny_model reports it)."""
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(tiny_config(model_type))]
+    except Exception:  # noqa: BLE001 - a sweep reports every failure elsewhere
+        return None
+
+
 def has_aux_loss(model_type) -> bool:
     """The family's causal LM adds its routers' load-balancing loss (its module's load_balancing_loss_func)."""
     import sys
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    try:
-        cls = getattr(importlib.import_module(f"transformers.models.{model_type}"), name)
-    except Exception:  # noqa: BLE001 - not importable under that name: tiny_model reports it
-        return False
-    return hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+    cls = causal_lm_class(model_type)
+    return cls is not None and hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+
+
+def checkpointable(model_type) -> bool:
+    """transformers can checkpoint the family's layers (``supports_gradient_checkpointing``)."""
+    return bool(getattr(causal_lm_class(model_type), "supports_gradient_checkpointing", False))
 
 
 def aux_model(model_type):

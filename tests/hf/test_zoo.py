@@ -16,6 +16,8 @@ table to the attention gets it through ndp's mask marker, or is refused.
 no position_ids, labels -100 there) through ``shard_batch`` against one process's run of the padded batch with its
 mask (the loss and every gradient); with ndp.hf.loss on the logits, and with the model's own loss (``model(**batch,
 labels=...).loss``, what a user's loop and transformers' Trainer read).
+(k) cp 2, ring: (b) with transformers' activation checkpointing on (``gradient_checkpointing_enable``, as Trainer's
+``gradient_checkpointing=True``), non-reentrant (its default) and reentrant, every family whose layers it checkpoints.
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
 (``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
 loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name; and on (j)'s
@@ -53,10 +55,11 @@ MIN_EXACT_FUSED = 154
 MIN_EXACT_TP = 109
 MIN_EXACT_PACKED = 104
 MIN_EXACT_CP_PACKED = 104
-MIN_EXACT_CP_AUX = 22
+MIN_EXACT_CP_AUX = 24
 MIN_EXACT_CP_TP = 107
 MIN_EXACT_VLM_TEXT = 57
 MIN_EXACT_CP_PADDED = 124
+MIN_EXACT_CP_CHECKPOINTED = {False: 122, True: 121}  # reentrant: gemma3n_text refused (KV sharing)
 
 
 def _quiet():
@@ -77,6 +80,9 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.tp(mt, world)
         elif impl.startswith("cp_tp:"):
             r = _zoo.cp(mt, impl.split(":")[1], 2, tp_size=world // 2)
+        elif impl.startswith("checkpointed"):  # checkpointed:X, checkpointed_reentrant:X
+            reentrant = impl.startswith("checkpointed_reentrant:")
+            r = _zoo.cp(mt, impl.split(":")[1], world, checkpointing={"use_reentrant": reentrant})
         elif impl.startswith("packed:"):
             r = _zoo.cp_packed(mt, impl.split(":")[1], world)
         elif impl.startswith("aux:") or impl.startswith("aux_padded:"):
@@ -167,6 +173,21 @@ def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path, imp
     _exact_or_refused(results, MIN_EXACT_CP_PACKED)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(900)  # 119-139 s measured
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_zoo_cp2_activation_checkpointing_exact_or_refused(single_results, tmp_path, reentrant):
+    fams = checkpointed_families(single_results)
+    results = run_parallel(fams, str(tmp_path), f"checkpointed{'_reentrant' if reentrant else ''}:ring")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_CHECKPOINTED[reentrant])
+
+
+def checkpointed_families(single):
+    """The built families (CP not known broken) whose layers transformers can checkpoint."""
+    return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN and _zoo.checkpointable(mt)]
+
+
 def aux_families(single):
     """The built families (CP not known broken) whose causal LM adds a load-balancing loss."""
     return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN and _zoo.has_aux_loss(mt)]
@@ -227,8 +248,9 @@ if __name__ == "__main__":
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
     fused, packed = run_fused(), run_packed()
     impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "padded_own:ring",
-             "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
-    runs = {impl: run_parallel(aux_families(single) if impl.startswith("aux") else fams, tempfile.mkdtemp(), impl,
+             "checkpointed:ring", "checkpointed_reentrant:ring", "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
+    which = {"aux": aux_families(single), "checkpointed": checkpointed_families(single)}
+    runs = {impl: run_parallel(which.get(impl.split(":")[0].split("_")[0], fams), tempfile.mkdtemp(), impl,
                                world=4 if impl.startswith("cp_tp:") else 2)
             for impl in impls}
     names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace(':', ' ')}" for i in impls]

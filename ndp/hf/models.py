@@ -26,8 +26,8 @@ import re
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 from transformers.modeling_layers import (GenericForQuestionAnswering, GenericForSequenceClassification,
                                          GenericForTokenClassification, GradientCheckpointingLayer)
 

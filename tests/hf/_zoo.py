@@ -513,6 +513,49 @@ def padded_batch():
     return ids, labels, mask
 
 
+def two_sided_batch():
+    """:func:`padded_batch` with its second row padded on the left instead (pads first: what generation-style
+    tokenizers give), its labels shifted over the moved tokens."""
+    ids, labels, mask = padded_batch()
+    move = SEQ - PADDED[1]
+    ids[1], mask[1] = ids[1].roll(move), mask[1].roll(move)
+    labels[1] = torch.nn.functional.pad(ids[1, 1:], (0, 1), value=-100).masked_fill(mask[1] == 0, -100)
+    labels[1, -1] = -100
+    return ids, labels, mask
+
+
+@float64_softmax()
+def padded_single(model_type):
+    """1 process: :func:`two_sided_batch` through ndp's attention (``ndp.hf.padded``: each row's run of real tokens)
+    against the model's sdpa (eager where the family has none: a pad that sees no key gets every value's mean there,
+    zeros in sdpa and ndp, and no real token sees a pad), the mean loss and every gradient."""
+    import ndp
+    import ndp.hf
+
+    ids, labels, mask = two_sided_batch()
+    try:
+        model = tiny_model(model_type).train()
+        with contextlib.suppress(ValueError):  # the family has no sdpa: eager
+            model.set_attn_implementation("sdpa")
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        ref_loss, ref_grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                                                     labels.flatten()))
+        if not torch.isfinite(ref_loss):
+            return "UNBUILT", "transformers' own run on the padded batch is not finite (mpt's eager attention)"
+    except Exception as e:  # noqa: BLE001 - transformers cannot run it from a tiny config: not ndp's to judge
+        return "UNBUILT", f"{type(e).__name__}: {str(e)[:120]}"
+
+    def run():
+        model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        got, grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+        return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
+                                            for k, g in ref_grads.items()])
+
+    return classify(run, tolerance(model_type))
+
+
 @float64_softmax()
 def cp_padded(model_type, impl, world, own_loss=False):
     """cp ``world`` (this rank's part): a right-padded batch as a tokenizer and a padding collator give it

@@ -18,6 +18,8 @@ mask (the loss and every gradient); with ndp.hf.loss on the logits, and with the
 labels=...).loss``, what a user's loop and transformers' Trainer read).
 (k) cp 2, ring: (b) with transformers' activation checkpointing on (``gradient_checkpointing_enable``, as Trainer's
 ``gradient_checkpointing=True``), non-reentrant (its default) and reentrant, every family whose layers it checkpoints.
+(l) 1 process: a batch with a right-padded and a left-padded row (attention_mask, no position_ids) through ndp's
+attention against the model's sdpa (eager where it has none), the loss and every gradient.
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
 (``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
 loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name; and on (j)'s
@@ -59,6 +61,7 @@ MIN_EXACT_CP_AUX = 24
 MIN_EXACT_CP_TP = 107
 MIN_EXACT_VLM_TEXT = 57
 MIN_EXACT_CP_PADDED = 124
+MIN_EXACT_PADDED = 139
 MIN_EXACT_CP_CHECKPOINTED = {False: 122, True: 121}  # reentrant: gemma3n_text refused (KV sharing)
 
 
@@ -142,6 +145,15 @@ def run_fused():
 
 def test_zoo_fused_loss_exact_or_refused():
     _exact_or_refused(run_fused(), MIN_EXACT_FUSED)
+
+
+def run_padded_single(single):
+    _quiet()
+    return {mt: _zoo.padded_single(mt) for mt, r in single.items() if r[0] != "UNBUILT"}
+
+
+def test_zoo_padded_rows_exact_or_refused(single_results):
+    _exact_or_refused(run_padded_single(single_results), MIN_EXACT_PADDED)
 
 
 def run_packed():
@@ -246,23 +258,24 @@ if __name__ == "__main__":
     t0 = time.time()
     single = run_single()
     fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
-    fused, packed = run_fused(), run_packed()
+    fused, packed, padded = run_fused(), run_packed(), run_padded_single(single)
     impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "padded_own:ring",
              "checkpointed:ring", "checkpointed_reentrant:ring", "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
     which = {"aux": aux_families(single), "checkpointed": checkpointed_families(single)}
     runs = {impl: run_parallel(which.get(impl.split(":")[0].split("_")[0], fams), tempfile.mkdtemp(), impl,
                                world=4 if impl.startswith("cp_tp:") else 2)
             for impl in impls}
-    names = ["1 process", "fused loss", "packed"] + [f"cp {i.replace(':', ' ')}" for i in impls]
+    names = ["1 process", "fused loss", "packed", "padded rows"] + [f"cp {i.replace(':', ' ')}" for i in impls]
     print(f"{'family':28s} " + " ".join(f"{n:{max(10, len(n))}s}" for n in names) + " detail")
     for mt, r in single.items():
-        cols = [r, fused[mt], packed[mt]] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
+        cols = [r, fused[mt], packed[mt], padded.get(mt, ("-", ""))] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
         detail = r[1] if r[0] != "EXACT" else next((x[1] for x in cols if x[0] not in ("EXACT", "-")), "")
         print(f"{mt:28s} " + " ".join(f"{x[0]:{max(10, len(n))}s}" for x, n in zip(cols, names)) + " "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")
     print("1 process:", dict(collections.Counter(r[0] for r in single.values())))
     print("fused loss:", dict(collections.Counter(r[0] for r in fused.values())))
     print("packed:", dict(collections.Counter(r[0] for r in packed.values())))
+    print("padded rows:", dict(collections.Counter(r[0] for r in padded.values())))
     for impl, res in runs.items():
         name = {"tp": "tp 2", "cp_tp:ring": "cp 2 x tp 2 ring"}.get(impl, f"cp 2 {impl.replace(':', ' ')}")
         print(f"{name}:", dict(collections.Counter(r[0] for r in res.values())))

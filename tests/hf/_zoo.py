@@ -334,6 +334,14 @@ def reference(model_type, seed=None, **fields):
                                                                     labels.reshape(-1)))
 
 
+def _worst(loss, grads, ref_loss, ref_grads):
+    """Largest relative difference of one process's loss and gradients from the reference's (a gradient the run
+    lacks: inf); a gradient that is zero in exact arithmetic is measured against the largest one."""
+    floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
+    return max([_rel(loss, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
+                                         for k, g in ref_grads.items()])
+
+
 def _loss_and_grads(model, loss):
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -357,11 +365,7 @@ def fused(model_type):
     def run():
         model.zero_grad(set_to_none=True)
         got, grads = _loss_and_grads(model, head_loss(model, labels, **_inputs(model, ids, pos)))
-        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-        rel = _rel(got, ref)
-        for n, g in ref_grads.items():
-            rel = max(rel, _rel(grads[n], g, floor) if n in grads else float("inf"))
-        return rel
+        return _worst(got, grads, ref, ref_grads)
 
     return classify(run, tolerance(model_type))
 
@@ -431,9 +435,7 @@ def packed(model_type):
                             **document_table(cu, "cpu"))
         got, grads = _loss_and_grads(model, loss / n)  # first: a refusal needs no reference
         ref_loss, ref_grads = _per_document(model_type, docs, targets)
-        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-        return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
-                                            for k, g in ref_grads.items()])
+        return _worst(got, grads, ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))
 
@@ -549,9 +551,7 @@ def padded_single(model_type):
         model = ndp.hf.parallelize(tiny_model(model_type).train(), ndp.ParallelismConfig(), None)
         logits = model(input_ids=ids, attention_mask=mask).logits
         got, grads = _loss_and_grads(model, torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-        floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-        return max([_rel(got, ref_loss)] + [_rel(grads[k], g, floor) if k in grads else float("inf")
-                                            for k, g in ref_grads.items()])
+        return _worst(got, grads, ref_loss, ref_grads)
 
     return classify(run, tolerance(model_type))
 

@@ -27,7 +27,7 @@ from ndp.hf.models import (_pooling_head, check_cp_model, check_packed_model, cp
                            decoder_layers, head_counts, outside_layers)
 from ndp.testing import assert_close  # noqa: E402
 from ndp.train.presets import build_model  # noqa: E402
-from _zoo import tiny_model, tolerance  # noqa: E402
+from _zoo import _loss_and_grads, _rel, tiny_model, tolerance  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -272,16 +272,16 @@ def test_a_pooling_head_is_refused_on_every_rank_and_a_per_token_head_is_exact_u
     spawn(_heads_body, 2, tmp_path, timeout_s=60)
 
 
-def _loss_and_grads(model, ids):
+def _grads(model, ids):
+    """The gradients of the model's next-token loss on `ids`, taken off the model (the next call starts at none)."""
     logits = model(input_ids=ids).logits
-    F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    _, grads = _loss_and_grads(model, F.cross_entropy(logits[0, :-1], ids[0, 1:]))
     model.zero_grad(set_to_none=True)
     return grads
 
 
 def _rel_grads(got, ref):
-    return max(float((got[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)) for n, g in ref.items())
+    return max(_rel(got[n], g) for n, g in ref.items())
 
 
 def test_reentrant_checkpointing_of_layers_sharing_keys_and_values_is_refused():
@@ -290,9 +290,9 @@ def test_reentrant_checkpointing_of_layers_sharing_keys_and_values_is_refused():
     with transformers' own attention too. ndp refuses it (given or torch's default); non-reentrant is exact."""
     ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(0))
     eager = tiny_model("gemma3n_text").train()
-    ref = _loss_and_grads(eager, ids)
+    ref = _grads(eager, ids)
     eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    assert _rel_grads(_loss_and_grads(eager, ids), ref) > 0.1  # transformers' own: silently off
+    assert _rel_grads(_grads(eager, ids), ref) > 0.1  # transformers' own: silently off
 
     model = ndp.hf.parallelize(tiny_model("gemma3n_text").train(), ndp.ParallelismConfig(), None)
     for kwargs in ({"use_reentrant": True}, {}):
@@ -302,4 +302,4 @@ def test_reentrant_checkpointing_of_layers_sharing_keys_and_values_is_refused():
         with torch.no_grad():  # no backward, nothing to lose
             model(input_ids=ids)
     model.gradient_checkpointing_enable()  # transformers' default: use_reentrant=False
-    assert _rel_grads(_loss_and_grads(model, ids), ref) < tolerance("gemma3n_text")  # RMSNorm in float32
+    assert _rel_grads(_grads(model, ids), ref) < tolerance("gemma3n_text")  # RMSNorm in float32

@@ -129,6 +129,11 @@ def _exact_or_refused(results, min_exact):
     assert exact >= min_exact, collections.Counter(r[0] for r in results.values())
 
 
+def cp_families(single):
+    """The families (a) built, CP not known broken: what the multi-process rows run."""
+    return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+
+
 @pytest.fixture(scope="module")
 def single_results():
     return run_single()
@@ -169,7 +174,7 @@ def test_zoo_packed_documents_exact_or_refused():
 @pytest.mark.timeout(900)  # 94-102 s measured on the 2-core machines; hangs fail in 60 s (spawn)
 @pytest.mark.parametrize("impl", ["ring", "ulysses"])
 def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
-    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fams = cp_families(single_results)
     results = run_parallel(fams, str(tmp_path), impl)
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP)
@@ -179,7 +184,7 @@ def test_zoo_cp2_exact_or_refused(single_results, tmp_path, impl):
 @pytest.mark.timeout(900)  # 83-89 s measured
 @pytest.mark.parametrize("impl", ["ring", "ulysses", "allgather"])
 def test_zoo_cp2_packed_documents_exact_or_refused(single_results, tmp_path, impl):
-    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fams = cp_families(single_results)
     results = run_parallel(fams, str(tmp_path), f"packed:{impl}")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_PACKED)
@@ -197,19 +202,19 @@ def test_zoo_cp2_activation_checkpointing_exact_or_refused(single_results, tmp_p
 
 def checkpointed_families(single):
     """The built families (CP not known broken) whose layers transformers can checkpoint."""
-    return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN and _zoo.checkpointable(mt)]
+    return [mt for mt in cp_families(single) if _zoo.checkpointable(mt)]
 
 
 def aux_families(single):
     """The built families (CP not known broken) whose causal LM adds a load-balancing loss."""
-    return [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN and _zoo.has_aux_loss(mt)]
+    return [mt for mt in cp_families(single) if _zoo.has_aux_loss(mt)]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)  # 75-90 s measured
 @pytest.mark.parametrize("loss", ["padded", "padded_own"])  # ndp.hf.loss on the logits; the model's own (labels given)
 def test_zoo_cp2_padded_batch_exact_or_refused(single_results, tmp_path, loss):
-    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fams = cp_families(single_results)
     results = run_parallel(fams, str(tmp_path), f"{loss}:ring")
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_PADDED)
@@ -237,7 +242,7 @@ def test_zoo_tp2_exact_or_refused(single_results, tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_zoo_cp2_tp2_exact_or_refused(single_results, tmp_path):
-    fams = [mt for mt, r in single_results.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fams = cp_families(single_results)
     results = run_parallel(fams, str(tmp_path), "cp_tp:ring", world=4)
     assert set(results) == set(fams)
     _exact_or_refused(results, MIN_EXACT_CP_TP)
@@ -257,7 +262,7 @@ if __name__ == "__main__":
 
     t0 = time.time()
     single = run_single()
-    fams = [mt for mt, r in single.items() if r[0] != "UNBUILT" and mt not in CP_KNOWN]
+    fams = cp_families(single)
     fused, packed, padded = run_fused(), run_packed(), run_padded_single(single)
     impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "padded_own:ring",
              "checkpointed:ring", "checkpointed_reentrant:ring", "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
@@ -268,7 +273,8 @@ if __name__ == "__main__":
     names = ["1 process", "fused loss", "packed", "padded rows"] + [f"cp {i.replace(':', ' ')}" for i in impls]
     print(f"{'family':28s} " + " ".join(f"{n:{max(10, len(n))}s}" for n in names) + " detail")
     for mt, r in single.items():
-        cols = [r, fused[mt], packed[mt], padded.get(mt, ("-", ""))] + [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
+        cols = [r, fused[mt], packed[mt], padded.get(mt, ("-", ""))]
+        cols += [runs[i].get(mt, ("-", CP_KNOWN.get(mt, ""))) for i in impls]
         detail = r[1] if r[0] != "EXACT" else next((x[1] for x in cols if x[0] not in ("EXACT", "-")), "")
         print(f"{mt:28s} " + " ".join(f"{x[0]:{max(10, len(n))}s}" for x, n in zip(cols, names)) + " "
               f"{detail if isinstance(detail, str) else f'{detail:.1e}'}")

@@ -83,7 +83,7 @@ from ndp.parallel import (CP_ATTR, NDP_FIELDS, PARALLEL_ATTR, Parallelized, Para
                           check_mesh, is_transformers_model, match_modules)
 from ndp.parallel.draws import DRAWS_ATTR
 from ndp.parallel.mesh import mesh_axis
-from ndp.parallel.parallelize import tie_experts
+from ndp.parallel.parallelize import fresh_autocast_casts, tie_experts
 from ndp.train.checkpoint import stateful_params
 from ndp.train.config import ENV_PARALLEL
 
@@ -256,6 +256,8 @@ class Accelerator(accelerate.Accelerator):
         # disagree (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
         for obj in result:
             model = getattr(obj, "_orig_mod", obj)
+            if isinstance(model, torch.nn.Module):  # as ndp's own FSDP2 (apply_fsdp)
+                fresh_autocast_casts(model, self.device.type)
             if isinstance(model, torch.nn.Module) and is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)

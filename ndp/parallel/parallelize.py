@@ -262,7 +262,26 @@ def apply_fsdp(model: nn.Module, config: ParallelismConfig, mesh: DeviceMesh, bl
         _shard_apart(sub, reshard_after_forward=reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)
     _unshard_with(model, subs)
+    fresh_autocast_casts(model, m.device_type)
     return model
+
+
+def fresh_autocast_casts(model: nn.Module, device_type: str) -> None:
+    """Each FSDP2 unit of `model` drops autocast's cached weight casts when a forward with grad on starts it. A
+    unit that ran under ``no_grad`` earlier in the same autocast region (HRM's low-level stack, in the cycles it
+    runs without gradients) would reuse the casts made then: autograd reaches them after the unit's FSDP2
+    post-backward hook, which has reduce-scattered no gradient, and every parameter of the unit silently gets none
+    (hrm_text under cp 2 or dp 2 with bf16 autocast: all 128 of its low-level stack's). Casts made again cost a
+    copy of the unit's weights; compiled code keeps no autocast cache."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and not getattr(unit, "_ndp_fresh_casts", False):
+            unit.register_forward_pre_hook(functools.partial(_drop_autocast_casts, device_type))
+            unit._ndp_fresh_casts = True
+
+
+def _drop_autocast_casts(device_type, module, args):
+    if torch.is_grad_enabled() and torch.is_autocast_enabled(device_type) and not torch.compiler.is_compiling():
+        torch.clear_autocast_cache()
 
 
 def _unshard_with(unit: nn.Module, subs: list[nn.Module]) -> None:

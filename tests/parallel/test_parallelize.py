@@ -196,3 +196,40 @@ def _mixed_dtypes(rank, world):
 @pytest.mark.distributed
 def test_float32_parameters_beside_the_models_dtype_shard_and_match_one_process(tmp_path):
     spawn(_mixed_dtypes, 2, tmp_path)
+
+
+class _Cycles(Net):
+    """HRM's recurrence: the blocks run once without gradients, then again with them, in one forward."""
+    def forward(self, x):
+        with torch.no_grad():
+            h = x
+            for b in self.blocks:
+                h = b(h)
+        for b in self.blocks:
+            x = b(x + h)
+        return self.head(x).sum()
+
+
+def _autocast_cycles(rank, world):
+    torch.manual_seed(0)
+    ref = _Cycles()
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(x).backward()
+    for kw in (dict(dp_shard_size=2), dict(dp_replicate_size=2)):
+        cfg = ParallelismConfig(**kw)
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        parallelize(model, cfg, cfg.build_device_mesh("cpu"), plan=PLAN)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).backward()  # both ranks hold the batch: FSDP averages their equal gradients
+        got = _grads(model)
+        for n, g in _grads(ref).items():
+            # the blocks' casts cached in the no-grad pass gave them no gradient under FSDP2 (fresh_autocast_casts)
+            assert got[n] is not None, f"{kw} {n}: no gradient"
+            assert_close(got[n], g, torch.bfloat16, "grad", msg=f"{kw} {n}")
+
+
+@pytest.mark.distributed
+def test_blocks_run_first_without_gradients_under_autocast_get_their_gradients(tmp_path):
+    spawn(_autocast_cycles, 2, tmp_path)

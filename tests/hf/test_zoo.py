@@ -20,6 +20,9 @@ labels=...).loss``, what a user's loop and transformers' Trainer read).
 ``gradient_checkpointing=True``), non-reentrant (its default) and reentrant, every family whose layers it checkpoints.
 (l) 1 process: a batch with a right-padded and a left-padded row (attention_mask, no position_ids) through ndp's
 attention against the model's sdpa (eager where it has none), the loss and every gradient.
+(m) cp 2, ring: (b) with the model in float32 under bf16 autocast (what Trainer's ``bf16=True`` runs) against the
+float64 truth: at most ``_zoo.BF16_RATIO`` times as far from it as one process's run of the model's sdpa under the
+same autocast (a family that routes tokens to experts: every gradient there).
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one
 (``ndp.hf.router``: each rank's share of the batch's), ``ndp.hf.loss + coef x aux_loss`` against one process's
 loss with its own load-balancing loss; a family whose loss ndp does not reproduce is refused by name; and on (j)'s
@@ -63,6 +66,7 @@ MIN_EXACT_VLM_TEXT = 57
 MIN_EXACT_CP_PADDED = 124
 MIN_EXACT_PADDED = 139
 MIN_EXACT_CP_CHECKPOINTED = {False: 122, True: 121}  # reentrant: gemma3n_text refused (KV sharing)
+MIN_EXACT_CP_AUTOCAST = 126
 
 
 def _quiet():
@@ -92,6 +96,8 @@ def _parallel_body(rank, world, fams, impl, out):
             r = _zoo.cp_aux(mt, impl.split(":")[1], world, padded=impl.startswith("aux_padded:"))
         elif impl.startswith("padded"):  # padded:X, padded_own:X
             r = _zoo.cp_padded(mt, impl.split(":")[1], world, own_loss=impl.startswith("padded_own:"))
+        elif impl.startswith("autocast:"):
+            r = _zoo.cp_autocast(mt, impl.split(":")[1], world)
         elif impl.startswith("vlm:"):
             r = _zoo.cp_vlm_text(mt, impl.split(":")[1], world)
         else:
@@ -222,6 +228,15 @@ def test_zoo_cp2_padded_batch_exact_or_refused(single_results, tmp_path, loss):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_zoo_cp2_bf16_autocast_exact_or_refused(single_results, tmp_path):
+    fams = cp_families(single_results)
+    results = run_parallel(fams, str(tmp_path), "autocast:ring")
+    assert set(results) == set(fams)
+    _exact_or_refused(results, MIN_EXACT_CP_AUTOCAST)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("batch", ["aux", "aux_padded"])  # dense rows; (j)'s right-padded batch (16 s measured)
 def test_zoo_cp2_load_balancing_loss_exact_or_refused(single_results, tmp_path, batch):
     fams = aux_families(single_results)
@@ -265,7 +280,8 @@ if __name__ == "__main__":
     fams = cp_families(single)
     fused, packed, padded = run_fused(), run_packed(), run_padded_single(single)
     impls = ("ring", "ulysses", "packed:ring", "packed:ulysses", "packed:allgather", "padded:ring", "padded_own:ring",
-             "checkpointed:ring", "checkpointed_reentrant:ring", "aux:ring", "aux_padded:ring", "tp", "cp_tp:ring")
+             "checkpointed:ring", "checkpointed_reentrant:ring", "autocast:ring", "aux:ring", "aux_padded:ring", "tp",
+             "cp_tp:ring")
     which = {"aux": aux_families(single), "checkpointed": checkpointed_families(single)}
     runs = {impl: run_parallel(which.get(impl.split(":")[0].split("_")[0], fams), tempfile.mkdtemp(), impl,
                                world=4 if impl.startswith("cp_tp:") else 2)

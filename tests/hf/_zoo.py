@@ -582,18 +582,19 @@ def cp_padded(model_type, impl, world, own_loss=False):
     return classify(run, tolerance(model_type))
 
 
-# --------------------------------------------------------------- bf16 autocast (Trainer's bf16=True, float32 weights)
+# ------------------------------------------------------------------------ bf16 autocast, float32 weights
 BF16_RATIO = 2.5  # how much further from the float64 truth ndp under CP may be than one process (0.60-1.43 measured)
 
 
 @float64_softmax()
 def cp_autocast(model_type, impl, world):
-    """cp ``world`` (this rank's part): :func:`cp` with the model in float32 under bf16 autocast (what Trainer's
-    ``bf16=True`` runs), against the float64 truth (:func:`reference`), one process's run of the model's sdpa (eager
-    where it has none) under the same autocast the yardstick: ndp's largest relative difference (the loss and every
-    gradient) over the yardstick's, EXACT up to BF16_RATIO. A family that routes tokens to experts: 0 where every
-    gradient is there (inf where one is missing), as a bf16 rounding may send a token to another expert, a gradient
-    far off that no tolerance follows (mixtral under cp 2: 1 token of 64 in its first layer, 0.25 off)."""
+    """cp ``world`` (this rank's part): :func:`cp` with the model in float32 under bf16 autocast (a loop under
+    ``torch.autocast``; Trainer's ``bf16=True`` without FSDP2), against the float64 truth (:func:`reference`), one
+    process's run of the model's sdpa (eager where it has none) under the same autocast the yardstick: ndp's largest
+    relative difference (the loss and every gradient) over the yardstick's, EXACT up to BF16_RATIO. A family that
+    routes tokens to experts: 0 where every gradient is there (inf where one is missing), as a bf16 rounding may send
+    a token to another expert, a gradient far off that no tolerance follows (mixtral under cp 2: 1 token of 64 in its
+    first layer, 0.25 off)."""
     import ndp
     import ndp.hf
 

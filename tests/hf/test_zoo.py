@@ -20,7 +20,7 @@ labels=...).loss``, what a user's loop and transformers' Trainer read).
 ``gradient_checkpointing=True``), non-reentrant (its default) and reentrant, every family whose layers it checkpoints.
 (l) 1 process: a batch with a right-padded and a left-padded row (attention_mask, no position_ids) through ndp's
 attention against the model's sdpa (eager where it has none), the loss and every gradient.
-(m) cp 2, ring: (b) with the model in float32 under bf16 autocast (what Trainer's ``bf16=True`` runs) against the
+(m) cp 2, ring: (b) with the model in float32 under bf16 autocast (a loop under ``torch.autocast``) against the
 float64 truth: at most ``_zoo.BF16_RATIO`` times as far from it as one process's run of the model's sdpa under the
 same autocast (a family that routes tokens to experts: every gradient there).
 (g) cp 2, ring: (b) with the routers' load-balancing loss on, for every MoE family whose causal LM adds one

@@ -256,9 +256,10 @@ class Accelerator(accelerate.Accelerator):
         # disagree (gloo aborts, NCCL hangs); tied after fully_shard, so the tie runs on the gathered parameters.
         for obj in result:
             model = getattr(obj, "_orig_mod", obj)
-            if isinstance(model, torch.nn.Module):  # as ndp's own FSDP2 (apply_fsdp)
-                fresh_autocast_casts(model, self.device.type)
-            if isinstance(model, torch.nn.Module) and is_transformers_model(model):
+            if not isinstance(model, torch.nn.Module):
+                continue
+            fresh_autocast_casts(model, self.device.type)  # as ndp's own FSDP2 (apply_fsdp)
+            if is_transformers_model(model):
                 for _, block in match_modules(model, ndp.hf.hf_plan(model).blocks):
                     tie_experts(block)
                 # Accelerate gives the input embedding a unit of its own, resharded after its forward; Gemma 4 reads

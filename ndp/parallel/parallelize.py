@@ -274,9 +274,8 @@ def fresh_autocast_casts(model: nn.Module, device_type: str) -> None:
     (hrm_text under cp 2 or dp 2 with bf16 autocast: all 128 of its low-level stack's). Casts made again cost a
     copy of the unit's weights; compiled code keeps no autocast cache."""
     for unit in model.modules():
-        if isinstance(unit, FSDPModule) and not getattr(unit, "_ndp_fresh_casts", False):
+        if isinstance(unit, FSDPModule):
             unit.register_forward_pre_hook(functools.partial(_drop_autocast_casts, device_type))
-            unit._ndp_fresh_casts = True
 
 
 def _drop_autocast_casts(device_type, module, args):

@@ -716,18 +716,12 @@ def _against(model, logits, labels, ref_loss, ref_grads, aux=None, own=None):
         dist.all_reduce(term)
         mean = mean + term / dist.get_world_size()
     loss.backward()
-    rel = _rel(mean.double(), ref_loss)
-    # a gradient that is zero in exact arithmetic (a key bias) is rounding noise: measured against the largest
-    floor = 1e-4 * max(float(g.abs().max()) for g in ref_grads.values())
-    for n, p in model.named_parameters():
-        n = n.replace("_checkpoint_wrapped_module.", "")
-        # a replicated parameter's gradient is this rank's own: it must hold every rank's share already
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        if n in ref_grads:  # a gradient the run lacks: inf
-            rel = max(rel, _rel(g, ref_grads[n], floor) if g is not None else float("inf"))
-        elif g is not None and bool(g.abs().max() > 0):
-            rel = float("inf")
-    return rel
+    # a replicated parameter's gradient is this rank's own: it must hold every rank's share already
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() if isinstance(p.grad, DTensor)
+             else p.grad for n, p in model.named_parameters() if p.grad is not None}
+    if any(n not in ref_grads and bool(g.abs().max() > 0) for n, g in grads.items()):
+        return float("inf")  # a gradient where the reference has none
+    return _worst(mean.double(), grads, ref_loss, ref_grads)
 
 
 # Dropout fields the tp run leaves at 0: the attention's (ndp's attention refuses it), a classifier's (unused), LayerDrop
